@@ -1,0 +1,33 @@
+"""The one error type for user configuration mistakes."""
+
+from __future__ import annotations
+
+__all__ = ["ConfigError"]
+
+
+class ConfigError(ValueError):
+    """A configuration mistake, named by file, signal/section, key and value.
+
+    It is a ``ValueError`` so callers that catch bad values in general catch it too.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        file: str | None = None,
+        section: str | None = None,
+        key: str | None = None,
+        value: object = None,
+        line: int | None = None,
+    ) -> None:
+        self.file, self.section, self.key, self.value, self.line = file, section, key, value, line
+        where = []
+        if file:
+            where.append(f"{file}:{line}" if line else file)
+        if section:
+            where.append(f"signal {section!r}" if not section.startswith("[") else section)
+        if key:
+            where.append(f"key {key!r}")
+        prefix = ", ".join(where)
+        super().__init__(f"{prefix}: {message}" if prefix else message)

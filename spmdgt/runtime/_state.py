@@ -1,0 +1,128 @@
+"""Process-wide runtime state: who am I, how many of us, which device, which mesh.
+
+Read from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT). Without a
+launcher the world is one process and nothing touches the network: no process group is made
+until something (a 1-rank DeviceMesh, say) asks for one, and then it uses an in-memory store.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Runtime", "get_runtime", "init", "shutdown"]
+
+
+@dataclass(frozen=True, slots=True)
+class Runtime:
+    """What every rank knows about itself; frozen once ``init`` ran."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str | None  # None in a world of one that never needed a process group
+
+    @property
+    def device_type(self) -> str:
+        return self.device.type
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.rank == 0
+
+
+_lock = threading.Lock()
+_runtime: Runtime | None = None
+_owns_process_group = False
+_world_mesh = None
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def _default_backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init(backend: str | None = None) -> Runtime:
+    """Set up this rank once; later calls return the same state.
+
+    Under torchrun (WORLD_SIZE > 1) this joins the process group with ``backend`` (default: NCCL
+    when CUDA is present, else gloo). A process group the user created first is adopted as is.
+    """
+    global _runtime, _owns_process_group
+    if _runtime is not None:
+        return _runtime
+    with _lock:
+        if _runtime is not None:
+            return _runtime
+        if dist.is_available() and dist.is_initialized():
+            rank, world = dist.get_rank(), dist.get_world_size()
+            local_rank = _env_int("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1))
+            backend_used: str | None = dist.get_backend()
+        else:
+            rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+            local_rank = _env_int("LOCAL_RANK", 0)
+            backend_used = None
+        if torch.cuda.is_available():
+            device = torch.device("cuda", local_rank % torch.cuda.device_count())
+            torch.cuda.set_device(device)
+        else:
+            device = torch.device("cpu")
+        if world > 1 and not dist.is_initialized():
+            backend_used = backend or os.environ.get("GT_BACKEND") or _default_backend(device)
+            kwargs = {"device_id": device} if device.type == "cuda" else {}
+            dist.init_process_group(backend=backend_used, **kwargs)
+            _owns_process_group = True
+        _runtime = Runtime(rank, world, local_rank, device, backend_used)
+        return _runtime
+
+
+def get_runtime() -> Runtime:
+    """The runtime, initialising it on first use (``gt.init()`` is implicit)."""
+    return _runtime if _runtime is not None else init()
+
+
+def world_mesh():
+    """The 1-D DeviceMesh over every rank, made on first use.
+
+    In a world of one this makes a 1-rank gloo/NCCL group over an in-memory store: no network.
+    """
+    global _world_mesh, _runtime, _owns_process_group
+    if _world_mesh is not None:
+        return _world_mesh
+    from torch.distributed.device_mesh import DeviceMesh
+
+    rt = get_runtime()
+    with _lock:
+        if _world_mesh is None:
+            if not dist.is_initialized():
+                backend = _default_backend(rt.device)
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+                _owns_process_group = True
+                _runtime = Runtime(rt.rank, rt.world_size, rt.local_rank, rt.device, backend)
+            _world_mesh = DeviceMesh(rt.device_type, list(range(rt.world_size)))
+    return _world_mesh
+
+
+def shutdown() -> None:
+    """Destroy the process group spmdgt made (not one the user made) and forget all state."""
+    global _runtime, _owns_process_group, _world_mesh
+    from spmdgt.tensor import _meshes
+
+    _meshes.clear()
+    if _owns_process_group and dist.is_initialized():
+        dist.destroy_process_group()
+    _runtime, _owns_process_group, _world_mesh = None, False, None

@@ -1,0 +1,112 @@
+"""Fork a fresh N-rank gloo group per test, on CPU, with a ``file://`` rendezvous.
+
+``run_ranks(fn, world_size, tmp_path, *args)`` forks ``world_size`` children; each joins the
+group, runs ``fn(rank, world_size, *args)`` and sends back its return value or traceback. A
+failure on any rank fails the test with that rank's traceback; a rank that hangs is killed at
+``timeout`` seconds and named, so a broken collective never hangs the suite.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+_CTX = mp.get_context("fork")
+
+
+def reset_spmdgt() -> None:
+    """Forget all process-wide spmdgt state inherited from the parent."""
+    import spmdgt.runtime._state as state
+    from spmdgt.config import clear_config
+
+    state._runtime = None
+    state._owns_process_group = False
+    state._world_mesh = None
+    try:
+        from spmdgt.tensor import _meshes
+
+        _meshes.clear()
+    except ImportError:
+        pass
+    clear_config()
+
+
+def _child(fn, rank, world, init_file, env, args, conn) -> None:
+    try:
+        os.environ.update(env)
+        os.environ.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(world),
+            TORCHINDUCTOR_COMPILE_THREADS="1",
+        )
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        reset_spmdgt()
+        dist.init_process_group(
+            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world
+        )
+        try:
+            result = fn(rank, world, *args)
+        finally:
+            import spmdgt.runtime._state as state
+
+            state._owns_process_group = True
+            state.shutdown()
+        conn.send(("ok", pickle.dumps(result)))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        conn.close()
+
+
+def run_ranks(
+    fn: Callable,
+    world_size: int,
+    tmp_path: Path,
+    *args,
+    env: dict[str, str] | None = None,
+    timeout: float = 120.0,
+) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` forked ranks; return their results."""
+    init_file = Path(tmp_path) / f"rdzv-{os.getpid()}-{id(fn)}-{len(os.listdir(tmp_path))}"
+    procs, conns = [], []
+    for rank in range(world_size):
+        parent, child = _CTX.Pipe(duplex=False)
+        p = _CTX.Process(
+            target=_child,
+            args=(fn, rank, world_size, str(init_file), env or {}, args, child),
+            daemon=True,
+        )
+        p.start()
+        child.close()
+        procs.append(p)
+        conns.append(parent)
+    results, errors = [None] * world_size, []
+    for rank, (p, conn) in enumerate(zip(procs, conns)):
+        if conn.poll(timeout):
+            try:
+                status, payload = conn.recv()
+            except EOFError:
+                status, payload = "error", f"rank {rank} died without a result"
+        else:
+            status, payload = "error", f"rank {rank} timed out after {timeout:.0f}s (hang?)"
+            for q in procs:
+                q.kill()
+        if status == "ok":
+            results[rank] = pickle.loads(payload)
+        else:
+            errors.append(f"--- rank {rank} ---\n{payload}")
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+    if errors:
+        raise AssertionError("distributed test failed:\n" + "\n".join(errors))
+    return results
