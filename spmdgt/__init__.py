@@ -1,0 +1,122 @@
+"""spmdgt: GT's tensor contract on SPMD PyTorch.
+
+    import spmdgt as gt
+    x = gt.randn(1000, 1000)      # plain `python`: a world of one, nothing to set up
+    y = x @ x                     # `torchrun --nproc_per_node=N`: the same program on N ranks
+
+Every rank runs the same program; placements come from YAML signals (``GT_CONFIG``) or
+auto-shard (``GT_AUTO_SHARD=1``) and are DTensor placements on a DeviceMesh. Where GT and
+torch differ (string dtypes, ``max(axis)`` returning only values), torch wins: a spmdgt tensor
+is a torch tensor. Layout: ``runtime/`` (ranks, devices, process group), ``config/`` (typed
+YAML), ``tensor/`` (gt.Tensor, creation, placements), ``signal`` (scopes), ``interceptor/``
+and ``debug`` (the op stream and its tools), ``train/`` (the distributed trainer).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import no_grad
+
+from spmdgt import signal
+from spmdgt.config import (
+    ConfigError,
+    ShardConfig,
+    SignalConfig,
+    get_config,
+    load_config,
+    register_config,
+)
+from spmdgt.runtime import (
+    barrier,
+    device,
+    device_mesh,
+    init,
+    is_main_process,
+    local_rank,
+    print0,
+    rank,
+    shutdown,
+    world_size,
+)
+from spmdgt.tensor import (
+    Tensor,
+    arange,
+    cat,
+    empty,
+    eye,
+    from_numpy,
+    full,
+    manual_seed,
+    ones,
+    rand,
+    randn,
+    tensor,
+    zeros,
+)
+
+__version__ = "0.1.0"
+
+float16 = torch.float16
+bfloat16 = torch.bfloat16
+float32 = torch.float32
+float64 = torch.float64
+int32 = torch.int32
+int64 = torch.int64
+bool_ = torch.bool
+
+__all__ = [
+    "ConfigError",
+    "ShardConfig",
+    "SignalConfig",
+    "Tensor",
+    "arange",
+    "barrier",
+    "bfloat16",
+    "bool_",
+    "cat",
+    "debug",
+    "device",
+    "device_mesh",
+    "empty",
+    "eye",
+    "float16",
+    "float32",
+    "float64",
+    "from_numpy",
+    "full",
+    "get_config",
+    "init",
+    "int32",
+    "int64",
+    "is_main_process",
+    "load_config",
+    "local_rank",
+    "manual_seed",
+    "no_grad",
+    "ones",
+    "print0",
+    "profile",
+    "rand",
+    "randn",
+    "rank",
+    "register_config",
+    "shutdown",
+    "signal",
+    "tensor",
+    "train",
+    "world_size",
+    "zeros",
+]
+
+_LAZY = {"debug": "spmdgt.debug", "train": "spmdgt.train", "interceptor": "spmdgt.interceptor"}
+
+
+def __getattr__(name: str):
+    # Tools and the trainer load on first use: `import spmdgt` stays as cheap as it can be.
+    import importlib
+
+    if name in _LAZY:
+        return importlib.import_module(_LAZY[name])
+    if name == "profile":
+        return importlib.import_module("spmdgt.debug").profile
+    raise AttributeError(f"module 'spmdgt' has no attribute {name!r}")

@@ -1,0 +1,64 @@
+"""Signals: named scopes whose YAML placement applies to the tensors made inside them.
+
+    with gt.signal.context("forward_layer1"):
+        x = gt.randn(100, 64)          # placed as 'forward_layer1' says
+    w = gt.signal.tensor(w, "model")   # place an existing tensor
+
+A signal the config does not define is ignored: every annotation can be removed and the
+program computes the same numbers (only placement and speed change).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from spmdgt.config._signals import lookup
+from spmdgt.runtime._state import get_runtime
+from spmdgt.tensor import _scope
+from spmdgt.tensor._creation import check_same_shape
+from spmdgt.tensor._placement import signal_target
+from spmdgt.tensor._tensor import move
+
+__all__ = ["context", "current_signal", "enter", "exit", "tensor"]
+
+
+@contextmanager
+def context(name: str, backward: str | None = None) -> Iterator[None]:
+    """Scope ``name``; ``backward`` overrides the config's backward signal for the scope."""
+    _scope.push(name, backward)
+    try:
+        yield
+    finally:
+        _scope.pop(name)
+
+
+def enter(name: str, backward: str | None = None) -> None:
+    """Enter scope ``name`` (pair with ``exit``); prefer ``context``."""
+    _scope.push(name, backward)
+
+
+def exit(name: str | None = None) -> None:  # noqa: A001 - GT's name
+    """Leave the innermost scope (``name``, if given, must match it)."""
+    _scope.pop(name)
+
+
+def current_signal() -> str | None:
+    """The innermost active signal's name, or None."""
+    return _scope.current()
+
+
+def tensor(t: torch.Tensor, name: str) -> torch.Tensor:
+    """Place an existing tensor as signal ``name`` says (differentiable; unknown: unchanged).
+
+    Every rank must pass the same global value, as for any SPMD tensor.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"gt.signal.tensor expects a tensor, got {type(t).__name__}")
+    cfg = lookup(name)
+    if cfg is None or cfg.shard is None or get_runtime().world_size == 1:
+        return t
+    check_same_shape(t.shape, f"gt.signal.tensor(..., {name!r})")
+    return move(t, signal_target(cfg, t.shape))

@@ -1,0 +1,207 @@
+"""Creation ops: ``gt.randn/zeros/ones/...``, ``gt.tensor``, ``gt.from_numpy``, ``gt.cat``.
+
+Every rank builds the same global value (same program, same seed) and keeps only its slice,
+so the numbers never depend on the placement or the world size: removing the YAML changes
+where values live, never what they are. A world of one returns plain torch tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from spmdgt.runtime._state import get_runtime
+from spmdgt.tensor import _scope
+from spmdgt.tensor._dtypes import to_dtype
+from spmdgt.tensor._placement import creation_target, signal_target
+from spmdgt.tensor._tensor import move, place
+
+__all__ = [
+    "arange",
+    "cat",
+    "empty",
+    "eye",
+    "from_numpy",
+    "full",
+    "manual_seed",
+    "ones",
+    "rand",
+    "randn",
+    "tensor",
+    "zeros",
+]
+
+
+def _shape(size: tuple) -> tuple[int, ...]:
+    if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
+        size = tuple(size[0])
+    for s in size:
+        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+            raise ValueError(f"shape must be non-negative ints, got {size!r}")
+    return tuple(size)
+
+
+def check_same_shape(shape: Sequence[int], what: str) -> None:
+    """Raise one clear error, on every rank, if ranks disagree on ``shape`` (never hang)."""
+    rt = get_runtime()
+    if rt.world_size == 1 or len(shape) > 15:
+        return
+    import os
+
+    if os.environ.get("GT_CHECK_SHAPES", "1") == "0":
+        return
+    mine = torch.full((16,), -1, dtype=torch.int64, device=rt.device)
+    mine[0] = len(shape)
+    if shape:
+        mine[1 : 1 + len(shape)] = torch.tensor(list(shape), dtype=torch.int64)
+    every = torch.empty(rt.world_size * 16, dtype=torch.int64, device=rt.device)
+    dist.all_gather_into_tensor(every, mine)
+    rows = every.view(rt.world_size, 16).tolist()
+    if any(row != rows[0] for row in rows):
+        shapes = "; ".join(f"rank {r}: {tuple(row[1 : 1 + row[0]])}" for r, row in enumerate(rows))
+        raise ValueError(f"{what}: ranks disagree on the shape ({shapes}); every rank must "
+                         "create the same global tensor")
+
+
+def _backward_hook(t: torch.Tensor) -> None:
+    """Give the gradients of ``t`` the placement of the scope's backward signal."""
+    name = _scope.current_backward()
+    if name is None or not t.requires_grad:
+        return
+    from spmdgt.config._signals import lookup
+
+    cfg = lookup(name)
+    if cfg is None or cfg.shard is None:
+        return
+    target = signal_target(cfg, t.shape)
+    if target is None:
+        return
+    t.register_hook(lambda g: move(g, target))
+
+
+def _create(
+    shape: tuple[int, ...],
+    make: Callable[[torch.device], torch.Tensor],
+    requires_grad: bool,
+    what: str,
+) -> torch.Tensor:
+    rt = get_runtime()
+    target = creation_target(shape)
+    if target is None:
+        t = make(rt.device)
+    else:
+        check_same_shape(shape, what)
+        t = place(make(rt.device), target)
+    if requires_grad:
+        t.requires_grad_(True)
+        if _scope._stack and rt.world_size > 1:
+            _backward_hook(t)
+    return t
+
+
+def randn(*size, dtype=None, requires_grad: bool = False) -> torch.Tensor:
+    """Standard normal values; the same global values whatever the placement or world size."""
+    shape, dt = _shape(size), to_dtype(dtype)
+    return _create(
+        shape, lambda d: torch.randn(shape, dtype=dt, device=d), requires_grad, "gt.randn"
+    )
+
+
+def rand(*size, dtype=None, requires_grad: bool = False) -> torch.Tensor:
+    """Uniform [0, 1) values; placement-independent like ``randn``."""
+    shape, dt = _shape(size), to_dtype(dtype)
+    return _create(
+        shape, lambda d: torch.rand(shape, dtype=dt, device=d), requires_grad, "gt.rand"
+    )
+
+
+def zeros(*size, dtype=None, requires_grad: bool = False) -> torch.Tensor:
+    """Zeros, placed by the active signal / auto-shard."""
+    shape, dt = _shape(size), to_dtype(dtype)
+    return _create(
+        shape, lambda d: torch.zeros(shape, dtype=dt, device=d), requires_grad, "gt.zeros"
+    )
+
+
+def ones(*size, dtype=None, requires_grad: bool = False) -> torch.Tensor:
+    """Ones, placed by the active signal / auto-shard."""
+    shape, dt = _shape(size), to_dtype(dtype)
+    return _create(
+        shape, lambda d: torch.ones(shape, dtype=dt, device=d), requires_grad, "gt.ones"
+    )
+
+
+def empty(*size, dtype=None, requires_grad: bool = False) -> torch.Tensor:
+    """Uninitialised memory, placed like any created tensor."""
+    shape, dt = _shape(size), to_dtype(dtype)
+    return _create(
+        shape, lambda d: torch.empty(shape, dtype=dt, device=d), requires_grad, "gt.empty"
+    )
+
+
+def full(size, fill_value, *, dtype=None, requires_grad: bool = False) -> torch.Tensor:
+    """A tensor filled with ``fill_value``."""
+    shape, dt = _shape((size,)), to_dtype(dtype)
+    return _create(
+        shape,
+        lambda d: torch.full(shape, fill_value, dtype=dt, device=d),
+        requires_grad,
+        "gt.full",
+    )
+
+
+def arange(*args, dtype=None, requires_grad: bool = False) -> torch.Tensor:
+    """``torch.arange``, placed like any created tensor."""
+    dt = to_dtype(dtype)
+    probe = torch.arange(*args, dtype=dt, device="meta")
+    return _create(
+        tuple(probe.shape),
+        lambda d: torch.arange(*args, dtype=dt, device=d),
+        requires_grad,
+        "gt.arange",
+    )
+
+
+def eye(n: int, m: int | None = None, *, dtype=None, requires_grad: bool = False):
+    """Identity matrix."""
+    dt = to_dtype(dtype)
+    shape = (n, n if m is None else m)
+    return _create(
+        shape, lambda d: torch.eye(*shape, dtype=dt, device=d), requires_grad, "gt.eye"
+    )
+
+
+def tensor(data, dtype=None, requires_grad: bool = False) -> torch.Tensor:
+    """A tensor from Python data, a numpy array or a tensor (GT's ``gt.tensor``).
+
+    Under N ranks every rank must pass the same global data; a shape mismatch is an error.
+    """
+    dt = to_dtype(dtype)
+    if isinstance(data, torch.Tensor):
+        base = data.detach().to(dtype=dt) if dt is not None else data.detach()
+        shape = tuple(base.shape)
+        return _create(shape, lambda d: base.to(d, copy=True), requires_grad, "gt.tensor")
+    base = torch.as_tensor(np.asarray(data) if isinstance(data, np.ndarray) else data, dtype=dt)
+    shape = tuple(base.shape)
+    return _create(shape, lambda d: base.to(d), requires_grad, "gt.tensor")
+
+
+def from_numpy(array: np.ndarray) -> torch.Tensor:
+    """A tensor from a numpy array (shares memory when it stays a plain CPU tensor)."""
+    if not isinstance(array, np.ndarray):
+        raise TypeError(f"gt.from_numpy expects a numpy.ndarray, got {type(array).__name__}")
+    base = torch.from_numpy(array)
+    return _create(tuple(base.shape), lambda d: base.to(d), False, "gt.from_numpy")
+
+
+def cat(tensors: Sequence[torch.Tensor], axis: int = 0, *, dim: int | None = None):
+    """Concatenate along ``axis`` (GT's spelling; torch's ``dim=`` works too)."""
+    return torch.cat(list(tensors), dim=axis if dim is None else dim)
+
+
+def manual_seed(seed: int) -> None:
+    """Seed every rank's generators alike: the same program then draws the same values."""
+    torch.manual_seed(seed)

@@ -1,0 +1,70 @@
+"""Where a new tensor lives: from the active signal's YAML, else auto-shard, else replicated.
+
+``None`` means "replicated on every rank", which spmdgt represents as a plain torch tensor:
+the cheapest form there is, and exactly what a world of one uses.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch.distributed.tensor import Placement, Replicate, Shard
+
+from spmdgt.config._errors import ConfigError
+from spmdgt.config._signals import SignalConfig, lookup
+from spmdgt.runtime._state import get_runtime, world_mesh
+from spmdgt.tensor import _scope
+from spmdgt.tensor._meshes import mesh_for
+
+__all__ = ["Target", "auto_shard_enabled", "creation_target", "signal_target"]
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    mesh: object
+    placements: tuple[Placement, ...]
+    signal: str | None = None
+
+
+def auto_shard_enabled() -> bool:
+    return os.environ.get("GT_AUTO_SHARD", "0") not in ("", "0", "false", "False")
+
+
+def signal_target(cfg: SignalConfig, shape: Sequence[int]) -> Target | None:
+    """The placement signal ``cfg`` gives a tensor of ``shape``; None for world-replicated."""
+    shard = cfg.shard
+    if shard is None:
+        return None
+    mesh = mesh_for(shard.workers, cfg.name)
+    if shard.replicated or len(shape) == 0:
+        if mesh is world_mesh():
+            return None
+        return Target(mesh, (Replicate(),), cfg.name)
+    if shard.axis >= len(shape):
+        raise ConfigError(
+            f"axis {shard.axis} is out of range for a tensor of shape {tuple(shape)} "
+            f"({len(shape)} dims); use an axis below {len(shape)} or replicated: true",
+            section=cfg.name,
+            key="shard.axis",
+            value=shard.axis,
+        )
+    if mesh.size() == 1 and mesh is world_mesh():
+        return None
+    return Target(mesh, (Shard(shard.axis),), cfg.name)
+
+
+def creation_target(shape: Sequence[int]) -> Target | None:
+    """Placement for a tensor being created now, on this rank, in the current scope."""
+    world = get_runtime().world_size
+    if world == 1:
+        return None
+    name = _scope.current()
+    if name is not None:
+        cfg = lookup(name)
+        if cfg is not None and cfg.shard is not None:
+            return signal_target(cfg, shape)
+    if auto_shard_enabled() and len(shape) > 0 and shape[0] % world == 0:
+        return Target(world_mesh(), (Shard(0),), None)
+    return None

@@ -1,0 +1,46 @@
+"""The active signal scopes of this rank (a stack: nested scopes restore the outer one)."""
+
+from __future__ import annotations
+
+__all__ = ["current", "current_backward", "pop", "push"]
+
+# (signal name, backward signal override or None). Module-level on purpose: the op path reads
+# ``_stack`` with one truthiness test, and a rank runs its program on one thread.
+_stack: list[tuple[str, str | None]] = []
+
+
+def push(name: str, backward: str | None = None) -> None:
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"a signal name must be a non-empty string, got {name!r}")
+    _stack.append((name, backward))
+
+
+def pop(name: str | None = None) -> str:
+    """Leave the innermost scope; ``name``, if given, must be that scope's name."""
+    if not _stack:
+        raise RuntimeError(f"signal.exit({name!r}) without a matching signal.enter")
+    top = _stack[-1][0]
+    if name is not None and name != top:
+        raise RuntimeError(
+            f"signal.exit({name!r}) does not match the innermost scope {top!r}; "
+            "scopes must be left in the reverse order they were entered"
+        )
+    _stack.pop()
+    return top
+
+
+def current() -> str | None:
+    return _stack[-1][0] if _stack else None
+
+
+def current_backward() -> str | None:
+    """The backward signal of the innermost scope: its override, else its config's."""
+    if not _stack:
+        return None
+    name, override = _stack[-1]
+    if override is not None:
+        return override
+    from spmdgt.config._signals import lookup
+
+    cfg = lookup(name)
+    return cfg.backward_signal if cfg is not None else None

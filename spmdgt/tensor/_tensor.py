@@ -1,0 +1,302 @@
+"""``gt.Tensor``: a DTensor that keeps GT's contract.
+
+What it adds to ``torch.distributed.tensor.DTensor``, and nothing else:
+
+- plain torch tensors mix in as replicated values (a plain ``nn.Linear`` on a sharded input
+  works, and its parameters get plain, all-reduced gradients);
+- values on different meshes (GT's pipeline stages) move to the mesh of the active signal;
+- the subclass survives every op, so ``.numpy()``, ``.item()``, ``.tolist()`` and ``print``
+  give the global value on every rank, whatever the placement.
+
+Sharding propagation, redistribution and autograd are DTensor's and torch's. Replicated
+tensors are never ``gt.Tensor``: they are plain torch tensors, the cheapest form there is.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
+
+from spmdgt.runtime._state import get_runtime
+from spmdgt.tensor import _scope
+from spmdgt.tensor._meshes import mesh_ranks
+
+__all__ = ["Tensor", "global_value", "move", "place"]
+
+_DisableSubclass = torch._C.DisableTorchFunctionSubclass
+_get_implicit = torch._C._get_dtensor_allow_implicit_replication
+_set_implicit = torch._C._set_dtensor_allow_implicit_replication
+
+
+class Tensor(DTensor):
+    """A sharded spmdgt tensor (a ``DTensor`` subclass); see the module docstring."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if kwargs is None:
+            kwargs = {}
+        plain = False
+        meshes = None
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                if isinstance(a, DTensor):
+                    if meshes is None:
+                        meshes = [a.device_mesh]
+                    elif a.device_mesh is not meshes[0]:
+                        meshes.append(a.device_mesh)
+                elif a.dim():
+                    plain = True
+            elif isinstance(a, (list, tuple)):
+                for b in a:
+                    if isinstance(b, DTensor):
+                        if meshes is None:
+                            meshes = [b.device_mesh]
+                        elif b.device_mesh is not meshes[0]:
+                            meshes.append(b.device_mesh)
+                    elif isinstance(b, torch.Tensor) and b.dim():
+                        plain = True
+        for a in kwargs.values():
+            if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.dim():
+                plain = True
+        if meshes is not None and (len(meshes) > 1 or _scope._stack):
+            args, kwargs = _align_meshes(meshes, args, kwargs)
+        if plain and meshes is not None and torch.is_grad_enabled():
+            args, kwargs = _lift_grad_plain(meshes[0], args, kwargs)
+        try:
+            out = _call(func, args, kwargs, plain)
+        except (RuntimeError, NotImplementedError) as e:
+            # DTensor has no rule for this op on this layout (e.g. reshaping an unevenly
+            # sharded dim). Replicating the inputs is always correct: do that and say so.
+            if not _is_propagation_error(e):
+                raise
+            _fallback_note(func, e)
+            out = _call(func, *_map_tensors(_replicate, args, kwargs), plain)
+        if type(out) is DTensor:
+            out.__class__ = Tensor
+        elif isinstance(out, (tuple, list)):
+            for o in out:
+                if type(o) is DTensor:
+                    o.__class__ = Tensor
+        return out
+
+    # -- GT's contract: the global value, on every rank ------------------------------------
+    def numpy(self, *, force: bool = False):
+        """The global value as a numpy array (a collective: every rank must call it)."""
+        return global_value(self).numpy(force=True) if force else _to_numpy(self)
+
+    def item(self):
+        """The global scalar value (a collective)."""
+        return global_value(self).item()
+
+    def tolist(self):
+        """The global value as nested lists (a collective)."""
+        return global_value(self).tolist()
+
+    def __array__(self, dtype=None, copy=None):
+        arr = _to_numpy(self)
+        return arr.astype(dtype) if dtype is not None else arr
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        value = repr(global_value(self))
+        placements = tuple(self.placements)
+        return f"{value[:-1]}, placements={placements!r})" if value.endswith(")") else value
+
+    def __format__(self, spec: str) -> str:
+        if self.dim() == 0:
+            return self.item().__format__(spec)
+        return repr(self)
+
+    def __float__(self) -> float:
+        return float(self.item())
+
+    def __int__(self) -> int:
+        return int(self.item())
+
+    def __bool__(self) -> bool:
+        return bool(self.item())
+
+
+def _to_numpy(t: DTensor):
+    return global_value(t).cpu().numpy()
+
+
+def global_value(t: torch.Tensor) -> torch.Tensor:
+    """The full, detached value of ``t`` on every rank (plain tensors are returned detached).
+
+    A collective over the tensor's mesh; for a mesh that excludes some ranks, rank
+    ``mesh[0]`` then broadcasts it over the world, so every rank must call it.
+    """
+    if not isinstance(t, DTensor):
+        return t.detach()
+    with _DisableSubclass(), torch.no_grad():
+        mesh = t.device_mesh
+        rt = get_runtime()
+        if mesh.size() == rt.world_size:
+            return t.full_tensor()
+        members = mesh_ranks(mesh)
+        if rt.rank in members:
+            value = t.full_tensor().contiguous()
+        else:
+            value = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        dist.broadcast(value, src=members[0])
+        return value
+
+
+def place(full: torch.Tensor, target) -> torch.Tensor:
+    """Lay out ``full`` (the same global value on every rank) as ``target`` says, without
+    communication: each rank keeps its slice. ``target`` None means a plain tensor."""
+    if target is None:
+        return full
+    placements = [Replicate() if isinstance(p, Partial) else p for p in target.placements]
+    with _DisableSubclass():
+        out = distribute_tensor(full, target.mesh, placements, src_data_rank=None)
+    out.__class__ = Tensor
+    return out
+
+
+class _Move(torch.autograd.Function):
+    """Move a value to another mesh/placement; the gradient takes the way back."""
+
+    @staticmethod
+    def forward(ctx, x, target):
+        ctx.source = (x.device_mesh, x.placements) if isinstance(x, DTensor) else None
+        return place(global_value(x), target)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from spmdgt.tensor._placement import Target
+
+        full = global_value(grad)
+        if ctx.source is None:
+            return full, None
+        return place(full, Target(*ctx.source)), None
+
+
+def move(x: torch.Tensor, target) -> torch.Tensor:
+    """Differentiably put ``x`` where ``target`` says (same mesh: a DTensor redistribute)."""
+    if target is None and not isinstance(x, DTensor):
+        return x
+    if target is not None and isinstance(x, DTensor) and x.device_mesh is target.mesh:
+        if tuple(x.placements) == tuple(target.placements):
+            return x
+        with _DisableSubclass():
+            out = x.redistribute(target.mesh, target.placements)
+        out.__class__ = Tensor
+        return out
+    with _DisableSubclass():
+        return _Move.apply(x, target)
+
+
+def _signal_mesh():
+    from spmdgt.config._signals import lookup
+    from spmdgt.tensor._meshes import mesh_for
+
+    cfg = lookup(_scope._stack[-1][0])
+    if cfg is None or cfg.shard is None:
+        return None, None
+    return mesh_for(cfg.shard.workers, cfg.name), cfg
+
+
+def _align_meshes(meshes, args, kwargs):
+    """Bring every DTensor argument onto one mesh: the active signal's, else the largest."""
+    from spmdgt.tensor._placement import Target, signal_target
+
+    dst, cfg = _signal_mesh() if _scope._stack else (None, None)
+    if dst is None:
+        if len({id(m) for m in meshes}) == 1:
+            return args, kwargs
+        dst = max(meshes, key=lambda m: m.size())
+
+    def fix(a):
+        if isinstance(a, DTensor) and a.device_mesh is not dst:
+            target = signal_target(cfg, a.shape) if cfg is not None else None
+            if target is None or target.mesh is not dst:
+                target = Target(dst, tuple(Replicate() for _ in dst.shape))
+            return move(a, target)
+        return a
+
+    return _map_tensors(fix, args, kwargs)
+
+
+def _lift_grad_plain(mesh, args, kwargs):
+    """Plain tensors that need gradients enter as Replicate DTensors through ``from_local``,
+    whose backward all-reduces partial gradients, so they get plain, correct ``.grad``."""
+
+    def lift(a):
+        if (
+            isinstance(a, torch.Tensor)
+            and not isinstance(a, DTensor)
+            and a.requires_grad
+            and a.dim()
+        ):
+            with _DisableSubclass():
+                out = DTensor.from_local(
+                    a, mesh, [Replicate()] * mesh.ndim, run_check=False
+                )
+            out.__class__ = Tensor
+            return out
+        return a
+
+    return _map_tensors(lift, args, kwargs)
+
+
+def _map_tensors(fn, args, kwargs):
+    """Apply ``fn`` to tensor arguments, one list/tuple level deep (``torch.cat``'s list)."""
+
+    def one(a):
+        if isinstance(a, (list, tuple)) and any(isinstance(b, torch.Tensor) for b in a):
+            return type(a)([fn(b) for b in a])
+        return fn(a)
+
+    return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
+
+
+def _call(func, args, kwargs, plain):
+    with _DisableSubclass():
+        if not plain:
+            return func(*args, **kwargs)
+        prev = _get_implicit()
+        _set_implicit(True)
+        try:
+            return func(*args, **kwargs)
+        finally:
+            _set_implicit(prev)
+
+
+_PROPAGATION_ERRORS = (
+    "Sharding propagation failed",
+    "does not have a sharding strategy",
+    "Please redistribute",
+)
+
+
+def _is_propagation_error(e: BaseException) -> bool:
+    text = str(e)
+    return any(m in text for m in _PROPAGATION_ERRORS)
+
+
+def _replicate(a):
+    if isinstance(a, DTensor) and not all(isinstance(p, Replicate) for p in a.placements):
+        with _DisableSubclass():
+            out = a.redistribute(a.device_mesh, [Replicate()] * a.device_mesh.ndim)
+        out.__class__ = Tensor
+        return out
+    return a
+
+
+_noted: set[str] = set()
+
+
+def _fallback_note(func, e: BaseException) -> None:
+    import os
+
+    name = getattr(func, "__name__", str(func))
+    if name not in _noted and os.environ.get("GT_DEBUG_DISPATCHER", "0") not in ("", "0"):
+        _noted.add(name)
+        first = str(e).strip().splitlines()[0]
+        print(
+            f"[rank {get_runtime().rank}] [sharding] {name}: no rule for this layout "
+            f"({first}); inputs replicated for it",
+            flush=True,
+        )

@@ -1,0 +1,206 @@
+"""The trainer's typed YAML configuration.
+
+YAML (every section optional; unknown keys are errors naming file and key)::
+
+    strategy: fsdp                 # ddp | fsdp | placements
+    fsdp: {use_mixed_precision: true, reshard_after_forward: true}
+    ddp: {bucket_cap_mb: 25}
+    training:
+      epochs: 3
+      batch_size: 16               # per rank
+      gradient_accumulation_steps: 4
+      max_grad_norm: 1.0
+      use_amp: false
+      scheduler: {type: linear_warmup, warmup_steps: 100, total_steps: 1000}
+    placements:                    # module-name glob -> colwise | rowwise | replicate
+      "layers.*.mlp.up": colwise
+      "layers.*.mlp.down": rowwise
+    checkpoint: {dir: ckpt, every_steps: 50}
+    profile: false
+    logdir: runs/exp1
+
+Load with ``load_train_config(path)``; pass the result as ``DistributedTrainer(config=...)``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Literal
+
+from spmdgt.config import ConfigError, from_dict, load_mapping
+
+__all__ = [
+    "CheckpointConfig",
+    "DDPConfig",
+    "FSDPConfig",
+    "SchedulerConfig",
+    "TrainConfig",
+    "TrainingConfig",
+    "load_train_config",
+]
+
+STRATEGIES = ("ddp", "fsdp", "placements")
+PLACEMENT_STYLES = ("colwise", "rowwise", "replicate")
+
+
+def _positive_int(value: object, key: str, *, allow_zero: bool = False) -> None:
+    low = 0 if allow_zero else 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"must be an integer >= {low}, got {value!r}", key=key, value=value)
+
+
+@dataclass(kw_only=True, slots=True)
+class FSDPConfig:
+    """FSDP2 (``fully_shard``) settings."""
+
+    use_mixed_precision: bool = False
+    """bf16 parameters and compute, fp32 gradient reduction (``MixedPrecisionPolicy``)."""
+    reshard_after_forward: bool = True
+    """Free gathered parameters after forward (ZeRO-3); ``False`` keeps them (ZeRO-2-like)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class DDPConfig:
+    """``DistributedDataParallel`` settings."""
+
+    bucket_cap_mb: float = 25.0
+    """Gradient bucket size in MiB: larger buckets mean fewer, bigger all-reduces."""
+
+    def __post_init__(self) -> None:
+        if self.bucket_cap_mb <= 0:
+            raise ConfigError(
+                f"must be > 0, got {self.bucket_cap_mb}",
+                key="bucket_cap_mb",
+                value=self.bucket_cap_mb,
+            )
+
+
+@dataclass(kw_only=True, slots=True)
+class SchedulerConfig:
+    """Learning-rate schedule, stepped once per optimizer step."""
+
+    type: Literal["linear_warmup", "cosine", "constant"] = "constant"
+    """``linear_warmup``: linear ramp to the base lr over ``warmup_steps``, then linear decay to
+    0 at ``total_steps``; ``cosine``: same ramp, then cosine decay to 0; ``constant``: none."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warm-up from lr 0."""
+    total_steps: int | None = None
+    """Optimizer step at which the decay reaches 0 (required for the decaying schedules)."""
+
+    def __post_init__(self) -> None:
+        _positive_int(self.warmup_steps, "warmup_steps", allow_zero=True)
+        if self.type != "constant":
+            if self.total_steps is None:
+                raise ConfigError(
+                    f"scheduler type {self.type!r} needs total_steps", key="total_steps"
+                )
+            _positive_int(self.total_steps, "total_steps")
+            if self.total_steps < self.warmup_steps:
+                raise ConfigError(
+                    f"total_steps ({self.total_steps}) < warmup_steps ({self.warmup_steps})",
+                    key="total_steps",
+                    value=self.total_steps,
+                )
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainingConfig:
+    """The loop itself."""
+
+    epochs: int = 1
+    """Passes over the training set."""
+    batch_size: int = 32
+    """Samples per rank per micro-step (the global batch is this x data-parallel ranks x
+    ``gradient_accumulation_steps``)."""
+    gradient_accumulation_steps: int = 1
+    """Micro-steps per optimizer step; gradients are synchronised only on the last one."""
+    max_grad_norm: float | None = None
+    """Clip the global gradient norm (over all shards) to this; ``None`` disables clipping."""
+    use_amp: bool = False
+    """Autocast to bf16 (fp16 + GradScaler on CUDA without bf16)."""
+    warmup_steps: int = 2
+    """Optimizer steps excluded from the timing statistics of the summary."""
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    """Learning-rate schedule."""
+
+    def __post_init__(self) -> None:
+        _positive_int(self.epochs, "epochs")
+        _positive_int(self.batch_size, "batch_size")
+        _positive_int(self.gradient_accumulation_steps, "gradient_accumulation_steps")
+        _positive_int(self.warmup_steps, "warmup_steps", allow_zero=True)
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            raise ConfigError(
+                f"must be > 0 or null, got {self.max_grad_norm}",
+                key="max_grad_norm",
+                value=self.max_grad_norm,
+            )
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    """Distributed checkpoints (``torch.distributed.checkpoint``), written atomically."""
+
+    dir: str | None = None
+    """Directory holding ``step_<n>`` checkpoints; ``None`` disables checkpointing."""
+    every_steps: int = 0
+    """Save every this many optimizer steps (0: only at the end of training)."""
+    resume: bool = True
+    """Resume from the newest complete checkpoint in ``dir`` when one exists."""
+    keep_last: int = 2
+    """Complete checkpoints kept on disk; older ones are deleted after a successful save."""
+
+    def __post_init__(self) -> None:
+        _positive_int(self.every_steps, "every_steps", allow_zero=True)
+        _positive_int(self.keep_last, "keep_last")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """Everything the trainer reads from YAML."""
+
+    strategy: str = "ddp"
+    """``ddp`` (replicate, all-reduce grads), ``fsdp`` (FSDP2 ``fully_shard``) or
+    ``placements`` (tensor parallelism from the ``placements`` table)."""
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    """FSDP2 settings (strategy ``fsdp``)."""
+    ddp: DDPConfig = field(default_factory=DDPConfig)
+    """DDP settings (strategy ``ddp``)."""
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    """Loop settings."""
+    placements: dict[str, str] = field(default_factory=dict)
+    """Module-name glob -> ``colwise`` | ``rowwise`` | ``replicate``; first match wins."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoint directory and frequency."""
+    profile: bool = False
+    """Write per-rank ``torch.profiler`` traces under ``<logdir>/profile``."""
+    logdir: str | None = None
+    """TensorBoard directory (rank 0 writes scalars); ``None`` disables logging."""
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ConfigError(
+                f"unknown strategy {self.strategy!r}; expected one of {', '.join(STRATEGIES)}",
+                key="strategy",
+                value=self.strategy,
+            )
+        for pattern, style in self.placements.items():
+            if style not in PLACEMENT_STYLES:
+                raise ConfigError(
+                    f"unknown placement {style!r} for {pattern!r}; expected one of "
+                    f"{', '.join(PLACEMENT_STYLES)}",
+                    key=f"placements.{pattern}",
+                    value=style,
+                )
+        if self.strategy == "placements" and not self.placements:
+            raise ConfigError(
+                "strategy 'placements' needs a non-empty 'placements' table "
+                "(module-name pattern -> colwise | rowwise | replicate)",
+                key="placements",
+            )
+
+
+def load_train_config(path: str | os.PathLike) -> TrainConfig:
+    """Read a training YAML file into a ``TrainConfig``; errors name the file and key."""
+    data, name = load_mapping(path, what="training config")
+    return from_dict(TrainConfig, data, file=name)

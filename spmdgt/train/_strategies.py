@@ -1,0 +1,251 @@
+"""Wrap a model for a parallel strategy, on torch's own engines.
+
+* ``ddp``: ``DistributedDataParallel``; gradient accumulation under ``no_sync``.
+* ``fsdp``: FSDP2 ``fully_shard`` on every direct child holding parameters, then the root;
+  ``MixedPrecisionPolicy(bf16 params, fp32 reduce)`` for mixed precision; accumulation via
+  ``set_requires_gradient_sync(False)``. On gloo, reductions are forced to SUM-then-divide
+  (``set_force_sum_reduction_for_comms``) rather than trusting an AVG reduce-scatter.
+* ``placements``: tensor parallelism from a YAML table of module-name globs through
+  ``parallelize_module`` with ``ColwiseParallel`` / ``RowwiseParallel`` on the world mesh. Every
+  rank must see the same batch (no data parallelism); ``replicate`` keeps a full copy on each
+  rank (plain tensors that stay identical because their inputs are identical).
+
+In a world of one nothing is wrapped: the plain model trains as is. ``Wrapped.no_sync()`` is
+the one context the trainer uses to skip gradient communication on non-final micro-steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from spmdgt.config import ConfigError
+from spmdgt.train._comm import (
+    CollectiveLog,
+    FunctionalCollectiveTracer,
+    LoggedAllGather,
+    LoggedReduceScatter,
+    ddp_counting_hook,
+)
+from spmdgt.train._config import PLACEMENT_STYLES, STRATEGIES, DDPConfig, FSDPConfig
+
+__all__ = ["Wrapped", "clip_grad_norm", "wrap_model"]
+
+
+@dataclass
+class Wrapped:
+    """A model ready to train: the module to call plus how to silence gradient sync."""
+
+    module: nn.Module
+    strategy: str
+    data_parallel_size: int
+    """Ranks that see different data (1 for placements: every rank sees the same batch)."""
+    log: CollectiveLog = field(default_factory=CollectiveLog)
+    fsdp_modules: list[nn.Module] = field(default_factory=list)
+    autocast_dtype: torch.dtype | None = None
+    """dtype for ``torch.autocast`` around forward; None when FSDP mixed precision does it."""
+    tracer: FunctionalCollectiveTracer | None = None
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally: no collective until the context exits."""
+        if self.strategy == "ddp" and isinstance(self.module, nn.parallel.DistributedDataParallel):
+            with self.module.no_sync():
+                yield
+        elif self.fsdp_modules:
+            root = self.fsdp_modules[-1]
+            root.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                root.set_requires_gradient_sync(True)
+        else:
+            yield
+
+    def comm_context(self) -> contextlib.AbstractContextManager:
+        """Where collectives happen inside compute (TP): a tracer that logs them."""
+        return self.tracer if self.tracer is not None else contextlib.nullcontext()
+
+
+def _placement_plan(model: nn.Module, table: dict[str, str]) -> dict[str, object]:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan: dict[str, object] = {}
+    used = dict.fromkeys(table, False)
+    for name, module in model.named_modules():
+        if not name:
+            continue
+        for pattern, style in table.items():
+            if fnmatch.fnmatchcase(name, pattern):
+                used[pattern] = True
+                if style != "replicate":
+                    if not isinstance(module, (nn.Linear, nn.Embedding)):
+                        raise ConfigError(
+                            f"{style} placement needs an nn.Linear or nn.Embedding, but "
+                            f"{name!r} is a {type(module).__name__}",
+                            key=f"placements.{pattern}",
+                            value=style,
+                        )
+                    plan[name] = ColwiseParallel() if style == "colwise" else RowwiseParallel()
+                break  # first matching pattern wins
+    unused = [p for p, hit in used.items() if not hit]
+    if unused:
+        names = [n for n, _ in model.named_modules() if n][:12]
+        raise ConfigError(
+            f"placement pattern(s) {', '.join(map(repr, unused))} match no module; module names "
+            f"look like: {', '.join(names)}",
+            key=f"placements.{unused[0]}",
+        )
+    return plan
+
+
+def wrap_model(
+    model: nn.Module,
+    strategy: str,
+    *,
+    device: torch.device,
+    world_size: int,
+    backend: str | None,
+    use_amp: bool = False,
+    amp_dtype: torch.dtype = torch.bfloat16,
+    find_unused_parameters: bool = False,
+    ddp: DDPConfig | None = None,
+    fsdp: FSDPConfig | None = None,
+    placements: dict[str, str] | None = None,
+    mesh: object = None,
+) -> Wrapped:
+    """Move ``model`` to ``device`` and wrap it for ``strategy`` (no wrapping in a world of 1)."""
+    if strategy not in STRATEGIES:
+        raise ConfigError(
+            f"unknown strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}",
+            key="strategy",
+            value=strategy,
+        )
+    ddp = ddp or DDPConfig()
+    fsdp = fsdp or FSDPConfig()
+    model = model.to(device)
+    log = CollectiveLog()
+    autocast = amp_dtype if use_amp else None
+
+    if strategy == "placements":
+        table = placements or {}
+        if not table:
+            raise ConfigError("strategy 'placements' needs a placements table", key="placements")
+        bad = {p: s for p, s in table.items() if s not in PLACEMENT_STYLES}
+        if bad:
+            p, s = next(iter(bad.items()))
+            raise ConfigError(f"unknown placement {s!r}", key=f"placements.{p}", value=s)
+        plan = _placement_plan(model, table)  # validated even in a world of one
+        if world_size == 1:
+            return Wrapped(model, strategy, 1, log, autocast_dtype=autocast)
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        parallelize_module(model, mesh, plan)
+        return Wrapped(
+            model, strategy, 1, log, autocast_dtype=autocast, tracer=FunctionalCollectiveTracer(log)
+        )
+
+    if world_size == 1:
+        if strategy == "fsdp" and fsdp.use_mixed_precision:
+            autocast = amp_dtype  # same numerics as bf16 params: autocast the forward
+        return Wrapped(model, strategy, 1, log, autocast_dtype=autocast)
+
+    if strategy == "ddp":
+        ids = [device.index] if device.type == "cuda" else None
+        module = nn.parallel.DistributedDataParallel(
+            model,
+            device_ids=ids,
+            bucket_cap_mb=ddp.bucket_cap_mb,
+            find_unused_parameters=find_unused_parameters,
+        )
+        module.register_comm_hook(None, ddp_counting_hook(log))
+        return Wrapped(module, strategy, world_size, log, autocast_dtype=autocast)
+
+    # fsdp
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if find_unused_parameters:
+        warnings.warn(
+            "find_unused_parameters does nothing under FSDP2 (it handles unused parameters)",
+            stacklevel=3,
+        )
+    mixed = fsdp.use_mixed_precision or use_amp
+    mp = (
+        MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=torch.float32)
+        if mixed
+        else MixedPrecisionPolicy()
+    )
+    units: list[nn.Module] = []
+    # Shard each block that owns parameters (the transformer layers of a ModuleList, or the
+    # direct children otherwise) so all-gathers are per block, then the root for the rest.
+    for child in model.children():
+        inner = child.children() if isinstance(child, nn.ModuleList) else [child]
+        for block in inner:
+            if any(True for _ in block.parameters()):
+                fully_shard(
+                    block,
+                    mesh=mesh,
+                    mp_policy=mp,
+                    reshard_after_forward=fsdp.reshard_after_forward,
+                )
+                units.append(block)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=fsdp.reshard_after_forward)
+    units.append(model)
+    sum_only = backend != "nccl"
+    for unit in units:
+        if sum_only:
+            # gloo: SUM then divide by the data-parallel size, never an AVG reduction.
+            unit.set_force_sum_reduction_for_comms(True)
+        unit.set_custom_all_gather(LoggedAllGather(log))
+        unit.set_custom_reduce_scatter(LoggedReduceScatter(log))
+    # FSDP's own MixedPrecisionPolicy casts; autocast stays off so compute is what it says.
+    return Wrapped(model, strategy, world_size, log, fsdp_modules=units, autocast_dtype=None)
+
+
+def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Clip the global 2-norm of all gradients to ``max_norm``; return the norm before clipping.
+
+    Sharded (DTensor) gradients contribute their *global* norm, replicated plain gradients
+    their own: the result equals clipping the unsharded model in one process. Tensor-parallel
+    models mix both kinds, which ``torch.nn.utils.clip_grad_norm_`` cannot combine in one call.
+    """
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in parameters if p.grad is not None]
+    sharded = [g for g in grads if isinstance(g, DTensor)]
+    plain = [g for g in grads if not isinstance(g, DTensor)]
+    sq = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
+    if sharded:
+        n = torch.nn.utils.get_total_norm(sharded, 2.0)
+        n = n.full_tensor() if isinstance(n, DTensor) else n
+        sq = sq + n.float() ** 2
+    if plain:
+        sq = sq + torch.nn.utils.get_total_norm(plain, 2.0).float() ** 2
+    total = sq.sqrt()
+    if sharded:
+        torch.nn.utils.clip_grads_with_norm_(
+            [p for p in parameters if isinstance(p.grad, DTensor)], max_norm, total
+        )
+    if plain:
+        torch.nn.utils.clip_grads_with_norm_(
+            [p for p in parameters if p.grad is not None and not isinstance(p.grad, DTensor)],
+            max_norm,
+            total,
+        )
+    return total
+
+
+def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
+    """Mean of ``t`` over all ranks (identity in a world of one); sum then divide."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        t = t.clone()
+        dist.all_reduce(t)
+        t /= dist.get_world_size()
+    return t

@@ -1,0 +1,151 @@
+"""What a run reports: per-step measurements, the Training Summary, TensorBoard, progress bar.
+
+Every number is measured on this run: step times by ``perf_counter`` around each optimizer step
+(on CUDA after a device synchronise), losses all-reduced across ranks in batches (one small
+collective every ``log_every`` steps, not one per step), memory sampled after each step, and the
+communication share from the collectives the wrapped model actually issued. The first
+``warmup_steps`` steps are left out of the timing statistics and the summary says how many.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+import torch
+
+from spmdgt.train._strategies import all_reduce_mean
+
+__all__ = ["MetricsLogger", "ProgressBar", "RunStats", "format_summary"]
+
+
+@dataclass
+class RunStats:
+    """Raw per-optimizer-step measurements on this rank."""
+
+    step_times: list[float] = field(default_factory=list)
+    local_losses: list[float] = field(default_factory=list)
+    global_losses: list[float] = field(default_factory=list)  # all-reduced means, by step
+    lrs: list[float] = field(default_factory=list)
+    samples: list[int] = field(default_factory=list)  # global samples per step
+    tokens: list[int] = field(default_factory=list)  # global tokens per step (0: unknown)
+    memory: list[int] = field(default_factory=list)
+    comm_sec: list[float] = field(default_factory=list)
+    collectives: list[int] = field(default_factory=list)
+    first_step: int = 0  # global step number of the first entry (after a resume)
+
+    def flush_losses(self) -> list[float]:
+        """All-reduce the not-yet-reduced local losses in one collective; return the new ones."""
+        pending = self.local_losses[len(self.global_losses) :]
+        if not pending:
+            return []
+        t = all_reduce_mean(torch.tensor(pending, dtype=torch.float64))
+        new = t.tolist()
+        self.global_losses.extend(new)
+        return new
+
+
+def build_summary(
+    stats: RunStats,
+    *,
+    warmup_steps: int,
+    peak_memory: int,
+    memory_kind: str,
+    world_size: int,
+    strategy: str,
+    val_loss: float | None,
+) -> dict:
+    """The Training Summary dict (seed 004's keys plus warm-up, tokens/s, comm share)."""
+    n = len(stats.step_times)
+    warm = min(warmup_steps, max(n - 1, 0))
+    times = stats.step_times[warm:]
+    total_time = sum(times)
+    avg = total_time / len(times) if times else 0.0
+    samples = sum(stats.samples[warm:])
+    tokens = sum(stats.tokens[warm:])
+    comm = sum(stats.comm_sec[warm:])
+    losses = stats.global_losses
+    out = {
+        "num_steps": n,
+        "warmup_steps_excluded": warm,
+        "avg_step_time": avg,
+        "min_step_time": min(times) if times else 0.0,
+        "max_step_time": max(times) if times else 0.0,
+        "throughput_samples_per_sec": samples / total_time if total_time > 0 else 0.0,
+        "throughput_tokens_per_sec": (tokens / total_time if total_time > 0 else 0.0)
+        if tokens
+        else None,
+        "avg_loss": sum(losses) / len(losses) if losses else float("nan"),
+        "final_loss": losses[-1] if losses else float("nan"),
+        "peak_memory_allocated_gb": peak_memory / 1e9,
+        "avg_memory_allocated_gb": (sum(stats.memory) / len(stats.memory) / 1e9)
+        if stats.memory
+        else 0.0,
+        "memory_kind": memory_kind,
+        "comm_time_share": comm / total_time if total_time > 0 else 0.0,
+        "collectives_per_step": (sum(stats.collectives[warm:]) / len(times)) if times else 0.0,
+        "world_size": world_size,
+        "strategy": strategy,
+    }
+    if val_loss is not None:
+        out["val_loss"] = val_loss
+    return out
+
+
+def format_summary(summary: dict) -> str:
+    """Seed 004's layout: a title, a rule, one ``key: value`` per line."""
+    lines = ["Training Summary", "=" * 50]
+    for k, v in summary.items():
+        if isinstance(v, float):
+            v = f"{v:.4f}" if abs(v) >= 1e-3 or v == 0 else f"{v:.3e}"
+        lines.append(f"{k}: {v}")
+    return "\n".join(lines)
+
+
+class MetricsLogger:
+    """TensorBoard scalars, written by rank 0 only (other ranks hold no writer)."""
+
+    def __init__(self, logdir: str | None, is_main: bool) -> None:
+        self.writer = None
+        if logdir and is_main:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=logdir)
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        if self.writer is None:
+            return
+        for k, v in values.items():
+            if v is not None:
+                self.writer.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+            self.writer.close()
+
+
+class ProgressBar:
+    """A one-line progress bar on rank 0, only when stdout is an interactive terminal."""
+
+    def __init__(self, total: int | None, is_main: bool, stream=None) -> None:
+        self.stream = stream or sys.stdout
+        self.active = is_main and self.stream.isatty()
+        self.total = total
+
+    def update(self, step: int, loss: float, step_time: float) -> None:
+        if not self.active:
+            return
+        if self.total:
+            frac = min(step / self.total, 1.0)
+            bar = "#" * int(30 * frac) + "-" * (30 - int(30 * frac))
+            head = f"[{bar}] {step}/{self.total}"
+        else:
+            head = f"step {step}"
+        self.stream.write(f"\r{head} loss {loss:.4f} {step_time * 1e3:.1f} ms/step")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.active:
+            self.stream.write("\n")
+            self.stream.flush()

@@ -1,0 +1,249 @@
+"""Sharded ops equal single-process torch, forward and backward, with uneven sizes (2 ranks)."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from tests._dist import run_ranks
+
+# Sizes like world * 3 + 1 so shards come out uneven (torch.chunk rule).
+M, K, N = 7, 5, 9
+
+
+def _signals(gt, specs):
+    for name, (axis, replicated) in specs.items():
+        gt.register_config(
+            name, gt.SignalConfig(shard=gt.ShardConfig(axis=axis, replicated=replicated))
+        )
+
+
+def _make(gt, name, shape, seed):
+    gt.manual_seed(seed)
+    with gt.signal.context(name):
+        return gt.randn(*shape, requires_grad=True)
+
+
+def _matmul_case(rank, world, a_sig, b_sig):
+    import spmdgt as gt
+
+    _signals(gt, {"s0": (0, False), "s1": (1, False), "rep": (0, True)})
+    a = _make(gt, a_sig, (M, K), 1)
+    b = _make(gt, b_sig, (K, N), 2)
+    c = a @ b
+    loss = (c * c).sum()
+    loss.backward()
+    # Reference: the same seeds in plain torch on one process.
+    torch.manual_seed(1)
+    ra = torch.randn(M, K, requires_grad=True)
+    torch.manual_seed(2)
+    rb = torch.randn(K, N, requires_grad=True)
+    rc = ra @ rb
+    (rc * rc).sum().backward()
+    return {
+        "c": c.numpy(),
+        "loss": loss.item(),
+        "ga": a.grad.numpy(),
+        "gb": b.grad.numpy(),
+        "ref": (rc.detach().numpy(), ra.grad.numpy(), rb.grad.numpy()),
+        "a_place": str(getattr(a, "placements", "plain")),
+        "c_type": type(c).__name__,
+    }
+
+
+def _check(results, world):
+    for r in results:
+        rc, rga, rgb = r["ref"]
+        # fp32 sums over K=5 / N=9 terms in a different order: 1e-5 relative is ample.
+        torch.testing.assert_close(torch.tensor(r["c"]), torch.tensor(rc), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(torch.tensor(r["ga"]), torch.tensor(rga), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(torch.tensor(r["gb"]), torch.tensor(rgb), rtol=1e-5, atol=1e-5)
+    assert results[0]["loss"] == results[1]["loss"]
+
+
+def test_row_parallel_matmul(tmp_path):
+    res = run_ranks(_matmul_case, 2, tmp_path, "s0", "rep")
+    _check(res, 2)
+    assert res[0]["a_place"] == "(Shard(dim=0),)" and res[0]["c_type"] == "Tensor"
+
+
+def test_column_parallel_matmul(tmp_path):
+    _check(run_ranks(_matmul_case, 2, tmp_path, "rep", "s1"), 2)
+
+
+def test_contraction_sharded_matmul(tmp_path):
+    _check(run_ranks(_matmul_case, 2, tmp_path, "s1", "s0"), 2)
+
+
+def test_both_sharded_matmul(tmp_path):
+    _check(run_ranks(_matmul_case, 2, tmp_path, "s0", "s1"), 2)
+
+
+def _reductions(rank, world):
+    import spmdgt as gt
+
+    _signals(gt, {"s0": (0, False), "s1": (1, False)})
+    out = {}
+    for sig in ("s0", "s1"):
+        x = _make(gt, sig, (M, N), 3)
+        torch.manual_seed(3)
+        rx = torch.randn(M, N, requires_grad=True)
+        vals = {
+            "sum": (x.sum(), rx.sum()),
+            "mean": (x.mean(), rx.mean()),
+            "max": (x.max(), rx.max()),
+            "sum0": (x.sum(axis=0), rx.sum(dim=0)),
+            "sum1k": (x.sum(axis=1, keepdims=True), rx.sum(dim=1, keepdim=True)),
+            "mean1": (x.mean(axis=1), rx.mean(dim=1)),
+            "max0": (x.max(axis=0).values, rx.max(dim=0).values),
+            "max1i": (x.max(axis=1).indices, rx.max(dim=1).indices),
+        }
+        total = sum((v[0].float() * (i + 1)).sum() for i, v in enumerate(vals.values()))
+        rtotal = sum((v[1].float() * (i + 1)).sum() for i, v in enumerate(vals.values()))
+        total.backward()
+        rtotal.backward()
+        out[sig] = {k: (v[0].numpy(), v[1].detach().numpy()) for k, v in vals.items()}
+        out[sig]["grad"] = (x.grad.numpy(), rx.grad.numpy())
+    return out
+
+
+def test_reductions_with_and_without_axis(tmp_path):
+    for res in run_ranks(_reductions, 2, tmp_path):
+        for sig, vals in res.items():
+            for k, (got, ref) in vals.items():
+                torch.testing.assert_close(
+                    torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=1e-5, msg=f"{sig} {k}"
+                )
+
+
+def _views(rank, world):
+    import spmdgt as gt
+
+    _signals(gt, {"s0": (0, False), "s1": (1, False)})
+    x = _make(gt, "s0", (M, 6), 4)
+    y = _make(gt, "s1", (M, 6), 5)
+    torch.manual_seed(4)
+    rx = torch.randn(M, 6, requires_grad=True)
+    torch.manual_seed(5)
+    ry = torch.randn(M, 6, requires_grad=True)
+
+    def prog(x, y, cat):
+        parts = [
+            x.reshape(6, M).sum(0),
+            x.T @ y,
+            x.transpose(0, 1).reshape(-1)[:10],
+            cat([x, y], axis=0)[2:9].sum(0),
+            cat([x, y], axis=1).sum(1),
+            x[1:5, 2:],
+            x[3],
+            y.view(M * 6).unsqueeze(0).squeeze(0)[::5],
+            x.permute(1, 0).flatten(),
+            torch.relu(x) * torch.exp(y) - torch.tanh(x) / (1 + torch.sigmoid(y)),
+            (2.0 + x) ** 3 <= y.abs().sqrt(),
+        ]
+        return parts
+
+    def gcat(ts, axis):
+        return gt.cat(ts, axis=axis)
+
+    def tcat(ts, axis):
+        return torch.cat(ts, dim=axis)
+
+    got = prog(x, y, gcat)
+    ref = prog(rx, ry, tcat)
+    sum(p.float().sum() * (i + 1) for i, p in enumerate(got) if p.dtype != torch.bool).backward()
+    sum(p.float().sum() * (i + 1) for i, p in enumerate(ref) if p.dtype != torch.bool).backward()
+    return (
+        [(g.numpy(), r.detach().numpy()) for g, r in zip(got, ref)],
+        (x.grad.numpy(), rx.grad.numpy()),
+        (y.grad.numpy(), ry.grad.numpy()),
+    )
+
+
+def test_views_cat_indexing_pointwise(tmp_path):
+    for parts, gx, gy in run_ranks(_views, 2, tmp_path):
+        for i, (got, ref) in enumerate(parts + [gx, gy]):
+            torch.testing.assert_close(
+                torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=1e-5, msg=f"part {i}"
+            )
+
+
+def _plain_module(rank, world):
+    import spmdgt as gt
+
+    _signals(gt, {"data": (0, False)})
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    ref = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    ref.load_state_dict(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    losses = []
+    for step in range(3):
+        gt.manual_seed(10 + step)
+        with gt.signal.context("data"):
+            x = gt.randn(M, 5)
+        torch.manual_seed(10 + step)
+        rx = torch.randn(M, 5)
+        loss = model(x).pow(2).mean()
+        rloss = ref(rx).pow(2).mean()
+        loss.backward()
+        rloss.backward()
+        assert type(model[0].weight.grad) is torch.Tensor  # plain params keep plain grads
+        opt.step()
+        ropt.step()
+        opt.zero_grad()
+        ropt.zero_grad()
+        losses.append((loss.item(), rloss.item(), str(x.placements)))
+    return losses, [(p.detach().numpy(), q.detach().numpy()) for p, q in
+                    zip(model.parameters(), ref.parameters())]
+
+
+def test_plain_torch_module_and_optimizer_on_sharded_input(tmp_path):
+    for losses, params in run_ranks(_plain_module, 2, tmp_path):
+        for got, ref, place in losses:
+            assert place == "(Shard(dim=0),)"
+            assert abs(got - ref) < 1e-6
+        for p, q in params:
+            torch.testing.assert_close(torch.tensor(p), torch.tensor(q), rtol=1e-5, atol=1e-6)
+
+
+def _partial_and_print(rank, world):
+    import spmdgt as gt
+
+    _signals(gt, {"s1": (1, False), "s0": (0, False)})
+    a = _make(gt, "s1", (3, 4), 0)
+    b = _make(gt, "s0", (4, 2), 1)
+    c = a @ b
+    placements = c.placements
+    return {
+        "partial": isinstance(placements[0], Partial),
+        "print": repr(c),
+        "numpy": c.numpy(),
+        "data_numpy": c.data.numpy(),
+        "list": c.tolist(),
+        "item": c.sum().item(),
+        "fmt": f"{c.sum():.4f}",
+        "array": __import__("numpy").asarray(c),
+        "repl": isinstance(c.redistribute(placements=[Replicate()]).placements[0], Replicate),
+        "local": tuple(a.to_local().shape),
+        "shard": isinstance(a.placements[0], Shard),
+    }
+
+
+def test_global_value_on_every_rank(tmp_path):
+    r0, r1 = run_ranks(_partial_and_print, 2, tmp_path)
+    torch.manual_seed(0)
+    ra = torch.randn(3, 4)
+    torch.manual_seed(1)
+    rc = ra @ torch.randn(4, 2)
+    for r in (r0, r1):
+        assert r["partial"] and r["repl"] and r["shard"]
+        for key in ("numpy", "data_numpy", "array"):
+            torch.testing.assert_close(torch.tensor(r[key]), rc, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(torch.tensor(r["list"]), rc, rtol=1e-5, atol=1e-6)
+        assert abs(r["item"] - rc.sum().item()) < 1e-5
+        assert r["fmt"] == f"{rc.sum().item():.4f}"
+        assert "placements=(Partial(sum),)" in r["print"] and "tensor([[" in r["print"]
+    assert r0["local"] == (3, 2) and r1["local"] == (3, 2)
+    assert r0["print"] == r1["print"]
