@@ -60,9 +60,11 @@ class Tensor(DTensor):
             if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.dim():
                 plain = True
         if meshes is not None and (len(meshes) > 1 or _scope._stack):
-            args, kwargs = _align_meshes(meshes, args, kwargs)
+            with _DisableSubclass():
+                args, kwargs = _align_meshes(meshes, args, kwargs)
         if plain and meshes is not None and torch.is_grad_enabled():
-            args, kwargs = _lift_grad_plain(meshes[0], args, kwargs)
+            with _DisableSubclass():
+                args, kwargs = _lift_grad_plain(meshes[0], args, kwargs)
         try:
             out = _call(func, args, kwargs, plain)
         except (RuntimeError, NotImplementedError) as e:

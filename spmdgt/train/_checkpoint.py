@@ -101,7 +101,7 @@ def save_checkpoint(
     extra: dict,
     keep_last: int = 2,
 ) -> Path:
-    """Save model, optimizer and ``extra`` (plain picklable values, same on every rank).
+    """Save model, optimizer and ``extra`` (plain picklable values, equal on every rank).
 
     Collective: every rank calls it. Returns the final checkpoint path.
     """
@@ -114,9 +114,11 @@ def save_checkpoint(
             shutil.rmtree(tmp)  # a crashed earlier attempt at this step
     _barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd, "extra": extra}
-    dcp.save(state, checkpoint_id=str(tmp))
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
     torch.save(_rng_state(), tmp / f"rng_rank{_rank()}.pt")
+    if _rank() == 0:
+        # Trainer counters, scheduler and scaler state: plain Python, equal on every rank.
+        torch.save(extra, tmp / "trainer_state.pt")
     _barrier()  # every rank's shards are on disk
     if _rank() == 0:
         if final.exists():
@@ -147,16 +149,14 @@ def load_checkpoint(
     path: str | os.PathLike,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    extra_template: dict,
 ) -> dict:
     """Load a checkpoint into ``model``/``optimizer`` (resharding as needed); return ``extra``.
 
-    ``extra_template`` must have the same keys as the saved ``extra`` (values are replaced).
     Collective: every rank calls it.
     """
     path = Path(path)
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd, "extra": dict(extra_template)}
+    state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
@@ -170,4 +170,4 @@ def load_checkpoint(
         )
         rng_file = path / "rng_rank0.pt"
     _set_rng_state(torch.load(rng_file, weights_only=False))
-    return state["extra"]
+    return torch.load(path / "trainer_state.pt", weights_only=False)

@@ -51,55 +51,65 @@ class _Record:
     kind: str
     nbytes: int  # bytes of the full (unsharded) buffer the collective works on
     start: float
+    step: int
     end: float | None = None
 
 
 class CollectiveLog:
     """Collectives issued by a wrapped model: kind, bytes and issue-to-completion seconds.
 
-    ``begin_step()`` / ``end_step()`` bracket an optimizer step so the trainer can report
-    collectives per step; time is wall time from issue to completion of the work, so collectives
+    The trainer sets ``log.step`` to the optimizer step in progress so records can be grouped
+    per step; time is wall time from issue to completion of the work, so collectives
     that overlap compute count in full (the share is an upper bound on exposed communication).
     """
 
     def __init__(self) -> None:
         self.records: list[_Record] = []
         self.enabled = True
-        self._step_start = 0
+        self.step = 0  # optimizer step the next records belong to
 
     def start(self, kind: str, nbytes: int) -> _Record | None:
         if not self.enabled:
             return None
-        rec = _Record(kind, int(nbytes), time.perf_counter())
+        rec = _Record(kind, int(nbytes), time.perf_counter(), self.step)
         self.records.append(rec)
         return rec
 
     def finish_on(self, rec: _Record | None, work: object) -> object:
-        """Stamp ``rec`` when ``work`` (a ``Work`` or ``Future``) completes; return ``work``."""
+        """Stamp ``rec`` when ``work`` (a ``Work`` or ``Future``) completes.
+
+        Returns a future chained after the stamp for a ``Future`` (wait on that one so the
+        stamp is known to be written), ``work`` itself for a ``Work``.
+        """
         if rec is None:
             return work
-        fut = work.get_future() if hasattr(work, "get_future") else work
-        if fut is None:  # synchronous call: it already finished
-            rec.end = time.perf_counter()
-            return work
+        is_work = hasattr(work, "get_future")
+        fut = work.get_future() if is_work else work
 
         def _done(f, rec=rec):
             rec.end = time.perf_counter()
             return f.value()
 
-        # ``then`` keeps the original future untouched for its own waiters.
-        fut.then(_done)
-        return work
+        chained = fut.then(_done)
+        return work if is_work else chained
 
-    def begin_step(self) -> None:
-        self._step_start = len(self.records)
+    def step_seconds(self) -> dict[int, float]:
+        """Issue-to-completion seconds per optimizer step (completed collectives)."""
+        out: dict[int, float] = defaultdict(float)
+        for r in self.records:
+            if r.end is not None:
+                out[r.step] += r.end - r.start
+        return dict(out)
 
-    def step_records(self) -> list[_Record]:
-        return self.records[self._step_start :]
+    def step_counts(self) -> dict[int, int]:
+        """Collectives issued per optimizer step."""
+        out: dict[int, int] = defaultdict(int)
+        for r in self.records:
+            out[r.step] += 1
+        return dict(out)
 
     def clear(self) -> None:
         self.records.clear()
-        self._step_start = 0
 
     def totals(self, records: list[_Record] | None = None) -> dict[str, dict[str, float]]:
         """Per kind: count, bytes and seconds (completed collectives only for seconds)."""
@@ -127,7 +137,7 @@ def ddp_counting_hook(log: CollectiveLog):
         rec = log.start("all_reduce", buf.numel() * buf.element_size())
         buf.div_(world)
         fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
-        log.finish_on(rec, fut)
+        fut = log.finish_on(rec, fut)  # DDP waits on the chain, so the stamp is written first
         return fut.then(lambda f: f.value()[0])
 
     return hook

@@ -34,12 +34,12 @@ class RunStats:
     collectives: list[int] = field(default_factory=list)
     first_step: int = 0  # global step number of the first entry (after a resume)
 
-    def flush_losses(self) -> list[float]:
+    def flush_losses(self, device: torch.device | str = "cpu") -> list[float]:
         """All-reduce the not-yet-reduced local losses in one collective; return the new ones."""
         pending = self.local_losses[len(self.global_losses) :]
         if not pending:
             return []
-        t = all_reduce_mean(torch.tensor(pending, dtype=torch.float64))
+        t = all_reduce_mean(torch.tensor(pending, dtype=torch.float64, device=device))
         new = t.tolist()
         self.global_losses.extend(new)
         return new

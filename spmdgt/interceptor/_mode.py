@@ -1,0 +1,385 @@
+"""The per-rank op interceptor: one switch, one event stream, sinks on the stream.
+
+How it sees every op, and why it is built this way (numbers from ``benchmarks/
+bench_interceptor.py``, ``c = c*b + a`` on 64x64, 1 CPU thread, ~5.5 us/op untraced):
+
+* A bare ``TorchDispatchMode`` costs ~20 us/op here. ~3 us of that is the
+  ``torch._disable_dynamo`` wrapper ``TorchDispatchMode.__init_subclass__`` puts around every
+  ``__torch_dispatch__`` (``_should_skip_dynamo``; we opt out below); the rest is the C++ ->
+  Python mode trampoline (unboxing the stack into Python, ``find_torch_dispatch_rule``,
+  re-entering the op through ``OpOverload.__call__``). No Python dispatch mode fits a 2x budget.
+* A ``TorchFunctionMode`` costs ~5 us/op: it sees every torch call made from Python: forward ops,
+  the optimizer's ``_foreach_*`` calls, ``dist.all_reduce`` and friends (they honour
+  ``__torch_function__``), and ``Tensor.backward``. It does not see inside autograd or inside
+  DTensor's dispatch.
+* So the default (``level="torch"``) pushes only the function mode, and *escalates* the calls
+  that hide work: a call with a DTensor argument, and ``backward``/``autograd.grad``, run under
+  the dispatch mode (``_AtenMode``), which lets DTensor desugar first (it returns
+  ``NotImplemented`` for DTensor args, as ``CommDebugMode`` does) and then records the local
+  ATen ops and the functional collectives DTensor issues, and every op the autograd engine runs.
+  Those inner events have ``level=1`` and complete before their torch-level parent (level 0).
+* ``level="aten"`` pushes the dispatch mode for everything: exact ATen op counts, ~4x cost.
+
+When nothing is enabled no mode is pushed (``torch._C._len_torch_function_stack()`` and
+``_len_torch_dispatch_stack()`` stay 0) and nothing here is on any path. Events are buffered as
+raw tuples and handed to sinks in batches (``_BATCH``) and on a ~1 s tick, so memory is bounded.
+DDP's C++ reducer issues its all-reduces from C++ threads below every Python hook: invisible.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from spmdgt.interceptor._events import COLLECTIVE_KINDS, OpEvent, Sink, TensorSpec, classify
+from spmdgt.interceptor._events import op_name as _op_name
+
+__all__ = ["Interceptor", "get_interceptor"]
+
+_BATCH = 2048  # events buffered before sinks see them
+_TICK_NS = 1_000_000_000  # sinks' flush tick (top publication, log flush)
+_MAX_SPECS = 4  # tensor args remembered per op (foreach ops pass hundreds)
+
+_Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
+_perf_ns = time.perf_counter_ns
+_tuple_new = tuple.__new__
+
+
+def _spec(t: torch.Tensor) -> TensorSpec:
+    tt = type(t)
+    if tt is _Tensor or tt is _Parameter:
+        return _tuple_new(TensorSpec, (t.shape, t.dtype, None))
+    return _tuple_new(TensorSpec, (t.shape, t.dtype, getattr(t, "placements", None)))
+
+
+def _specs(values: Any) -> tuple:
+    """Specs of the tensor arguments (lists of tensors count their first few)."""
+    out = []
+    for a in values:
+        if isinstance(a, _Tensor):
+            out.append(_spec(a))
+        elif type(a) in (list, tuple) and a and isinstance(a[0], _Tensor):
+            for t in a[:_MAX_SPECS]:
+                if isinstance(t, _Tensor):
+                    out.append(_spec(t))
+        if len(out) >= _MAX_SPECS:
+            break
+    return tuple(out)
+
+
+def _out_specs(out: Any) -> tuple:
+    if isinstance(out, _Tensor):
+        return (_spec(out),)
+    if type(out) in (list, tuple):
+        return _specs(out)
+    return ()
+
+
+class _AtenMode(TorchDispatchMode):
+    """Records ATen ops (level 1 when escalated, 0 in ``level="aten"``); DTensor runs first."""
+
+    supports_higher_order_operators = True
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # The default wraps __torch_dispatch__ in torch._disable_dynamo: ~3 us per op. The mode
+        # is never active while dynamo traces (ignore_compile_internals below).
+        return False
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __init__(self, ic: Interceptor, level: int) -> None:
+        super().__init__()
+        self.ic = ic
+        self.level = level
+        from torch.distributed.tensor import DTensor
+
+        self._dtensor = DTensor
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **(kwargs or {}))
+        for t in types:
+            if issubclass(t, self._dtensor):
+                if self.level == 0:  # aten level: a marker that carries the placements
+                    ic = self.ic
+                    t0 = _perf_ns()
+                    ic._record(func, t0, 0, 0, _specs(args), ())
+                return NotImplemented
+        ic = self.ic
+        t0 = _perf_ns()
+        out = func(*args, **kwargs) if kwargs else func(*args)
+        t1 = _perf_ns()
+        ic._record(func, t0, t1 - t0, self.level, _specs(args), _out_specs(out))
+        return out
+
+
+_RECORD, _BACKWARD, _SKIP = 0, 1, 2
+# Metadata queries reach __torch_function__ too (``t.shape`` is ``Tensor.shape.__get__``); they
+# run no kernel, so they are not instructions.
+_METADATA = {
+    "__get__", "__set__", "size", "dim", "stride", "numel", "is_contiguous", "data_ptr",
+    "__len__", "__repr__", "__format__", "__hash__", "__bool__", "element_size", "nelement",
+    "is_floating_point", "is_complex", "storage_offset", "untyped_storage", "get_device",
+    "__reduce_ex__", "__deepcopy__", "__iter__", "__contains__", "__array__", "dim_order",
+    "ndimension", "is_set_to", "_is_view", "is_pinned", "__torch_function__",
+    "_has_compatible_shallow_copy_type", "__setstate__", "__getstate__", "type", "__dir__",
+    "register_hook", "retain_grad", "requires_grad_", "has_names", "_version", "__index__",
+}  # fmt: skip
+
+
+def _verdict(func: Any) -> int:
+    return _SKIP if getattr(func, "__name__", "") in _METADATA else _RECORD
+
+
+class _TorchMode(TorchFunctionMode):
+    """Records torch-level calls; escalates DTensor calls and backward to ``_AtenMode``."""
+
+    def __init__(self, ic: Interceptor) -> None:
+        super().__init__()
+        self.ic = ic
+        self.aten = _AtenMode(ic, 1)
+        # func -> _RECORD / _BACKWARD / _SKIP, decided once per callable (one dict lookup/op)
+        self.verdict: dict[Any, int] = {
+            _Tensor.backward: _BACKWARD,
+            torch.autograd.backward: _BACKWARD,
+            torch.autograd.grad: _BACKWARD,
+        }
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        verdict = self.verdict.get(func)
+        if verdict is None:
+            verdict = self.verdict[func] = _verdict(func)
+        if verdict == _SKIP:
+            return func(*args, **kwargs) if kwargs else func(*args)
+        ic = self.ic
+        ins = _specs(args)
+        escalate = verdict == _BACKWARD
+        if not escalate:
+            for s in ins:
+                if s[2] is not None:
+                    escalate = True
+                    break
+        if escalate:
+            old_phase = ic.phase
+            if verdict == _BACKWARD:
+                ic.phase = "bwd"
+            t0 = _perf_ns()
+            try:
+                with self.aten:
+                    out = func(*args, **kwargs) if kwargs else func(*args)
+            finally:
+                ic.phase = old_phase
+        else:
+            t0 = _perf_ns()
+            out = func(*args, **kwargs) if kwargs else func(*args)
+        t1 = _perf_ns()
+        ic._record(func, t0, t1 - t0, 0, ins, _out_specs(out))
+        return out
+
+
+class Interceptor:
+    """This rank's interceptor: the mode(s), the event buffer and the sinks.
+
+    One per process (``get_interceptor()``). ``start``/``stop`` push and pop the mode;
+    ``add_sink``/``remove_sink`` attach consumers. Not thread-safe by design: ops of one rank
+    are issued from one thread (the backward engine on CPU runs in the caller's thread; on CUDA
+    its worker threads inherit the mode and append under the GIL, which is safe for lists).
+    """
+
+    def __init__(self) -> None:
+        self.sinks: list[Sink] = []
+        self.level = "torch"
+        self.phase = "fwd"
+        self.seq = 0
+        self.active = False
+        self.origin_ns = _perf_ns()
+        self.origin_unix_ns = time.time_ns()
+        self._buf: list[tuple] = []
+        self._next_tick = 0
+        self._mode: Any = None
+        self._names: dict[Any, tuple[str, str]] = {}
+        self._signal: Callable[[], str | None] = _no_signal
+        self._opt_hooks: list[Any] = []
+        self._tick_callbacks: list[Callable[[], None]] = []
+        self._lock = threading.Lock()
+
+    # -- hot path ---------------------------------------------------------------------------
+    def _record(self, func, t0: int, dur: int, level: int, ins: tuple, outs: tuple) -> None:
+        self.seq += 1
+        buf = self._buf
+        buf.append((self.seq, t0, dur, func, level, self.phase, self._signal(), ins, outs))
+        if len(buf) >= _BATCH or t0 > self._next_tick:
+            self.drain(tick=t0 > self._next_tick)
+
+    # -- batch path -------------------------------------------------------------------------
+    def _name(self, func) -> tuple[str, str]:
+        got = self._names.get(func)
+        if got is None:
+            name = _op_name(func)
+            got = self._names[func] = (name, classify(name))
+        return got
+
+    def drain(self, tick: bool = False) -> None:
+        """Hand buffered events to the sinks (and, on a tick, let them flush/publish)."""
+        with self._lock:
+            raw, self._buf = self._buf, []
+            if raw:
+                events = []
+                names = self._name
+                for seq, t0, dur, func, level, phase, sig, ins, outs in raw:
+                    name, kind = names(func)
+                    if kind in COLLECTIVE_KINDS and kind == "comm":
+                        nbytes = _comm_bytes(ins, outs)
+                    else:
+                        nbytes = 0
+                    events.append(
+                        _tuple_new(
+                            OpEvent,
+                            (seq, t0, dur, name, kind, level, phase, sig, ins, outs, nbytes),
+                        )
+                    )
+                for sink in self.sinks:
+                    sink.on_events(events)
+            if tick:
+                self._next_tick = _perf_ns() + _TICK_NS
+                for sink in self.sinks:
+                    sink.flush()
+                for cb in self._tick_callbacks:
+                    cb()
+
+    # -- switch -----------------------------------------------------------------------------
+    def start(self, level: str = "torch") -> None:
+        """Push the mode (``level`` "torch": cheap, escalating; "aten": every ATen op)."""
+        if level not in ("torch", "aten"):
+            raise ValueError(f"interceptor level must be 'torch' or 'aten', got {level!r}")
+        if self.active:
+            if level == self.level:
+                return
+            self.stop(close_sinks=False)
+        self.level = level
+        self._signal = _signal_provider()
+        self._mode = _TorchMode(self) if level == "torch" else _AtenMode(self, 0)
+        self._mode.__enter__()
+        self._install_optimizer_hooks()
+        self._next_tick = _perf_ns() + _TICK_NS
+        self.active = True
+
+    def stop(self, close_sinks: bool = True) -> None:
+        """Pop the mode, deliver what is buffered, and (by default) close and drop the sinks."""
+        if self.active:
+            _pop_mode(self._mode)
+            self._mode = None
+            self.active = False
+            for h in self._opt_hooks:
+                h.remove()
+            self._opt_hooks.clear()
+        self.drain(tick=True)
+        if close_sinks:
+            for sink in self.sinks:
+                sink.close()
+            self.sinks.clear()
+            self._tick_callbacks.clear()
+
+    def add_sink(self, sink: Sink) -> Sink:
+        """Attach a sink; it sees events recorded from now on."""
+        self.drain()
+        self.sinks.append(sink)
+        return sink
+
+    def remove_sink(self, sink: Sink) -> None:
+        """Detach (and flush, not close) a sink."""
+        self.drain()
+        if sink in self.sinks:
+            self.sinks.remove(sink)
+            sink.flush()
+
+    def elapsed_s(self, t_ns: int) -> float:
+        return (t_ns - self.origin_ns) * 1e-9
+
+    def _install_optimizer_hooks(self) -> None:
+        from torch.optim.optimizer import (
+            register_optimizer_step_post_hook,
+            register_optimizer_step_pre_hook,
+        )
+
+        def pre(*_):
+            self.phase = "opt"
+
+        def post(*_):
+            self.phase = "fwd"
+
+        self._opt_hooks = [
+            register_optimizer_step_pre_hook(pre),
+            register_optimizer_step_post_hook(post),
+        ]
+
+
+def _pop_mode(mode: Any) -> None:
+    # Modes must leave in LIFO order; ours is pushed once at start and popped here.
+    mode.__exit__(None, None, None)
+
+
+def _no_signal() -> None:
+    return None
+
+
+def _signal_provider() -> Callable[[], str | None]:
+    try:
+        from spmdgt.signal import current_signal
+    except ImportError:  # the signal layer is optional to the interceptor
+        return _no_signal
+    return current_signal
+
+
+def _comm_bytes(ins: tuple, outs: tuple) -> int:
+    """Bytes a collective moves on this rank: the larger of its input and output payloads."""
+
+    def size(specs: tuple) -> int:
+        total = 0
+        for s in specs:
+            n = 1
+            for d in s[0]:
+                n *= d
+            total += n * s[1].itemsize
+        return total
+
+    return max(size(ins), size(outs))
+
+
+_INTERCEPTOR: Interceptor | None = None
+
+
+def get_interceptor() -> Interceptor:
+    """The process's interceptor (created on first use; creating it pushes nothing)."""
+    global _INTERCEPTOR
+    if _INTERCEPTOR is None:
+        _INTERCEPTOR = Interceptor()
+    return _INTERCEPTOR
+
+
+def env_rank() -> tuple[int, int]:
+    """(rank, world) without initialising anything: the runtime if up, else torchrun's env."""
+    try:
+        from spmdgt.runtime import _state
+
+        rt = _state._runtime
+        if rt is not None:
+            return rt.rank, rt.world_size
+    except ImportError:
+        pass
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", "0") or 0), int(os.environ.get("WORLD_SIZE", "1") or 1)

@@ -1,0 +1,47 @@
+"""Distributed training on torch's own engines: DDP, FSDP2 and YAML tensor-parallel placements.
+
+One process: ``python train.py``. N processes: ``torchrun --nproc_per_node=N train.py``::
+
+    from spmdgt.train import DistributedTrainer, OptimizedDataLoader
+
+    loader = OptimizedDataLoader.create(dataset, batch_size=32)
+    trainer = DistributedTrainer(model, optimizer, strategy="fsdp", loss_fn=F.cross_entropy,
+                                 gradient_accumulation_steps=4, max_grad_norm=1.0)
+    summary = trainer.train(loader, epochs=2)
+
+The full guide is docs/trainer.md. Machinery: ``_strategies`` (wrapping), ``_trainer`` (the
+loop), ``_checkpoint`` (atomic DCP checkpoints), ``_comm`` (collective algebra and logging),
+``_profilers``, ``_summary``, ``_data``, ``_config``.
+"""
+
+from spmdgt.train._comm import CollectiveLog, CommunicationProfiler, measure_bandwidth
+from spmdgt.train._config import (
+    CheckpointConfig,
+    DDPConfig,
+    FSDPConfig,
+    SchedulerConfig,
+    TrainConfig,
+    TrainingConfig,
+    load_train_config,
+)
+from spmdgt.train._data import OptimizedDataLoader, ResumableDistributedSampler
+from spmdgt.train._profilers import PerformanceProfiler
+from spmdgt.train._trainer import DistributedTrainer, build_scheduler
+
+__all__ = [
+    "CheckpointConfig",
+    "CollectiveLog",
+    "CommunicationProfiler",
+    "DDPConfig",
+    "DistributedTrainer",
+    "FSDPConfig",
+    "OptimizedDataLoader",
+    "PerformanceProfiler",
+    "ResumableDistributedSampler",
+    "SchedulerConfig",
+    "TrainConfig",
+    "TrainingConfig",
+    "build_scheduler",
+    "load_train_config",
+    "measure_bandwidth",
+]

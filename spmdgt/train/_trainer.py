@@ -1,0 +1,569 @@
+"""``DistributedTrainer``: one training loop over DDP, FSDP2 or tensor-parallel placements.
+
+Run on one process with plain ``python train.py`` (nothing is wrapped, no process group is
+made) or on N with ``torchrun --nproc_per_node=N train.py`` (gloo on CPU, NCCL on CUDA). Every
+rank runs the same loop; rank 0 alone prints, draws the progress bar and writes TensorBoard.
+
+The loop, per optimizer step: ``gradient_accumulation_steps`` micro-steps (forward under
+autocast when AMP is on, backward on ``loss / micro_steps``; all but the last inside
+``no_sync``, so gradients are communicated once per step), optional global-norm clipping
+(correct for sharded parameters), the optimizer and scheduler step, a checkpoint every
+``checkpoint.every_steps``. See ``_strategies`` for the wrapping, ``_checkpoint`` for the
+atomic DCP checkpoints, ``_summary`` for what is measured and how.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from spmdgt import runtime
+from spmdgt.config import ConfigError
+from spmdgt.train._checkpoint import find_latest, load_checkpoint, save_checkpoint
+from spmdgt.train._config import STRATEGIES, SchedulerConfig, TrainConfig, load_train_config
+from spmdgt.train._data import ResumableDistributedSampler
+from spmdgt.train._profilers import current_memory_bytes, peak_memory_bytes
+from spmdgt.train._strategies import Wrapped, all_reduce_mean, clip_grad_norm, wrap_model
+from spmdgt.train._summary import (
+    MetricsLogger,
+    ProgressBar,
+    RunStats,
+    build_summary,
+    format_summary,
+)
+
+__all__ = ["DistributedTrainer", "build_scheduler"]
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: SchedulerConfig
+) -> torch.optim.lr_scheduler.LRScheduler | None:
+    """A ``LambdaLR`` for ``cfg`` (None for ``constant``): warm-up, then linear or cosine decay."""
+    if cfg.type == "constant" and cfg.warmup_steps == 0:
+        return None
+    warm, total = cfg.warmup_steps, cfg.total_steps or 0
+
+    def factor(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        if cfg.type == "constant":
+            return 1.0
+        progress = min((step - warm) / max(total - warm, 1), 1.0)
+        if cfg.type == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * progress))
+        return 1.0 - progress
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+class DistributedTrainer:
+    """Train ``model`` with ``optimizer`` on every rank under one of three strategies.
+
+    Batches are ``(inputs, targets)`` and the loss is ``loss_fn(model(inputs), targets)``;
+    with ``loss_fn=None`` the model's output (a scalar tensor) is the loss, and a batch that is
+    not a pair is passed to the model whole. Arguments left as ``None`` take their value from
+    ``config`` (a ``TrainConfig`` or a YAML path), then from ``TrainConfig``'s defaults.
+
+    The optimizer must be built on ``model.parameters()`` *before* it is given here; FSDP2 and
+    tensor parallelism swap parameters for DTensors in place, so the trainer rebuilds the
+    optimizer's param groups over the wrapped model's parameters (same order, same options).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        strategy: str | None = None,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        backend: str | None = None,
+        use_amp: bool | None = None,
+        gradient_accumulation_steps: int | None = None,
+        find_unused_parameters: bool = False,
+        max_grad_norm: float | None = None,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        logdir: str | None = None,
+        config: TrainConfig | str | os.PathLike | None = None,
+        *,
+        amp_dtype: torch.dtype | None = None,
+        log_every: int = 10,
+    ) -> None:
+        if config is None:
+            cfg = TrainConfig()
+        elif isinstance(config, TrainConfig):
+            cfg = config
+        elif isinstance(config, (str, os.PathLike)):
+            cfg = load_train_config(config)
+        else:
+            raise TypeError(f"config must be a TrainConfig or a YAML path, got {type(config)}")
+        strategy = strategy if strategy is not None else cfg.strategy
+        if strategy not in STRATEGIES:
+            raise ConfigError(
+                f"unknown strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}",
+                key="strategy",
+                value=strategy,
+            )
+        if strategy == "placements" and not cfg.placements:
+            raise ConfigError(
+                "strategy 'placements' needs config.placements (module-name glob -> colwise | "
+                "rowwise | replicate)",
+                key="placements",
+            )
+        t = cfg.training
+        self.config = cfg
+        self.strategy = strategy
+        self.loss_fn = loss_fn
+        self.accum = gradient_accumulation_steps or t.gradient_accumulation_steps
+        if self.accum < 1:
+            raise ValueError(f"gradient_accumulation_steps must be >= 1, got {self.accum}")
+        self.max_grad_norm = max_grad_norm if max_grad_norm is not None else t.max_grad_norm
+        self.logdir = logdir if logdir is not None else cfg.logdir
+        self.log_every = max(1, log_every)
+        self.rt = runtime.init(backend)
+        self.device = self.rt.device
+        use_amp = t.use_amp if use_amp is None else use_amp
+
+        # AMP: bf16 autocast on CPU; on CUDA bf16 when the card has it, else fp16 + GradScaler.
+        self.scaler = None
+        if amp_dtype is None:
+            amp_dtype = torch.bfloat16
+            if self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
+                amp_dtype = torch.float16
+        if use_amp and amp_dtype == torch.float16:
+            if self.device.type != "cuda" or strategy == "fsdp":
+                raise ValueError(
+                    "fp16 AMP needs CUDA and the ddp strategy (FSDP mixed precision uses bf16)"
+                )
+            self.scaler = torch.amp.GradScaler("cuda")
+        self.amp_dtype = amp_dtype
+
+        mesh = runtime.device_mesh() if self.rt.world_size > 1 else None
+        old_params = list(model.parameters())
+        self.wrapped: Wrapped = wrap_model(
+            model,
+            strategy,
+            device=self.device,
+            world_size=self.rt.world_size,
+            backend=self.rt.backend,
+            use_amp=use_amp,
+            amp_dtype=amp_dtype,
+            find_unused_parameters=find_unused_parameters,
+            ddp=cfg.ddp,
+            fsdp=cfg.fsdp,
+            placements=cfg.placements,
+            mesh=mesh,
+        )
+        self.model = self.wrapped.module
+        self.optimizer = optimizer
+        self._rebind_optimizer(old_params, list(model.parameters()))
+        self.scheduler = scheduler or build_scheduler(optimizer, t.scheduler)
+        self.global_step = 0
+        self._epoch = 0
+        self._samples_in_epoch = 0  # global samples consumed in the current epoch
+        self._resumed_from: str | None = None
+
+    # ------------------------------------------------------------------ setup helpers
+
+    def _rebind_optimizer(self, old: list[nn.Parameter], new: list[nn.Parameter]) -> None:
+        """Point the optimizer at the wrapped model's parameters (FSDP/TP replace them)."""
+        if all(a is b for a, b in zip(old, new)) and len(old) == len(new):
+            return
+        index = {id(p): i for i, p in enumerate(old)}
+        if self.optimizer.state:
+            raise ValueError("the optimizer already has state; hand it over before any step")
+        for group in self.optimizer.param_groups:
+            try:
+                group["params"] = [new[index[id(p)]] for p in group["params"]]
+            except KeyError:
+                raise ValueError(
+                    "the optimizer holds parameters that are not the model's; build it with "
+                    "optimizer_cls(model.parameters(), ...)"
+                ) from None
+
+    def _unpack(self, batch: object) -> tuple[object, torch.Tensor | None]:
+        if isinstance(batch, (tuple, list)) and len(batch) == 2:
+            inputs, targets = batch
+        elif self.loss_fn is None:
+            inputs, targets = batch, None
+        else:
+            raise ValueError(
+                "with a loss_fn, batches must be (inputs, targets) pairs; got "
+                f"{type(batch).__name__}"
+            )
+        return _to(inputs, self.device), _to(targets, self.device)
+
+    def _loss(self, inputs: object, targets: torch.Tensor | None) -> torch.Tensor:
+        out = self.model(inputs)
+        if self.loss_fn is not None:
+            loss = self.loss_fn(out, targets)
+        elif targets is not None and not (isinstance(out, torch.Tensor) and out.ndim == 0):
+            raise ValueError(
+                "no loss_fn was given and the model did not return a scalar loss; pass "
+                "loss_fn=... (e.g. nn.functional.cross_entropy)"
+            )
+        else:
+            loss = out
+        if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+            raise ValueError(f"the loss must be a scalar tensor, got {_describe(loss)}")
+        if hasattr(loss, "full_tensor"):  # a DTensor loss (tensor parallel) -> plain
+            loss = loss.full_tensor()
+        return loss
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        dtype = self.wrapped.autocast_dtype
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=dtype)
+
+    def _check_loader(self, loader: Iterable) -> int | None:
+        """Every rank must run equally many batches, or a collective would hang: check once."""
+        try:
+            n = len(loader)  # type: ignore[arg-type]
+        except TypeError:
+            return None
+        if self.rt.world_size > 1:
+            t = torch.tensor([n], device=self._comm_device())
+            out = [torch.zeros_like(t) for _ in range(self.rt.world_size)]
+            dist.all_gather(out, t)
+            lens = [int(x.item()) for x in out]
+            if len(set(lens)) > 1:
+                raise ValueError(
+                    "ranks have different numbers of batches per epoch, which would hang the "
+                    "first collective one rank skips: "
+                    + ", ".join(f"rank {r}: {v}" for r, v in enumerate(lens))
+                    + "; use OptimizedDataLoader.create (DistributedSampler pads evenly)"
+                )
+        return n
+
+    def _check_same_batch(self, inputs: object) -> None:
+        """Tensor parallelism needs the same batch on every rank; check the first one."""
+        if self.rt.world_size == 1 or not isinstance(inputs, torch.Tensor):
+            return
+        t = torch.stack([inputs.double().sum(), (inputs.double() ** 2).sum()]).to(
+            self._comm_device()
+        )
+        out = [torch.zeros_like(t) for _ in range(self.rt.world_size)]
+        dist.all_gather(out, t)
+        if any(not torch.equal(o, out[0]) for o in out):
+            raise ValueError(
+                "strategy 'placements' (tensor parallel) needs the same batch on every rank, "
+                "but the first batches differ (checksums: "
+                + ", ".join(f"rank {r}: {o[0].item():.6g}" for r, o in enumerate(out))
+                + "); create the loader with OptimizedDataLoader.create(..., shard=False)"
+            )
+
+    def _comm_device(self) -> torch.device:
+        return self.device if self.rt.backend == "nccl" else torch.device("cpu")
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _trainer_state(self) -> dict:
+        return {
+            "step": self.global_step,
+            "epoch": self._epoch,
+            "samples_in_epoch": self._samples_in_epoch,
+            "scheduler": self.scheduler.state_dict() if self.scheduler else None,
+            "scaler": self.scaler.state_dict() if self.scaler else None,
+            "world_size": self.rt.world_size,
+        }
+
+    def save_checkpoint(self, directory: str | os.PathLike | None = None) -> str:
+        """Write a checkpoint of everything needed to resume (collective: all ranks call it)."""
+        directory = directory or self.config.checkpoint.dir
+        if directory is None:
+            raise ValueError("no checkpoint directory: pass one or set checkpoint.dir")
+        path = save_checkpoint(
+            directory,
+            self.global_step,
+            self.model,
+            self.optimizer,
+            self._trainer_state(),
+            keep_last=self.config.checkpoint.keep_last,
+        )
+        return str(path)
+
+    def load_checkpoint(self, path: str | os.PathLike) -> None:
+        """Restore model, optimizer, scheduler, scaler, RNG and data position from ``path``.
+
+        ``path`` is one ``step_<n>`` checkpoint or a checkpoint directory (its newest)."""
+        found = find_latest(path) if not os.path.isfile(os.path.join(path, ".metadata")) else path
+        if found is None:
+            raise FileNotFoundError(f"no complete checkpoint under {path}")
+        extra = load_checkpoint(found, self.model, self.optimizer)
+        self.global_step = extra["step"]
+        self._epoch = extra["epoch"]
+        self._samples_in_epoch = extra["samples_in_epoch"]
+        if self.scheduler is not None and extra["scheduler"] is not None:
+            self.scheduler.load_state_dict(extra["scheduler"])
+        if self.scaler is not None and extra["scaler"] is not None:
+            self.scaler.load_state_dict(extra["scaler"])
+        self._resumed_from = str(found)
+
+    # ------------------------------------------------------------------ the loop
+
+    def train(
+        self,
+        train_loader: Iterable,
+        val_loader: Iterable | None = None,
+        epochs: int | None = None,
+        profile: bool | None = None,
+        max_steps: int | None = None,
+    ) -> dict:
+        """Train for ``epochs`` (or until ``max_steps`` optimizer steps); return the summary.
+
+        Resumes from the newest checkpoint in ``checkpoint.dir`` when ``checkpoint.resume`` is
+        set. The summary dict is printed on rank 0 as "Training Summary".
+        """
+        cfg = self.config
+        epochs = epochs or cfg.training.epochs
+        profile = cfg.profile if profile is None else profile
+        ck = cfg.checkpoint
+        if ck.dir and ck.resume and self._resumed_from is None:
+            found = find_latest(ck.dir)
+            if found is not None:
+                self.load_checkpoint(found)
+                runtime.print0(f"resumed from {found} at step {self.global_step}")
+        n_batches = self._check_loader(train_loader)
+        dp = self.wrapped.data_parallel_size
+        stats = RunStats(first_step=self.global_step)
+        log = self.wrapped.log
+        log.clear()
+        metrics = MetricsLogger(self.logdir, self.rt.is_main_process)
+        total = max_steps
+        if total is None and n_batches is not None:
+            total = epochs * math.ceil(n_batches / self.accum)
+        bar = ProgressBar(total, self.rt.is_main_process)
+        prof = self._make_profiler() if profile else None
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        checked_batch = self.strategy != "placements"
+        val_loss = None
+        stop = False
+        if prof is not None:
+            prof.__enter__()
+        try:
+            for epoch in range(self._epoch, epochs):
+                self._epoch = epoch
+                sampler = getattr(train_loader, "sampler", None)
+                if hasattr(sampler, "set_epoch"):
+                    sampler.set_epoch(epoch)
+                # Resume mid-epoch: skip the samples this rank consumed before the checkpoint
+                # (global count / data-parallel ranks, so a different world size works too).
+                skip = self._samples_in_epoch // dp
+                skip_batches = 0
+                if skip and isinstance(sampler, ResumableDistributedSampler):
+                    sampler.skip_samples = skip  # the sampler starts after them: no re-reads
+                elif skip:
+                    skip_batches = skip // _bs(train_loader)
+                left = _len(train_loader)
+                batches = iter(train_loader)
+                for _ in range(skip_batches):
+                    next(batches)
+                if left is not None:
+                    left -= skip_batches
+                self.model.train()
+                t0 = time.perf_counter()
+                while not stop:
+                    group = self.accum if left is None else min(self.accum, left)
+                    if group <= 0:
+                        break
+                    log.step = self.global_step
+                    loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
+                    samples = tokens = 0
+                    done = 0
+                    for micro in range(group):
+                        try:
+                            batch = next(batches)
+                        except StopIteration:
+                            break
+                        inputs, targets = self._unpack(batch)
+                        if not checked_batch:
+                            self._check_same_batch(inputs)
+                            checked_batch = True
+                        samples += _num_samples(inputs)
+                        tokens += _num_tokens(inputs)
+                        last = micro == group - 1
+                        sync = contextlib.nullcontext() if last else self.wrapped.no_sync()
+                        with sync:
+                            with self._autocast(), self.wrapped.comm_context():
+                                loss = self._loss(inputs, targets)
+                            scaled = loss.float() / group
+                            if self.scaler is not None:
+                                self.scaler.scale(scaled).backward()
+                            else:
+                                scaled.backward()
+                        loss_sum += loss.detach().float()
+                        done += 1
+                    if done == 0:
+                        break
+                    if done < group:  # an unsized loader ran out mid-group: fix the scale
+                        for p in params:
+                            if p.grad is not None:
+                                p.grad.mul_(group / done)
+                    self._optimizer_step(params)
+                    if left is not None:
+                        left -= done
+                    self.global_step += 1
+                    self._samples_in_epoch += samples * dp
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize(self.device)
+                    t1 = time.perf_counter()
+                    stats.step_times.append(t1 - t0)
+                    stats.local_losses.append(float(loss_sum.item()) / done)
+                    stats.samples.append(samples * dp)
+                    stats.tokens.append(tokens * dp)
+                    stats.lrs.append(self.optimizer.param_groups[0]["lr"])
+                    stats.memory.append(current_memory_bytes(self.device))
+                    bar.update(self.global_step, stats.local_losses[-1], t1 - t0)
+                    if prof is not None:
+                        prof.step()
+                    if len(stats.local_losses) % self.log_every == 0:
+                        self._log_metrics(stats, metrics)
+                    if max_steps is not None and self.global_step >= max_steps:
+                        stop = True
+                    if ck.dir and ck.every_steps and self.global_step % ck.every_steps == 0:
+                        self.save_checkpoint()
+                    t0 = time.perf_counter()  # the checkpoint write is not a training step
+                if stop:
+                    break
+                self._samples_in_epoch = 0
+                self._epoch = epoch + 1
+                if val_loader is not None:
+                    val_loss = self.evaluate(val_loader)
+                    metrics.scalars(self.global_step, {"val/loss": val_loss})
+        finally:
+            if prof is not None:
+                prof.__exit__(None, None, None)
+            bar.close()
+        self._log_metrics(stats, metrics)
+        ran = bool(stats.step_times)
+        if ck.dir and ran and (not ck.every_steps or self.global_step % ck.every_steps != 0):
+            self.save_checkpoint()
+        counts, secs = log.step_counts(), log.step_seconds()
+        first = stats.first_step
+        for i in range(len(stats.step_times)):
+            stats.collectives.append(counts.get(first + i, 0))
+            stats.comm_sec.append(secs.get(first + i, 0.0))
+        summary = build_summary(
+            stats,
+            warmup_steps=cfg.training.warmup_steps,
+            peak_memory=peak_memory_bytes(self.device),
+            memory_kind="cuda_allocated" if self.device.type == "cuda" else "cpu_rss",
+            world_size=self.rt.world_size,
+            strategy=self.strategy,
+            val_loss=val_loss,
+        )
+        metrics.close()
+        self.last_stats = stats
+        runtime.print0(format_summary(summary))
+        return summary
+
+    def _optimizer_step(self, params: list[nn.Parameter]) -> None:
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        if self.max_grad_norm is not None:
+            clip_grad_norm(params, self.max_grad_norm)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scheduler is not None:
+            self.scheduler.step()
+
+    def _log_metrics(self, stats: RunStats, metrics: MetricsLogger) -> None:
+        """All-reduce pending losses (one collective) and write the steps' scalars."""
+        start = len(stats.global_losses)
+        new = stats.flush_losses(self._comm_device())
+        for i, loss in enumerate(new, start=start):
+            dt = stats.step_times[i]
+            metrics.scalars(
+                stats.first_step + i + 1,
+                {
+                    "train/loss": loss,
+                    "train/lr": stats.lrs[i],
+                    "perf/step_time_sec": dt,
+                    "perf/throughput_samples_per_sec": stats.samples[i] / dt if dt else None,
+                    "perf/memory_gb": stats.memory[i] / 1e9,
+                },
+            )
+
+    def _make_profiler(self) -> torch.profiler.profile:
+        """Per-rank ``torch.profiler`` traces under ``<logdir>/profile`` (``./profiles``)."""
+        from torch.profiler import ProfilerActivity, schedule, tensorboard_trace_handler
+
+        out = os.path.join(self.logdir, "profile") if self.logdir else "./profiles"
+        acts = [ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            acts.append(ProfilerActivity.CUDA)
+        return torch.profiler.profile(
+            activities=acts,
+            schedule=schedule(wait=1, warmup=1, active=3, repeat=1),
+            on_trace_ready=tensorboard_trace_handler(out, worker_name=f"rank{self.rt.rank}"),
+            profile_memory=True,
+        )
+
+    @torch.no_grad()
+    def evaluate(self, loader: Iterable) -> float:
+        """Mean loss over ``loader`` (per-rank mean, then averaged across ranks)."""
+        self.model.eval()
+        total = torch.zeros((), dtype=torch.float64)
+        n = 0
+        for batch in loader:
+            inputs, targets = self._unpack(batch)
+            with self._autocast(), self.wrapped.comm_context():
+                total += self._loss(inputs, targets).double().cpu()
+            n += 1
+        self.model.train()
+        mean = total / max(n, 1)
+        return float(all_reduce_mean(mean.to(self._comm_device())).item())
+
+
+def _len(loader: object) -> int | None:
+    try:
+        return len(loader)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def _bs(loader: object) -> int:
+    return getattr(loader, "batch_size", None) or 1
+
+
+def _to(x: object, device: torch.device) -> object:
+    if isinstance(x, torch.Tensor):
+        return x.to(device, non_blocking=True)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to(v, device) for v in x)
+    if isinstance(x, dict):
+        return {k: _to(v, device) for k, v in x.items()}
+    return x
+
+
+def _num_samples(x: object) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.shape[0] if x.ndim else 1
+    if isinstance(x, (list, tuple)) and x:
+        return _num_samples(x[0])
+    if isinstance(x, dict) and x:
+        return _num_samples(next(iter(x.values())))
+    return 1
+
+
+def _num_tokens(x: object) -> int:
+    """Token count of an integer id tensor ``[batch, seq, ...]``; 0 when not token ids."""
+    if isinstance(x, torch.Tensor) and x.ndim >= 2 and not x.is_floating_point():
+        return x.numel()
+    return 0
+
+
+def _describe(x: object) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a tensor of shape {tuple(x.shape)}"
+    return type(x).__name__

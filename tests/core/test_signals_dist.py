@@ -1,0 +1,217 @@
+"""Signals on N ranks: sub-meshes, GT's pipeline pattern, backward placements, auto-shard."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from tests._dist import run_ranks
+
+PIPELINE_YAML = textwrap.dedent(
+    """
+    stage_1:
+      shard: {axis: 0, workers: [0, 1]}
+      backward: stage_1_backward
+    stage_1_backward:
+      shard: {axis: 1, workers: [0, 1]}
+    stage_2:
+      shard: {axis: 0, workers: [2, 3]}
+      backward: stage_2_backward
+    stage_2_backward:
+      shard: {axis: 0, workers: [2, 3], replicated: true}
+    """
+)
+
+
+def _pipeline(rank, world, path):
+    import spmdgt as gt
+
+    gt.load_config(path)
+    gt.manual_seed(0)
+    with gt.signal.context("stage_1"):
+        x = gt.randn(9, 6, requires_grad=True)
+        w1 = gt.randn(6, 5, requires_grad=True)
+        h = torch.relu(x @ w1)
+    with gt.signal.context("stage_2"):
+        w2 = gt.randn(5, 3, requires_grad=True)
+        y = h @ w2
+        loss = (y * y).mean()
+    loss.backward()
+    torch.manual_seed(0)
+    rx = torch.randn(9, 6, requires_grad=True)
+    rw1 = torch.randn(6, 5, requires_grad=True)
+    rw2 = torch.randn(5, 3, requires_grad=True)
+    rloss = ((torch.relu(rx @ rw1) @ rw2) ** 2).mean()
+    rloss.backward()
+    return {
+        "loss": (loss.item(), rloss.item()),
+        "grads": [(t.grad.numpy(), r.grad.numpy()) for t, r in ((x, rx), (w1, rw1), (w2, rw2))],
+        "x_mesh": x.device_mesh.mesh.tolist(),
+        "y_mesh": y.device_mesh.mesh.tolist(),
+        "x_grad_place": x.grad.placements,
+        "w2_grad_place": w2.grad.placements,
+        "x_local": tuple(x.to_local().shape),
+        "y_local": tuple(y.to_local().shape),
+    }
+
+
+def test_pipeline_stages_move_values_forward_and_backward(tmp_path):
+    path = tmp_path / "pipe.yaml"
+    path.write_text(PIPELINE_YAML)
+    results = run_ranks(_pipeline, 4, tmp_path, str(path))
+    for rank, r in enumerate(results):
+        got, ref = r["loss"]
+        assert abs(got - ref) < 1e-5
+        for g, rg in r["grads"]:
+            torch.testing.assert_close(torch.tensor(g), torch.tensor(rg), rtol=1e-5, atol=1e-6)
+        assert r["x_mesh"] == [0, 1] and r["y_mesh"] == [2, 3]
+        # backward signals applied: stage_1's grads Shard(1), stage_2's replicated
+        assert r["x_grad_place"] == (Shard(1),)
+        assert r["w2_grad_place"] == (Replicate(),)
+        # only the stage's ranks hold data (9 rows -> 5 + 4)
+        assert r["x_local"] == ((5, 6), (4, 6), (0,), (0,))[rank] or (
+            rank >= 2 and r["x_local"][0] == 0
+        )
+        assert (r["y_local"][0] > 0) == (rank >= 2)
+
+
+def _workers_and_unknown(rank, world):
+    import warnings
+
+    import spmdgt as gt
+
+    gt.register_config("few", gt.SignalConfig(shard=gt.ShardConfig(axis=0, workers=[1])))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gt.register_config(
+            "many", gt.SignalConfig(shard=gt.ShardConfig(axis=1, workers=[0, 1, 2, 3, 4]))
+        )
+        gt.manual_seed(1)
+        with gt.signal.context("many"):
+            a = gt.randn(4, 7)
+        gt.manual_seed(1)
+        with gt.signal.context("few"):
+            b = gt.randn(4, 7)
+        gt.manual_seed(1)
+        with gt.signal.context("not_in_config"):
+            c = gt.randn(4, 7)
+        with gt.signal.context("few"), gt.signal.context("many"):
+            inner = gt.signal.current_signal()
+            d = gt.zeros(2, 4)
+        outer_after = gt.signal.current_signal()
+    return {
+        "a": (a.numpy(), a.placements, a.device_mesh.mesh.tolist()),
+        "b": (b.numpy(), b.device_mesh.mesh.tolist(), tuple(b.to_local().shape)),
+        "c_plain": type(c) is torch.Tensor,
+        "c": c.numpy(),
+        "inner": inner,
+        "outer": outer_after,
+        "d_place": d.placements,
+        "warned": [str(w.message) for w in caught if "workers" in str(w.message)],
+    }
+
+
+def test_workers_subset_unknown_signal_and_too_many_workers(tmp_path):
+    r0, r1 = run_ranks(_workers_and_unknown, 2, tmp_path)
+    torch.manual_seed(1)
+    ref = torch.randn(4, 7)
+    for r in (r0, r1):
+        torch.testing.assert_close(torch.tensor(r["a"][0]), ref)
+        assert r["a"][1] == (Shard(1),) and r["a"][2] == [0, 1]
+        torch.testing.assert_close(torch.tensor(r["b"][0]), ref)
+        assert r["b"][1] == [1]
+        assert r["c_plain"]  # unknown signal: ignored, replicated
+        torch.testing.assert_close(torch.tensor(r["c"]), ref)
+        assert r["inner"] == "many" and r["outer"] is None
+        assert r["d_place"] == (Shard(1),)
+        assert len(r["warned"]) == 1 and "[2, 3, 4]" in r["warned"][0]
+    assert r0["b"][2] == (0,) and r1["b"][2] == (4, 7)
+
+
+def _auto_shard(rank, world):
+    import spmdgt as gt
+
+    gt.manual_seed(2)
+    even = gt.randn(8, 3)
+    odd = gt.randn(13, 3)
+    scalar = gt.tensor(3.0)
+    gt.manual_seed(2)
+    ref_even = torch.randn(8, 3)
+    ref_odd = torch.randn(13, 3)
+    w = gt.randn(3, 4)  # 3 % 2 != 0: replicated
+    y = (even @ w).relu().sum(axis=0)
+    return {
+        "even": (type(even).__name__, getattr(even, "placements", None), even.numpy()),
+        "odd_plain": type(odd) is torch.Tensor,
+        "odd": odd.numpy(),
+        "scalar_plain": type(scalar) is torch.Tensor,
+        "ref": (ref_even.numpy(), ref_odd.numpy()),
+        "y": y.numpy(),
+        "y_ref": (ref_even @ w).relu().sum(0).numpy(),
+    }
+
+
+def test_auto_shard_even_sizes_shard_uneven_replicate(tmp_path):
+    for r in run_ranks(_auto_shard, 2, tmp_path, env={"GT_AUTO_SHARD": "1"}):
+        assert r["even"][0] == "Tensor" and r["even"][1] == (Shard(0),)
+        torch.testing.assert_close(torch.tensor(r["even"][2]), torch.tensor(r["ref"][0]))
+        assert r["odd_plain"] and r["scalar_plain"]
+        torch.testing.assert_close(torch.tensor(r["odd"]), torch.tensor(r["ref"][1]))
+        torch.testing.assert_close(torch.tensor(r["y"]), torch.tensor(r["y_ref"]))
+
+
+def _shape_mismatch(rank, world):
+    import spmdgt as gt
+
+    gt.register_config("s", gt.SignalConfig(shard=gt.ShardConfig(axis=0)))
+    with gt.signal.context("s"):
+        gt.tensor([[1.0, 2.0]] * (3 + rank))
+
+
+def test_ranks_disagreeing_on_a_shape_get_one_clear_error(tmp_path):
+    with pytest.raises(AssertionError) as info:
+        run_ranks(_shape_mismatch, 2, tmp_path, timeout=60)
+    text = str(info.value)
+    assert "ranks disagree on the shape (rank 0: (3, 2); rank 1: (4, 2))" in text
+    assert "timed out" not in text
+
+
+def _bad_axis(rank, world):
+    import spmdgt as gt
+
+    gt.register_config("s", gt.SignalConfig(shard=gt.ShardConfig(axis=2)))
+    with gt.signal.context("s"):
+        gt.randn(3, 4)
+
+
+def test_axis_out_of_range_for_tensor_names_signal_and_shape(tmp_path):
+    with pytest.raises(AssertionError) as info:
+        run_ranks(_bad_axis, 2, tmp_path, timeout=60)
+    assert "signal 's', key 'shard.axis': axis 2 is out of range for a tensor of shape (3, 4)" in (
+        str(info.value)
+    )
+
+
+def _signal_tensor(rank, world):
+    import spmdgt as gt
+
+    gt.register_config("rows", gt.SignalConfig(shard=gt.ShardConfig(axis=0)))
+    gt.register_config("cols", gt.SignalConfig(shard=gt.ShardConfig(axis=1)))
+    torch.manual_seed(0)
+    w = torch.randn(5, 3, requires_grad=True)
+    ws = gt.signal.tensor(w, "rows")
+    wc = gt.signal.tensor(ws, "cols")
+    loss = (wc * wc).sum() + ws.sum()
+    loss.backward()
+    return ws.placements, wc.placements, isinstance(ws, DTensor), w.grad.numpy(), (
+        2 * w + 1
+    ).detach().numpy()
+
+
+def test_signal_tensor_places_existing_tensor_differentiably(tmp_path):
+    for ps, pc, is_dt, grad, ref in run_ranks(_signal_tensor, 2, tmp_path):
+        assert is_dt and ps == (Shard(0),) and pc == (Shard(1),)
+        torch.testing.assert_close(torch.tensor(grad), torch.tensor(ref))
