@@ -44,28 +44,28 @@ class ShardConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.axis, bool) or not isinstance(self.axis, int):
-            raise ConfigError(f"axis must be an int, got {self.axis!r}", key="shard.axis")
+            raise ConfigError(f"axis must be an int, got {self.axis!r}", key="axis")
         if self.axis < 0:
             raise ConfigError(
-                f"axis must be >= 0, got {self.axis}", key="shard.axis", value=self.axis
+                f"axis must be >= 0, got {self.axis}", key="axis", value=self.axis
             )
         if self.workers is not None:
             if len(self.workers) == 0:
                 raise ConfigError(
-                    "workers is empty; omit it to use every rank", key="shard.workers", value=[]
+                    "workers is empty; omit it to use every rank", key="workers", value=[]
                 )
             bad = [w for w in self.workers if isinstance(w, bool) or not isinstance(w, int)]
             bad += [w for w in self.workers if isinstance(w, int) and w < 0]
             if bad:
                 raise ConfigError(
                     f"workers must be non-negative ranks, got {bad[0]!r}",
-                    key="shard.workers",
+                    key="workers",
                     value=self.workers,
                 )
             if len(set(self.workers)) != len(self.workers):
                 raise ConfigError(
                     f"workers lists a rank twice: {self.workers}",
-                    key="shard.workers",
+                    key="workers",
                     value=self.workers,
                 )
 

@@ -64,12 +64,16 @@ def _coerce(tp: Any, value: Any, ctx: dict, key: str) -> Any:
     if tp is Any:
         return value
     if origin in (Union, types.UnionType):
-        errors = []
-        for arg in get_args(tp):
+        options = [a for a in get_args(tp) if a is not type(None)]
+        if value is None and len(options) < len(get_args(tp)):
+            return None
+        if len(options) == 1:  # Optional[X]: X's own error is the precise one
+            return _coerce(options[0], value, ctx, key)
+        for arg in options:
             try:
                 return _coerce(arg, value, ctx, key)
-            except ConfigError as e:
-                errors.append(e)
+            except ConfigError:
+                pass
         raise ConfigError(
             f"expected {_type_name(tp)}, got {value!r}", key=key, value=value, **ctx
         )

@@ -138,8 +138,14 @@ _METADATA = {
 }  # fmt: skip
 
 
+_BOOKKEEPING = ("_record_function", "profiler.", "_set_grad_enabled", "_C._", "is_grad_enabled")
+
+
 def _verdict(func: Any) -> int:
-    return _SKIP if getattr(func, "__name__", "") in _METADATA else _RECORD
+    if getattr(func, "__name__", "") in _METADATA:
+        return _SKIP
+    name = _op_name(func)
+    return _SKIP if name.startswith(_BOOKKEEPING) else _RECORD
 
 
 class _TorchMode(TorchFunctionMode):
@@ -178,11 +184,12 @@ class _TorchMode(TorchFunctionMode):
             try:
                 with self.aten:
                     out = func(*args, **kwargs) if kwargs else func(*args)
+                ic._record(func, t0, _perf_ns() - t0, 0, ins, _out_specs(out))
             finally:
                 ic.phase = old_phase
-        else:
-            t0 = _perf_ns()
-            out = func(*args, **kwargs) if kwargs else func(*args)
+            return out
+        t0 = _perf_ns()
+        out = func(*args, **kwargs) if kwargs else func(*args)
         t1 = _perf_ns()
         ic._record(func, t0, t1 - t0, 0, ins, _out_specs(out))
         return out
@@ -212,7 +219,7 @@ class Interceptor:
         self._signal: Callable[[], str | None] = _no_signal
         self._opt_hooks: list[Any] = []
         self._tick_callbacks: list[Callable[[], None]] = []
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # tick callbacks add/remove sinks
 
     # -- hot path ---------------------------------------------------------------------------
     def _record(self, func, t0: int, dur: int, level: int, ins: tuple, outs: tuple) -> None:

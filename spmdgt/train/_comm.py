@@ -140,6 +140,12 @@ def ddp_counting_hook(log: CollectiveLog):
         fut = log.finish_on(rec, fut)  # DDP waits on the chain, so the stamp is written first
         return fut.then(lambda f: f.value()[0])
 
+    # DDP checks the annotations as objects; this module's are strings (future annotations).
+    hook.__annotations__ = {
+        "state": object,
+        "bucket": dist.GradBucket,
+        "return": torch.futures.Future[torch.Tensor],
+    }
     return hook
 
 

@@ -74,7 +74,9 @@ class Wrapped:
         return self.tracer if self.tracer is not None else contextlib.nullcontext()
 
 
-def _placement_plan(model: nn.Module, table: dict[str, str]) -> dict[str, object]:
+def _placement_plan(
+    model: nn.Module, table: dict[str, str], world_size: int = 1
+) -> dict[str, object]:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     plan: dict[str, object] = {}
@@ -93,6 +95,7 @@ def _placement_plan(model: nn.Module, table: dict[str, str]) -> dict[str, object
                             key=f"placements.{pattern}",
                             value=style,
                         )
+                    _check_divisible(module, name, pattern, style, world_size)
                     plan[name] = ColwiseParallel() if style == "colwise" else RowwiseParallel()
                 break  # first matching pattern wins
     unused = [p for p, hit in used.items() if not hit]
@@ -104,6 +107,30 @@ def _placement_plan(model: nn.Module, table: dict[str, str]) -> dict[str, object
             key=f"placements.{unused[0]}",
         )
     return plan
+
+
+def _check_divisible(
+    module: nn.Module, name: str, pattern: str, style: str, world_size: int
+) -> None:
+    """torch hands colwise output to rowwise input as even local shards: demand divisibility."""
+    if isinstance(module, nn.Embedding):
+        size, what = (module.embedding_dim, "embedding_dim") if style == "colwise" else (
+            module.num_embeddings,
+            "num_embeddings",
+        )
+    else:
+        size, what = (module.out_features, "out_features") if style == "colwise" else (
+            module.in_features,
+            "in_features",
+        )
+    if size % world_size:
+        raise ConfigError(
+            f"{style} placement of {name!r} splits its {what}={size} over {world_size} ranks; "
+            f"tensor parallelism needs it divisible by the world size (pad the layer or "
+            f"replicate it)",
+            key=f"placements.{pattern}",
+            value=style,
+        )
 
 
 def wrap_model(
@@ -142,7 +169,7 @@ def wrap_model(
         if bad:
             p, s = next(iter(bad.items()))
             raise ConfigError(f"unknown placement {s!r}", key=f"placements.{p}", value=s)
-        plan = _placement_plan(model, table)  # validated even in a world of one
+        plan = _placement_plan(model, table, world_size)  # validated even in a world of one
         if world_size == 1:
             return Wrapped(model, strategy, 1, log, autocast_dtype=autocast)
         from torch.distributed.tensor.parallel import parallelize_module

@@ -1,0 +1,177 @@
+"""``GT_INSTRUCTION_LOG``: the flat, column-stable text log of every instruction on a rank.
+
+One line per op event, whitespace-separated, every column always present ("-" when empty), so
+``awk``/``grep``/``sort`` work as in GT's tuning guide. Columns (awk field numbers):
+
+    $1  elapsed     seconds since the interceptor started on this rank, at op start: 2.318412s
+    $2  rank        r0
+    $3  seq         #00000023 (this rank's instruction counter, in completion order)
+    $4  event       OP (compute), COMM (collective issued), WAIT (waiting for a collective)
+    $5  phase       fwd | bwd | opt
+    $6  kind        matmul | elementwise | reduce | memory | comm | wait | backward
+    $7  op          mul, matmul, dist.all_reduce (torch level), aten.mm.default (ATen level)
+    $8  bytes       payload a collective moves on this rank: 4096B (0B for compute)
+    $9  dur         wall time inside the op: 12.3us
+    $10 level       0 torch-level call, 1 ATen op inside a DTensor op or backward
+    $11 signal      active spmdgt signal or -
+    $12 inputs      64x64:f32,64x64:f32 (first 4 tensor args)
+    $13 outputs     64x64:f32
+    $14 placements  inputs->outputs for DTensors: S(0),R->S(0); - for plain tensors
+
+So ``awk '{print $1, $7, $9}'`` prints start time, op and duration; awk reads "2.3s", "12.3us"
+and "4096B" as numbers (``awk '$9+0 > 1000'`` finds ops over 1 ms). Lines starting with ``#``
+are headers: the first records rank, world and the wall-clock start so ranks can be aligned.
+With more than one rank each rank writes its own file, ``path`` with ``.rank<r>`` before the
+extension (``debug.log`` -> ``debug.rank1.log``). Lines are written in batches (the interceptor's
+batch, and at least once a second): memory is bounded however long the run.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import IO
+
+from spmdgt.interceptor._events import OpEvent
+
+__all__ = ["COLUMNS", "InstructionLogSink", "format_events", "header", "rank_path"]
+
+COLUMNS = (
+    "elapsed", "rank", "seq", "event", "phase", "kind", "op", "bytes", "dur", "level", "signal",
+    "inputs", "outputs", "placements",
+)  # fmt: skip
+
+_DTYPE_SHORT = {
+    "float32": "f32", "float64": "f64", "float16": "f16", "bfloat16": "bf16", "int64": "i64",
+    "int32": "i32", "int16": "i16", "int8": "i8", "uint8": "u8", "bool": "b1",
+    "complex64": "c64", "complex128": "c128",
+}  # fmt: skip
+_EVENT = {"comm": "COMM", "wait": "WAIT"}
+
+
+def rank_path(path: str, rank: int, world: int) -> str:
+    """``path`` for this rank: unchanged in a world of one, ``name.rank<r>.ext`` otherwise."""
+    if world <= 1:
+        return path
+    root, ext = os.path.splitext(path)
+    return f"{root}.rank{rank}{ext}"
+
+
+def header(rank: int, world: int, origin_unix_ns: int, level: str) -> str:
+    """The ``#`` header line: what ``_logreader`` needs to align this file with other ranks."""
+    return (
+        f"# spmdgt-instruction-log v1 rank={rank} world={world} start_unix_ns={origin_unix_ns} "
+        f"level={level} columns={','.join(COLUMNS)}\n"
+    )
+
+
+class _Formatter:
+    """Caches the string forms of shapes, dtypes and placements (few distinct ones per run)."""
+
+    def __init__(self, rank: int, origin_ns: int) -> None:
+        self.rank = f"r{rank}"
+        self.origin_ns = origin_ns
+        self._specs: dict[tuple, str] = {}
+        self._placements: dict[tuple, str] = {}
+
+    def specs(self, specs: tuple) -> str:
+        if not specs:
+            return "-"
+        got = self._specs.get(specs)
+        if got is None:
+            parts = []
+            for s in specs:
+                dt = str(s[1]).removeprefix("torch.")
+                shape = "x".join(map(str, s[0])) or "scalar"
+                parts.append(f"{shape}:{_DTYPE_SHORT.get(dt, dt)}")
+            got = self._specs[specs] = ",".join(parts)
+        return got
+
+    def placements(self, ins: tuple, outs: tuple) -> str:
+        key = tuple(s[2] for s in ins) + (None,) + tuple(s[2] for s in outs)
+        got = self._placements.get(key)
+        if got is None:
+            if all(p is None for p in key):
+                got = "-"
+            else:
+
+                def one(specs: tuple) -> str:
+                    return ",".join(_placement_str(s[2]) for s in specs) or "-"
+
+                got = f"{one(ins)}->{one(outs)}"
+            self._placements[key] = got
+        return got
+
+    def lines(self, events: list[OpEvent]) -> str:
+        out = []
+        origin, rank = self.origin_ns, self.rank
+        specs, placements = self.specs, self.placements
+        for e in events:
+            out.append(
+                "%.6fs %s #%08d %s %s %s %s %dB %.1fus %d %s %s %s %s\n"
+                % (
+                    (e.t0_ns - origin) * 1e-9,
+                    rank,
+                    e.seq,
+                    _EVENT.get(e.kind, "OP"),
+                    e.phase,
+                    e.kind,
+                    e.op,
+                    e.nbytes,
+                    e.dur_ns * 1e-3,
+                    e.level,
+                    e.signal.replace(" ", "_") if e.signal else "-",
+                    specs(e.inputs),
+                    specs(e.output),
+                    placements(e.inputs, e.output),
+                )
+            )
+        return "".join(out)
+
+
+def _placement_str(placements: tuple | None) -> str:
+    """``(Shard(dim=0), Replicate())`` -> ``S(0)+R``; None (plain tensor) -> ``T``."""
+    if placements is None:
+        return "T"
+    short = []
+    for p in placements:
+        r = repr(p)
+        if r.startswith("Shard(dim="):
+            short.append(f"S({r[10:-1]})")
+        elif r.startswith("Replicate"):
+            short.append("R")
+        elif r.startswith("Partial"):
+            short.append("P")
+        else:
+            short.append(r.replace(" ", ""))
+    return "+".join(short)
+
+
+def format_events(events: list[OpEvent], rank: int = 0, origin_ns: int = 0) -> str:
+    """Format events as log lines (for tools and tests; the sink keeps its own caches)."""
+    return _Formatter(rank, origin_ns).lines(events)
+
+
+class InstructionLogSink:
+    """Writes every event as a log line; one ``write`` per batch, no per-op I/O."""
+
+    def __init__(
+        self, path: str, rank: int, world: int, origin_ns: int, origin_unix_ns: int, level: str
+    ) -> None:
+        self.path = rank_path(path, rank, world)
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        self._file: IO[str] | None = open(self.path, "w", buffering=1 << 16)  # noqa: SIM115
+        self._file.write(header(rank, world, origin_unix_ns, level))
+        self._fmt = _Formatter(rank, origin_ns)
+
+    def on_events(self, events: list[OpEvent]) -> None:
+        if self._file is not None:
+            self._file.write(self._fmt.lines(events))
+
+    def flush(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
