@@ -192,32 +192,28 @@ _FUNCOL = {
 
 
 class FunctionalCollectiveTracer(TorchDispatchMode):
-    """Records DTensor's functional collectives (issue to ``wait_tensor``) in a log.
+    """Records DTensor's functional collectives (bytes, issue to completion) in a log.
 
     Used for tensor-parallel placements, whose collectives live in DTensor's redistribute
-    machinery rather than behind a hook. It sees every op, so it costs some Python per op.
+    machinery rather than behind a hook. The tracer waits on each collective right after
+    issuing it: the wait that ``AsyncCollectiveTensor`` does later runs outside any dispatch
+    mode and cannot be seen, and tensor-parallel collectives sit on the critical path (their
+    result is the next op's input), so little overlap is lost. It sees every op, so it costs a
+    little Python per op.
     """
 
     def __init__(self, log: CollectiveLog) -> None:
         super().__init__()
         self.log = log
-        self._pending: dict[int, _Record] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        ns = func.namespace
-        name = func._opname
-        if ns == "_c10d_functional" and name in _FUNCOL:
+        if func.namespace == "_c10d_functional" and func._opname in _FUNCOL:
             t = args[0]
-            rec = self.log.start(_FUNCOL[name], t.numel() * t.element_size())
+            rec = self.log.start(_FUNCOL[func._opname], t.numel() * t.element_size())
             out = func(*args, **kwargs)
             if rec is not None:
-                self._pending[id(out)] = rec
-            return out
-        if ns == "_c10d_functional" and name == "wait_tensor":
-            out = func(*args, **kwargs)
-            rec = self._pending.pop(id(args[0]), None)
-            if rec is not None:
+                out = torch.ops._c10d_functional.wait_tensor(out)
                 rec.end = time.perf_counter()
             return out
         return func(*args, **kwargs)
@@ -356,8 +352,9 @@ class CommunicationProfiler:
             meas = measured.get(f"{k}_bytes", 0.0) / steps / 1e6
             ms = totals.get(k, {}).get("sec", 0.0) / steps * 1e3
             lines.append(f"{k:<16}{est:>14.3f}{meas:>14.3f}{ms:>14.2f}")
+        gbps = estimate["bandwidth_bytes_per_sec"] / 1e9
         lines.append(
-            f"bandwidth (measured all-reduce probe): {estimate['bandwidth_bytes_per_sec'] / 1e9:.2f}"
-            f" GB/s; estimated {estimate['estimated_sec'] * 1e3:.2f} ms/step"
+            f"bandwidth (measured all-reduce probe): {gbps:.2f} GB/s; "
+            f"estimated {estimate['estimated_sec'] * 1e3:.2f} ms/step"
         )
         return "\n".join(lines)

@@ -94,7 +94,9 @@ class OptimizedDataLoader:
         kwargs = {}
         if workers > 0:
             kwargs["prefetch_factor"] = prefetch_factor or 2
-            kwargs["persistent_workers"] = True if persistent_workers is None else persistent_workers
+            kwargs["persistent_workers"] = (
+                True if persistent_workers is None else persistent_workers
+            )
         return DataLoader(
             dataset,
             batch_size=batch_size,

@@ -136,4 +136,6 @@ class PerformanceProfiler:
         if "memory" in s:
             kind = "CUDA allocated" if self.device and self.device.type == "cuda" else "CPU RSS"
             m = s["memory"]
-            print(f"memory ({kind}): peak {m['peak_gb']:.3f} GB, avg {m['avg_gb']:.3f} GB", file=file)
+            print(
+                f"memory ({kind}): peak {m['peak_gb']:.3f} GB, avg {m['avg_gb']:.3f} GB", file=file
+            )

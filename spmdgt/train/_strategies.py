@@ -114,14 +114,22 @@ def _check_divisible(
 ) -> None:
     """torch hands colwise output to rowwise input as even local shards: demand divisibility."""
     if isinstance(module, nn.Embedding):
-        size, what = (module.embedding_dim, "embedding_dim") if style == "colwise" else (
-            module.num_embeddings,
-            "num_embeddings",
+        size, what = (
+            (module.embedding_dim, "embedding_dim")
+            if style == "colwise"
+            else (
+                module.num_embeddings,
+                "num_embeddings",
+            )
         )
     else:
-        size, what = (module.out_features, "out_features") if style == "colwise" else (
-            module.in_features,
-            "in_features",
+        size, what = (
+            (module.out_features, "out_features")
+            if style == "colwise"
+            else (
+                module.in_features,
+                "in_features",
+            )
         )
     if size % world_size:
         raise ConfigError(
