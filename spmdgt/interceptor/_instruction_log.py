@@ -46,6 +46,8 @@ _DTYPE_SHORT = {
     "complex64": "c64", "complex128": "c128",
 }  # fmt: skip
 _EVENT = {"comm": "COMM", "wait": "WAIT"}
+# %-formatting of one tuple per line: measurably cheaper than an f-string with 14 fields
+_LINE = "%.6fs %s #%08d %s %s %s %s %dB %.1fus %d %s %s %s %s\n"
 
 
 def rank_path(path: str, rank: int, world: int) -> str:
@@ -87,7 +89,7 @@ class _Formatter:
         return got
 
     def placements(self, ins: tuple, outs: tuple) -> str:
-        key = tuple(s[2] for s in ins) + (None,) + tuple(s[2] for s in outs)
+        key = (*(s[2] for s in ins), None, *(s[2] for s in outs))
         got = self._placements.get(key)
         if got is None:
             if all(p is None for p in key):
@@ -107,7 +109,7 @@ class _Formatter:
         specs, placements = self.specs, self.placements
         for e in events:
             out.append(
-                "%.6fs %s #%08d %s %s %s %s %dB %.1fus %d %s %s %s %s\n"
+                _LINE
                 % (
                     (e.t0_ns - origin) * 1e-9,
                     rank,

@@ -1,4 +1,4 @@
-"""The run folder: what ranks publish for ``scripts.top`` and how ``scripts.trace`` asks for a trace.
+"""The run folder: what ranks publish for ``scripts.top``; trace requests from ``scripts.trace``.
 
 Layout of ``GT_RUN_DIR`` (any folder every rank and the tools can see):
 

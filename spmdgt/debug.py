@@ -1,0 +1,149 @@
+"""``gt.debug``: what this job's ranks are doing, from the interceptor's op stream.
+
+    import spmdgt as gt
+    gt.debug.enable()                   # or any GT_* tool variable at launch
+    ... run the workload ...
+    gt.debug.print_worker_stats()       # every rank must call it (it is a collective)
+    gt.debug.print_tape(20)             # last ops of this rank
+
+Counters only count while the interceptor is on (``enable()``, ``GT_INSTRUCTION_LOG``,
+``GT_RUN_DIR``, ``GT_DEBUG_WORKER``...). With it off, stats report zero ops and say so in
+``"interceptor": "off"``. ``compiled``/``compilation`` stay 0 until the compile-and-batch pass
+registers its counters with ``set_compilation_stats_provider``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from spmdgt.interceptor import disable, enable, is_enabled
+from spmdgt.interceptor._profile import profile
+
+__all__ = [
+    "disable",
+    "enable",
+    "get_tape",
+    "get_worker_stats",
+    "is_enabled",
+    "print_tape",
+    "print_worker_stats",
+    "profile",
+    "set_compilation_stats_provider",
+]
+
+_compilation_provider: Callable[[], dict[str, Any]] | None = None
+
+
+def set_compilation_stats_provider(fn: Callable[[], dict[str, Any]] | None) -> None:
+    """Let the compile pass report its counters.
+
+    ``fn()`` returns ``{"compiled": n, "cache_size": .., "cache_hits": .., "cache_misses": ..}``.
+    """
+    global _compilation_provider
+    _compilation_provider = fn
+
+
+def _local_stats() -> dict[str, Any]:
+    from spmdgt.interceptor import _control
+    from spmdgt.interceptor._mode import env_rank, get_interceptor
+    from spmdgt.interceptor._stats import StatsSink
+
+    rank, _ = env_rank()
+    st = _control.tool("stats")
+    if st is not None:
+        get_interceptor().drain()
+    entry = (st if st is not None else StatsSink(tape_size=1)).snapshot(rank)
+    entry["interceptor"] = "on" if is_enabled() else "off"
+    if _compilation_provider is not None:
+        c = dict(_compilation_provider())
+        compiled = int(c.pop("compiled", 0))
+        entry["operations"]["compiled"] = compiled
+        entry["operations"]["eager"] = max(entry["operations"]["total"] - compiled, 0)
+        hits, misses = int(c.get("cache_hits", 0)), int(c.get("cache_misses", 0))
+        entry["compilation"] = {
+            "cache_size": int(c.get("cache_size", 0)),
+            "cache_hits": hits,
+            "cache_misses": misses,
+            "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
+        }
+    return entry
+
+
+def get_worker_stats() -> list[dict[str, Any]]:
+    """One stats dict per rank (index = rank), with GT's fields plus collective counters.
+
+    Collective when the world has more than one rank: every rank must call it, in the same order
+    relative to other collectives (it does an object all-gather), or the job hangs.
+    """
+    import torch.distributed as dist
+
+    entry = _local_stats()
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        was = is_enabled()
+        # the gather's own ops are bookkeeping, not the user's: keep them out of the stream
+        from spmdgt.interceptor._mode import get_interceptor
+
+        ic = get_interceptor()
+        if was:
+            ic.stop(close_sinks=False)
+        try:
+            out: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(out, entry)
+        finally:
+            if was:
+                ic.start(ic.level)
+        return out
+    return [entry]
+
+
+def print_worker_stats() -> None:
+    """Print ``get_worker_stats()`` as a table on rank 0 (a collective, like it)."""
+    stats = get_worker_stats()
+    from spmdgt.interceptor._mode import env_rank
+
+    if env_rank()[0] != 0:
+        return
+    print(format_worker_stats(stats))
+
+
+def format_worker_stats(stats: list[dict[str, Any]]) -> str:
+    """The table ``print_worker_stats`` prints."""
+    lines = [
+        f"{'rank':>4} {'ops':>9} {'compiled':>8} {'hot':>9} {'seqs':>6} {'hotseq':>6} "
+        f"{'colls':>6} {'coll MB':>9} {'coll s':>8} {'hit%':>5}"
+    ]
+    for s in stats:
+        op, hp, c, cm = s["operations"], s["hotpath"], s["collectives"], s["compilation"]
+        lines.append(
+            f"{s['rank']:>4} {op['total']:>9} {op['compiled']:>8} {hp['hot_instructions']:>9} "
+            f"{hp['unique_sequences']:>6} {hp['hot_sequences']:>6} {c['total']:>6} "
+            f"{c['bytes'] / 1e6:>9.3f} {c['time_s']:>8.4f} {100 * cm['hit_rate']:>5.1f}"
+        )
+        for seq in hp["top_sequences"][:3]:
+            lines.append(f"       hot x{seq['count']}: {' '.join(seq['ops'])}")
+    if stats and stats[0].get("interceptor") == "off":
+        lines.append("(interceptor off: enable it with gt.debug.enable() or a GT_* variable)")
+    return "\n".join(lines)
+
+
+def get_tape(n: int | None = None) -> list[Any]:
+    """This rank's most recent op events (``OpEvent``), oldest first; at most ``n``."""
+    from spmdgt.interceptor import _control
+    from spmdgt.interceptor._mode import get_interceptor
+
+    st = _control.tool("stats")
+    if st is None:
+        return []
+    get_interceptor().drain()
+    tape = list(st.tape)
+    return tape[-n:] if n else tape
+
+
+def print_tape(n: int = 50) -> None:
+    """Print the last ``n`` op events of this rank in the instruction-log format."""
+    from spmdgt.interceptor._instruction_log import format_events
+    from spmdgt.interceptor._mode import env_rank, get_interceptor
+
+    tape = get_tape(n)
+    print(format_events(tape, env_rank()[0], get_interceptor().origin_ns), end="")

@@ -1,0 +1,195 @@
+"""Turning the interceptor and its tools on and off: from Python and from GT's env vars.
+
+``enable(...)`` pushes the mode (once) and attaches the requested sinks; ``disable()`` pops it,
+flushes and closes every sink. ``maybe_enable_from_env()`` is what ``import spmdgt`` calls: with
+no observability variable set it reads ``os.environ`` a few times, sets nothing up and imports
+nothing (torch included), so the tools cost nothing when off.
+
+Environment variables (all per rank; every rank of a job sees the same ones):
+
+    GT_INSTRUCTION_LOG=path   instruction log (``path``, or ``path`` with ``.rank<r>`` when world>1)
+    GT_VERBOSE, GT_DEBUG_CLIENT/DISPATCHER/WORKER/COMPILE=1   status/debug lines (``_debuglog``);
+                              DISPATCHER also prints every collective, WORKER every op
+    GT_RUN_DIR=dir            publish status for ``scripts.top``, accept ``scripts.trace`` requests
+    GT_PROFILE=logdir         torch.profiler + TensorBoard for the whole run (short runs only;
+                              ``spmdgt.debug.profile`` records a window)
+    GT_INTERCEPT=torch|aten   interception level (default torch; aten: every ATen op, ~4x cost)
+    GT_TAPE_SIZE=n            events kept for ``get_tape`` (default 1000)
+    GT_AUTO_COMPILE, GT_HOTPATH_WINDOW/MIN_SEQ/THRESHOLD   hot-path detection (``_stats``)
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+from typing import Any
+
+from spmdgt.interceptor import _debuglog
+
+__all__ = ["disable", "enable", "is_enabled", "maybe_enable_from_env", "tool", "tools"]
+
+_ENV_VARS = (
+    "GT_INSTRUCTION_LOG",
+    "GT_RUN_DIR",
+    "GT_PROFILE",
+    "GT_INTERCEPT",
+    "GT_AUTO_COMPILE",
+    *_debuglog.COMPONENTS,
+)
+
+_tools: dict[str, Any] = {}
+_atexit_registered = False
+
+
+def is_enabled() -> bool:
+    """True while the interceptor's mode is pushed on this rank."""
+    mode = sys.modules.get("spmdgt.interceptor._mode")
+    ic = getattr(mode, "_INTERCEPTOR", None) if mode is not None else None
+    return bool(ic is not None and ic.active)
+
+
+def tools() -> dict[str, Any]:
+    """The attached tools by name (``stats``, ``log``, ``publisher``, ``debug``, ``profile``)."""
+    return dict(_tools)
+
+
+def tool(name: str) -> Any:
+    """One attached tool, or None."""
+    return _tools.get(name)
+
+
+class _DebugPrintSink:
+    """GT_DEBUG_WORKER: every op; GT_DEBUG_DISPATCHER: collectives only. Prints log lines."""
+
+    def __init__(self, rank: int, origin_ns: int) -> None:
+        from spmdgt.interceptor._instruction_log import _Formatter
+
+        self._fmt = _Formatter(rank, origin_ns)
+
+    def on_events(self, events: list) -> None:
+        if _debuglog.INTERCEPTOR:
+            for line in self._fmt.lines(events).splitlines():
+                _debuglog.debug("interceptor", line)
+        elif _debuglog.SHARDING:
+            comms = [e for e in events if e.kind in ("comm", "wait")]
+            for line in self._fmt.lines(comms).splitlines():
+                _debuglog.debug("sharding", line)
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def enable(
+    *,
+    instruction_log: str | None = None,
+    run_dir: str | None = None,
+    stats: bool = True,
+    hotpath: bool = True,
+    debug_ops: bool = False,
+    level: str | None = None,
+    tape_size: int | None = None,
+) -> None:
+    """Turn the interceptor on with the given tools (tools already on stay on).
+
+    ``instruction_log``: path of the text log; ``run_dir``: publish for ``top``/``trace``;
+    ``stats``: counters, tape and hot paths for ``get_worker_stats``/``get_tape``; ``debug_ops``:
+    print ops per ``GT_DEBUG_WORKER``/``GT_DEBUG_DISPATCHER``; ``level``: "torch" (default,
+    cheap) or "aten" (every ATen op).
+    """
+    from spmdgt.interceptor._mode import env_rank, get_interceptor
+    from spmdgt.interceptor._stats import StatsSink
+
+    global _atexit_registered
+    ic = get_interceptor()
+    rank, world = env_rank()
+    level = level or os.environ.get("GT_INTERCEPT") or ic.level or "torch"
+    if not ic.active:
+        ic.origin_ns = __import__("time").perf_counter_ns()
+        ic.origin_unix_ns = __import__("time").time_ns()
+    ic.start(level)
+    if (stats or run_dir) and "stats" not in _tools:
+        size = tape_size or int(os.environ.get("GT_TAPE_SIZE", "1000") or 1000)
+        _tools["stats"] = ic.add_sink(StatsSink(tape_size=size, hotpath=hotpath))
+    if instruction_log and "log" not in _tools:
+        from spmdgt.interceptor._instruction_log import InstructionLogSink
+
+        sink = InstructionLogSink(
+            instruction_log, rank, world, ic.origin_ns, ic.origin_unix_ns, ic.level
+        )
+        _tools["log"] = ic.add_sink(sink)
+        _debuglog.verbose(f"instruction log -> {sink.path}")
+    if debug_ops and "debug" not in _tools:
+        _tools["debug"] = ic.add_sink(_DebugPrintSink(rank, ic.origin_ns))
+    if run_dir and "publisher" not in _tools:
+        from spmdgt.interceptor._publish import RunDirPublisher
+
+        pub = RunDirPublisher(ic, _tools["stats"], run_dir, rank, world)
+        ic._tick_callbacks.append(pub.tick)
+        _tools["publisher"] = pub
+        _debuglog.verbose(f"publishing to run dir {run_dir}")
+    if not _atexit_registered:
+        atexit.register(disable)
+        _atexit_registered = True
+    _debuglog.verbose(f"interceptor on (level={ic.level}, tools={sorted(_tools)})")
+
+
+def disable() -> None:
+    """Pop the interceptor and close every tool (files flushed and closed). Idempotent."""
+    mode = sys.modules.get("spmdgt.interceptor._mode")
+    ic = getattr(mode, "_INTERCEPTOR", None) if mode is not None else None
+    prof = _tools.pop("profile", None)
+    if prof is not None:
+        prof.__exit__(None, None, None)
+    if ic is not None:
+        pub = _tools.get("publisher")
+        ic.stop(close_sinks=False)
+        if pub is not None:
+            pub.close()
+        for sink in list(ic.sinks):
+            sink.close()
+        ic.sinks.clear()
+        ic._tick_callbacks.clear()
+    _tools.clear()
+
+
+def maybe_enable_from_env() -> bool:
+    """Turn on the tools whose GT_* variables are set; returns whether the interceptor is on.
+
+    Called once at ``import spmdgt``. With none set it costs a few dict lookups and imports
+    nothing.
+    """
+    env = os.environ
+    if not any(env.get(v) for v in _ENV_VARS):
+        return False
+    _debuglog.configure(env)
+    log = env.get("GT_INSTRUCTION_LOG") or None
+    run_dir = env.get("GT_RUN_DIR") or None
+    debug_ops = _debuglog.INTERCEPTOR or _debuglog.SHARDING
+    want = bool(
+        log or run_dir or debug_ops or env.get("GT_INTERCEPT") or _truthy("GT_AUTO_COMPILE")
+    )
+    if want:
+        enable(instruction_log=log, run_dir=run_dir, debug_ops=debug_ops, stats=True)
+    if env.get("GT_PROFILE"):
+        from spmdgt.interceptor._profile import profile
+
+        p = profile(env["GT_PROFILE"])
+        p.__enter__()
+        _tools["profile"] = p
+        if not _atexit_registered:
+            _register_atexit()
+    return want
+
+
+def _truthy(var: str) -> bool:
+    return (os.environ.get(var) or "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def _register_atexit() -> None:
+    global _atexit_registered
+    atexit.register(disable)
+    _atexit_registered = True
