@@ -42,6 +42,10 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+def _no_dist() -> bool:
+    return not (dist.is_available() and dist.is_initialized())
+
+
 def _barrier() -> None:
     if _dist():
         dist.barrier()
@@ -114,7 +118,7 @@ def save_checkpoint(
             shutil.rmtree(tmp)  # a crashed earlier attempt at this step
     _barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp), no_dist=_no_dist())
     torch.save(_rng_state(), tmp / f"rng_rank{_rank()}.pt")
     if _rank() == 0:
         # Trainer counters, scheduler and scaler state: plain Python, equal on every rank.
@@ -157,7 +161,7 @@ def load_checkpoint(
     path = Path(path)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(path))
+    dcp.load(state, checkpoint_id=str(path), no_dist=_no_dist())
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )

@@ -97,8 +97,12 @@ class OptimizedDataLoader:
             kwargs["persistent_workers"] = (
                 True if persistent_workers is None else persistent_workers
             )
+        # The loader draws worker seeds from its own generator, never from the global RNG: a
+        # resumed run restores the global RNG and must not see it moved by a new iterator.
+        generator = torch.Generator().manual_seed(seed + 1_000_003 * rank)
         return DataLoader(
             dataset,
+            generator=generator,
             batch_size=batch_size,
             sampler=sampler,
             num_workers=workers,

@@ -14,19 +14,21 @@ IN, HIDDEN, OUT, TP_HIDDEN = 6, 11, 3, 12
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int = HIDDEN) -> None:
+    def __init__(self, hidden: int = HIDDEN, dropout: float = 0.0) -> None:
         super().__init__()
+        self.dropout = dropout  # > 0 makes training consume RNG (checkpoint tests)
         self.up = nn.Linear(IN, hidden)
         self.down = nn.Linear(hidden, OUT)
         self.norm = nn.LayerNorm(OUT)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(self.down(torch.relu(self.up(x))))
+        h = F.dropout(torch.relu(self.up(x)), self.dropout, self.training)
+        return self.norm(self.down(h))
 
 
-def make_model(seed: int = 0, hidden: int = HIDDEN) -> MLP:
+def make_model(seed: int = 0, hidden: int = HIDDEN, dropout: float = 0.0) -> MLP:
     torch.manual_seed(seed)
-    return MLP(hidden)
+    return MLP(hidden, dropout)
 
 
 def make_dataset(n: int = 48, seed: int = 1) -> TensorDataset:
