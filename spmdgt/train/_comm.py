@@ -257,12 +257,16 @@ def _is_nccl(group: dist.ProcessGroup | None) -> bool:
     return dist.get_backend(group) == "nccl"
 
 
-def _param_bytes(model: torch.nn.Module, dtype: torch.dtype | None = None) -> int:
+def _param_bytes(model: torch.nn.Module, dtype: torch.dtype | None = None, pad_to: int = 1) -> int:
+    """Bytes of the trainable parameters; ``pad_to`` rounds dim 0 up to a multiple (FSDP2
+    pads every parameter's dim 0 to the world size so all shards are equal)."""
     total = 0
     for p in model.parameters():
         if not p.requires_grad:
             continue
         numel = p.numel()  # a DTensor reports its global numel
+        if pad_to > 1 and p.ndim > 0 and p.shape[0] % pad_to:
+            numel = numel // p.shape[0] * (-(-p.shape[0] // pad_to) * pad_to)
         size = torch.empty((), dtype=dtype).element_size() if dtype else p.element_size()
         total += numel * size
     return total
@@ -315,11 +319,12 @@ class CommunicationProfiler:
         reshard_after_forward: bool = True,
     ) -> dict[str, float]:
         """FSDP: all-gather params in forward, again in backward (when resharded after
-        forward), reduce-scatter grads; ``(n-1)/n`` of the buffer per rank each."""
+        forward), reduce-scatter grads; ``(n-1)/n`` of the buffer per rank each. Buffers are
+        the parameters with dim 0 padded to a multiple of ``n``, as FSDP2 lays them out."""
         n = world_size
         gathers = 2 if reshard_after_forward else 1
-        ag = gathers * _RING_FACTOR["all_gather"](n) * _param_bytes(model, param_dtype)
-        rs = _RING_FACTOR["reduce_scatter"](n) * _param_bytes(model, reduce_dtype)
+        ag = gathers * _RING_FACTOR["all_gather"](n) * _param_bytes(model, param_dtype, n)
+        rs = _RING_FACTOR["reduce_scatter"](n) * _param_bytes(model, reduce_dtype, n)
         return self._cost({"all_gather": ag, "reduce_scatter": rs}, n)
 
     @staticmethod

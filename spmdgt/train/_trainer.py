@@ -145,6 +145,12 @@ class DistributedTrainer:
 
         mesh = runtime.device_mesh() if self.rt.world_size > 1 else None
         old_params = list(model.parameters())
+        known = {id(p) for p in old_params}
+        if any(id(p) not in known for g in optimizer.param_groups for p in g["params"]):
+            raise ValueError(
+                "the optimizer holds parameters that are not the model's; build it with "
+                "optimizer_cls(model.parameters(), ...) on the model given here"
+            )
         self.wrapped: Wrapped = wrap_model(
             model,
             strategy,
@@ -558,8 +564,12 @@ def _num_samples(x: object) -> int:
 
 def _num_tokens(x: object) -> int:
     """Token count of an integer id tensor ``[batch, seq, ...]``; 0 when not token ids."""
-    if isinstance(x, torch.Tensor) and x.ndim >= 2 and not x.is_floating_point():
-        return x.numel()
+    if isinstance(x, torch.Tensor):
+        return x.numel() if x.ndim >= 2 and not x.is_floating_point() else 0
+    if isinstance(x, (list, tuple)) and x:
+        return _num_tokens(x[0])
+    if isinstance(x, dict) and x:
+        return _num_tokens(next(iter(x.values())))
     return 0
 
 

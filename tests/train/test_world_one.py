@@ -1,0 +1,202 @@
+"""A world of one (plain ``python``): the loop, AMP, summary, TensorBoard, traces, profilers."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from spmdgt.config import ConfigError
+from spmdgt.train import (
+    CommunicationProfiler,
+    DistributedTrainer,
+    OptimizedDataLoader,
+    PerformanceProfiler,
+    TrainConfig,
+)
+from spmdgt.train._summary import ProgressBar
+from tests.train._models import (
+    HIDDEN,
+    IN,
+    OUT,
+    make_dataset,
+    make_model,
+    make_optimizer,
+    reference_train,
+)
+
+SUMMARY_KEYS = {
+    "num_steps",
+    "avg_step_time",
+    "min_step_time",
+    "max_step_time",
+    "throughput_samples_per_sec",
+    "avg_loss",
+    "final_loss",
+    "peak_memory_allocated_gb",
+    "avg_memory_allocated_gb",
+    "warmup_steps_excluded",
+    "comm_time_share",
+}
+
+
+def _loader(bs=8):
+    return OptimizedDataLoader.create(make_dataset(), bs, shuffle=False)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_world_one_matches_plain_torch(strategy, capsys):
+    model = make_model()
+    t = DistributedTrainer(
+        model, make_optimizer(model), strategy=strategy, loss_fn=F.mse_loss, max_grad_norm=0.5
+    )
+    summary = t.train(_loader(), epochs=1)
+    ref, ref_losses = reference_train(make_dataset(), 8, 6, max_grad_norm=0.5)
+    # 1e-6: same ops as the reference except the clip norm is summed in another order.
+    for k, v in ref.items():
+        torch.testing.assert_close(t.model.state_dict()[k], v, atol=1e-6, rtol=0)
+    assert set(summary) >= SUMMARY_KEYS
+    assert summary["num_steps"] == 6 and summary["warmup_steps_excluded"] == 2
+    assert summary["min_step_time"] <= summary["avg_step_time"] <= summary["max_step_time"]
+    assert summary["final_loss"] == pytest.approx(ref_losses[-1], abs=1e-6)
+    assert summary["avg_loss"] == pytest.approx(sum(ref_losses) / 6, abs=1e-6)
+    assert summary["throughput_samples_per_sec"] == pytest.approx(
+        8 * 4 / sum(t.last_stats.step_times[2:]), rel=1e-9
+    )
+    assert summary["comm_time_share"] == 0.0 and summary["peak_memory_allocated_gb"] > 0
+    out = capsys.readouterr().out
+    assert "Training Summary\n" + "=" * 50 in out and "num_steps: 6" in out
+
+
+def test_amp_autocasts_to_bf16_on_cpu():
+    seen = []
+
+    def loss_fn(out, y):
+        seen.append(out.dtype)
+        return F.mse_loss(out.float(), y)
+
+    model = make_model()
+    t = DistributedTrainer(model, make_optimizer(model), loss_fn=loss_fn, use_amp=True)
+    s = t.train(_loader(), epochs=1, max_steps=2)
+    assert seen == [torch.bfloat16, torch.bfloat16]  # LayerNorm output under autocast: bf16
+    assert all(p.dtype == torch.float32 for p in t.model.parameters())  # master weights fp32
+    assert math.isfinite(s["final_loss"]) and t.scaler is None  # bf16 needs no scaler
+
+
+def test_model_returning_its_loss_and_token_throughput():
+    class LM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(16, 8)
+            self.out = torch.nn.Linear(8, 16)
+
+        def forward(self, batch):
+            ids = batch[0]
+            logits = self.out(self.emb(ids[:, :-1]))
+            return F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+
+    ds = torch.utils.data.TensorDataset(torch.randint(0, 16, (20, 5)))
+    model = LM()
+    t = DistributedTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    s = t.train(OptimizedDataLoader.create(ds, 4), epochs=1)
+    assert s["num_steps"] == 5
+    assert s["throughput_tokens_per_sec"] == pytest.approx(5 * s["throughput_samples_per_sec"])
+
+
+def test_bad_inputs_raise_clear_errors():
+    model = make_model()
+    with pytest.raises(ConfigError, match="unknown strategy 'zero'"):
+        DistributedTrainer(model, make_optimizer(model), strategy="zero")
+    cfg = TrainConfig(strategy="placements", placements={"layers.*.up": "colwise"})
+    with pytest.raises(ConfigError, match=r"match no module.*up, down, norm"):
+        DistributedTrainer(model, make_optimizer(model), config=cfg)
+    cfg = TrainConfig(strategy="placements", placements={"norm": "colwise"})
+    with pytest.raises(ConfigError, match=r"needs an nn\.Linear"):
+        DistributedTrainer(model, make_optimizer(model), config=cfg)
+    t = DistributedTrainer(model, make_optimizer(model))  # no loss_fn, model output not scalar
+    with pytest.raises(ValueError, match="loss_fn"):
+        t.train(_loader(), max_steps=1)
+    other = torch.optim.SGD(make_model().parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="not the model's"):
+        DistributedTrainer(make_model(), other, strategy="fsdp", config=TrainConfig())
+
+
+def test_tensorboard_scalars_and_profiler_traces(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    model = make_model()
+    t = DistributedTrainer(model, make_optimizer(model), loss_fn=F.mse_loss, logdir=str(tmp_path))
+    t.train(_loader(), epochs=1, profile=True)
+    acc = EventAccumulator(str(tmp_path))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/loss", "train/lr", "perf/step_time_sec", "perf/memory_gb"} <= tags
+    assert {"perf/throughput_samples_per_sec"} <= tags
+    loss = [e.value for e in acc.Scalars("train/loss")]
+    assert loss == pytest.approx(t.last_stats.global_losses)
+    traces = list((tmp_path / "profile").glob("rank0*.pt.trace.json*"))
+    assert traces, list(tmp_path.rglob("*"))
+
+
+def test_progress_bar_only_on_a_tty():
+    class TTY(io.StringIO):
+        def isatty(self):
+            return True
+
+    tty, pipe = TTY(), io.StringIO()
+    for stream in (tty, pipe):
+        bar = ProgressBar(4, True, stream)
+        bar.update(2, 0.5, 0.01)
+        bar.close()
+    assert "2/4" in tty.getvalue() and "loss 0.5000" in tty.getvalue()
+    assert pipe.getvalue() == ""
+    off = TTY()
+    ProgressBar(4, False, off).update(1, 0.1, 0.1)  # not rank 0
+    assert off.getvalue() == ""
+
+
+def test_performance_profiler_sections_and_percent(capsys):
+    prof = PerformanceProfiler()
+    prof.times["step"] = [0.1, 0.1]
+    prof.times["forward"] = [0.05, 0.05]
+    with prof.profile("backward"):
+        pass
+    prof.record_gpu_memory()
+    s = prof.summary()
+    assert s["forward"]["percent_of_step"] == pytest.approx(50.0)
+    assert s["memory"]["peak_gb"] > 0
+    prof.print_summary()
+    out = capsys.readouterr().out
+    assert "forward" in out and "50.0%" in out and "CPU RSS" in out
+
+
+def test_comm_cost_algebra():
+    model = make_model()
+    nbytes = 4 * sum(p.numel() for p in model.parameters())
+    prof = CommunicationProfiler(bandwidth=1e9)
+    ddp = prof.estimate_ddp_comm_cost(model, world_size=4)
+    assert ddp["bytes_per_rank"] == pytest.approx(2 * 3 / 4 * nbytes)
+    assert ddp["estimated_sec"] == pytest.approx(ddp["bytes_per_rank"] / 1e9)
+    # FSDP2 pads dim 0 to a multiple of the world: 11 -> 12 rows, 3 -> 4 for world 4.
+    padded = 4 * (12 * 6 + 12 + 4 * 11 + 4 + 4 + 4)
+    fsdp = prof.estimate_fsdp_comm_cost(model, world_size=4)
+    # forward all-gather + backward all-gather + reduce-scatter, (n-1)/n each
+    assert fsdp["all_gather_bytes"] == pytest.approx(2 * 3 / 4 * padded)
+    assert fsdp["reduce_scatter_bytes"] == pytest.approx(3 / 4 * padded)
+    assert fsdp["bytes_per_rank"] == pytest.approx(3 * 3 / 4 * padded)
+    no_reshard = prof.estimate_fsdp_comm_cost(model, 4, reshard_after_forward=False)
+    assert no_reshard["all_gather_bytes"] == pytest.approx(3 / 4 * padded)
+    assert prof.estimate_ddp_comm_cost(model, world_size=1)["bytes_per_rank"] == 0
+    assert (IN, HIDDEN, OUT) == (6, 11, 3)
+
+
+def test_data_loader_defaults_and_overrides():
+    loader = OptimizedDataLoader.create(make_dataset(), 5)
+    assert loader.num_workers >= 0 and loader.pin_memory is False  # no CUDA here
+    assert sorted(i for b in loader.sampler for i in [b]) == list(range(48))
+    loader = OptimizedDataLoader.create(make_dataset(), 5, num_workers=1, prefetch_factor=3)
+    assert loader.num_workers == 1 and loader.prefetch_factor == 3
+    assert sum(len(b[0]) for b in loader) == 48
