@@ -12,7 +12,7 @@ Where related code lives: ``_mode.py`` (interception), ``_instruction_log.py`` (
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 __all__ = [
     "COLLECTIVE_KINDS",
@@ -25,11 +25,15 @@ __all__ = [
 
 
 class TensorSpec(NamedTuple):
-    """What an event remembers of a tensor argument: never the tensor itself (no memory kept)."""
+    """What an event remembers of a tensor argument: never the tensor itself (no memory kept).
 
-    shape: tuple[int, ...]
-    dtype: str
-    placements: str | None  # "S(0)", "R", "P" joined by ","; None for a plain tensor
+    Events carry these as plain ``(shape, dtype, placements)`` triples (a NamedTuple per tensor
+    per op costs ~1 us); ``TensorSpec._make(triple)`` gives the named view.
+    """
+
+    shape: tuple[int, ...]  # torch.Size; global shape for a DTensor
+    dtype: Any  # torch.dtype
+    placements: tuple | None  # DTensor placements, None for a plain tensor
 
 
 class OpEvent(NamedTuple):
@@ -49,8 +53,8 @@ class OpEvent(NamedTuple):
     level: int
     phase: str
     signal: str | None
-    inputs: tuple[TensorSpec, ...]
-    output: tuple[TensorSpec, ...]
+    inputs: tuple[tuple, ...]  # (shape, dtype, placements) per tensor arg: see TensorSpec
+    output: tuple[tuple, ...]
     nbytes: int
 
 

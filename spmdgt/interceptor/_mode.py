@@ -28,6 +28,7 @@ DDP's C++ reducer issues its all-reduces from C++ threads below every Python hoo
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 import time
@@ -38,7 +39,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from spmdgt.interceptor._events import COLLECTIVE_KINDS, OpEvent, Sink, TensorSpec, classify
+from spmdgt.interceptor._events import OpEvent, Sink, classify
 from spmdgt.interceptor._events import op_name as _op_name
 
 __all__ = ["Interceptor", "get_interceptor"]
@@ -53,32 +54,37 @@ _perf_ns = time.perf_counter_ns
 _tuple_new = tuple.__new__
 
 
-def _spec(t: torch.Tensor) -> TensorSpec:
-    tt = type(t)
-    if tt is _Tensor or tt is _Parameter:
-        return _tuple_new(TensorSpec, (t.shape, t.dtype, None))
-    return _tuple_new(TensorSpec, (t.shape, t.dtype, getattr(t, "placements", None)))
-
-
 def _specs(values: Any) -> tuple:
-    """Specs of the tensor arguments (lists of tensors count their first few)."""
+    """``(shape, dtype, placements)`` of the tensor arguments (first few of a list of tensors).
+
+    Plain tuples, built inline: this runs twice per op and a helper call or a NamedTuple per
+    tensor doubled its cost.
+    """
     out = []
     for a in values:
-        if isinstance(a, _Tensor):
-            out.append(_spec(a))
-        elif type(a) in (list, tuple) and a and isinstance(a[0], _Tensor):
-            for t in a[:_MAX_SPECS]:
-                if isinstance(t, _Tensor):
-                    out.append(_spec(t))
+        t = type(a)
+        if t is _Tensor or t is _Parameter:
+            out.append((a.shape, a.dtype, None))
+        elif isinstance(a, _Tensor):
+            out.append((a.shape, a.dtype, getattr(a, "placements", None)))
+        elif (t is list or t is tuple) and a and isinstance(a[0], _Tensor):
+            for x in a[:_MAX_SPECS]:
+                if isinstance(x, _Tensor):
+                    out.append((x.shape, x.dtype, getattr(x, "placements", None)))
+        else:
+            continue
         if len(out) >= _MAX_SPECS:
             break
     return tuple(out)
 
 
 def _out_specs(out: Any) -> tuple:
+    t = type(out)
+    if t is _Tensor or t is _Parameter:
+        return ((out.shape, out.dtype, None),)
     if isinstance(out, _Tensor):
-        return (_spec(out),)
-    if type(out) in (list, tuple):
+        return ((out.shape, out.dtype, getattr(out, "placements", None)),)
+    if t is list or t is tuple:
         return _specs(out)
     return ()
 
@@ -219,7 +225,8 @@ class Interceptor:
         self._signal: Callable[[], str | None] = _no_signal
         self._opt_hooks: list[Any] = []
         self._tick_callbacks: list[Callable[[], None]] = []
-        self._lock = threading.RLock()  # tick callbacks add/remove sinks
+        self._lock = threading.RLock()
+        self._froze_gc = False  # tick callbacks add/remove sinks
 
     # -- hot path ---------------------------------------------------------------------------
     def _record(self, func, t0: int, dur: int, level: int, ins: tuple, outs: tuple) -> None:
@@ -241,16 +248,15 @@ class Interceptor:
         """Hand buffered events to the sinks (and, on a tick, let them flush/publish)."""
         with self._lock:
             raw, self._buf = self._buf, []
-            if raw:
+            if raw and self.sinks:
                 events = []
-                names = self._name
+                append = events.append
+                cache, names = self._names, self._name
                 for seq, t0, dur, func, level, phase, sig, ins, outs in raw:
-                    name, kind = names(func)
-                    if kind in COLLECTIVE_KINDS and kind == "comm":
-                        nbytes = _comm_bytes(ins, outs)
-                    else:
-                        nbytes = 0
-                    events.append(
+                    got = cache.get(func)
+                    name, kind = got if got is not None else names(func)
+                    nbytes = _comm_bytes(ins, outs) if kind == "comm" else 0
+                    append(
                         _tuple_new(
                             OpEvent,
                             (seq, t0, dur, name, kind, level, phase, sig, ins, outs, nbytes),
@@ -279,6 +285,13 @@ class Interceptor:
         self._mode = _TorchMode(self) if level == "torch" else _AtenMode(self, 0)
         self._mode.__enter__()
         self._install_optimizer_hooks()
+        # Tracing allocates a few small tuples per op; with torch's ~200k module-level objects in
+        # the oldest GC generation, the collections those allocations trigger cost more than the
+        # tracing itself (measured: 81 -> 37 us/op). Freezing moves what exists now out of the
+        # collector's sight until stop(); nothing is leaked that was not already alive.
+        if not self._froze_gc:
+            gc.freeze()
+            self._froze_gc = True
         self._next_tick = _perf_ns() + _TICK_NS
         self.active = True
 
@@ -291,6 +304,9 @@ class Interceptor:
             for h in self._opt_hooks:
                 h.remove()
             self._opt_hooks.clear()
+            if self._froze_gc:
+                gc.unfreeze()
+                self._froze_gc = False
         self.drain(tick=True)
         if close_sinks:
             for sink in self.sinks:

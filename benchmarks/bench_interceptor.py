@@ -1,0 +1,109 @@
+"""Cost of the interceptor on the small-op loop ``c = c*b + a`` (64x64, 1 CPU thread).
+
+    python benchmarks/bench_interceptor.py [--iters 20000] [--repeats 5]
+
+Prints, side by side in one process, microseconds per op (best of ``repeats``) for:
+plain torch; the interceptor imported but off (must equal plain: nothing is pushed); the
+instruction log on (``GT_INSTRUCTION_LOG``'s tool, default ``torch`` level); stats only;
+the log at ``aten`` level; and, for reference, a bare ``TorchDispatchMode`` and a bare
+``TorchFunctionMode`` that only call the op. The issue's bar: log on <= 2x plain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import tempfile
+import time
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import spmdgt.interceptor as interceptor
+
+
+class _BareDispatch(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class _BareFunction(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _loop(a: torch.Tensor, b: torch.Tensor, n: int) -> torch.Tensor:
+    c = torch.zeros_like(a)
+    for _ in range(n):
+        c = c * b + a
+    return c
+
+
+def _time(n: int, setup, teardown) -> float:
+    """us per op (2 ops per iteration), tools set up by ``setup`` and torn down after."""
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+    setup()
+    try:
+        _loop(a, b, 200)  # warm caches (op names, format caches)
+        t = time.perf_counter()
+        _loop(a, b, n)
+        return (time.perf_counter() - t) / (2 * n) * 1e6
+    finally:
+        teardown()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--iters", type=int, default=20000)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    tmp = tempfile.mkdtemp(prefix="gt-bench-")
+    log = os.path.join(tmp, "ops.log")
+    stack: list = []
+
+    def push(mode):
+        return lambda: stack.append(contextlib.ExitStack()) or stack[-1].enter_context(mode())
+
+    def pop():
+        stack.pop().close()
+
+    nothing = lambda: None  # noqa: E731
+    cases = {
+        "plain torch": (nothing, nothing),
+        "interceptor off": (nothing, nothing),
+        "GT_INSTRUCTION_LOG (torch)": (
+            lambda: interceptor.enable(instruction_log=log, stats=False),
+            interceptor.disable,
+        ),
+        "stats only (torch)": (lambda: interceptor.enable(stats=True), interceptor.disable),
+        "log + stats (torch)": (
+            lambda: interceptor.enable(instruction_log=log, stats=True),
+            interceptor.disable,
+        ),
+        "GT_INSTRUCTION_LOG (aten)": (
+            lambda: interceptor.enable(instruction_log=log, stats=False, level="aten"),
+            interceptor.disable,
+        ),
+        "bare TorchFunctionMode": (push(_BareFunction), pop),
+        "bare TorchDispatchMode": (push(_BareDispatch), pop),
+    }
+    best = {k: float("inf") for k in cases}
+    for _ in range(args.repeats):  # interleaved so drift hits every case alike
+        for name, (setup, teardown) in cases.items():
+            best[name] = min(best[name], _time(args.iters, setup, teardown))
+        assert torch._C._len_torch_function_stack() == 0
+        assert torch._C._len_torch_dispatch_stack() == 0
+    base = best["plain torch"]
+    print(f"c = c*b + a, 64x64 fp32, 1 thread, {args.iters} iters, best of {args.repeats}")
+    print(f"{'case':30s} {'us/op':>8s} {'x plain':>8s}")
+    for name, v in best.items():
+        print(f"{name:30s} {v:8.2f} {v / base:8.2f}")
+    lines = sum(1 for _ in open(log))
+    print(f"(last log: {lines} lines in {log})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""Live view of a running job, one row per rank: ops/s, time share per op kind, collectives, idle.
+
+    GT_RUN_DIR=runs/job torchrun --nproc_per_node=4 train.py
+    python -m spmdgt.scripts.top --run-dir runs/job          # refreshes every second; Ctrl-C
+    python -m spmdgt.scripts.top --run-dir runs/job --once   # one frame (scripts, tests)
+
+Reads the ``rank<r>.json`` status files ranks rewrite about once a second (``_publish``), so it
+can start before the job (it waits) or after it. Columns: ops/s and busy% over the rank's last
+interval; the share of wall time in each op kind; collectives/s and bytes so far; ``age``, the
+seconds since the rank last published (a rank stuck in one long op or a hang shows here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+__all__ = ["load_statuses", "main", "render"]
+
+_KINDS = ("matmul", "elementwise", "reduce", "memory", "backward", "comm")
+_SHORT = {"matmul": "mm", "elementwise": "elem", "reduce": "red", "memory": "mem",
+          "backward": "bwd", "comm": "comm"}  # fmt: skip
+
+
+def load_statuses(run_dir: str) -> list[dict]:
+    """Every rank's latest status, by rank (unreadable or half-written files skipped)."""
+    out = []
+    for path in glob.glob(os.path.join(run_dir, "rank*.json")):
+        try:
+            with open(path) as f:
+                out.append(json.load(f))
+        except (OSError, ValueError):
+            continue
+    return sorted(out, key=lambda s: s.get("rank", 0))
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1024
+    return f"{n:.1f}GB"
+
+
+def render(statuses: list[dict], now: float | None = None, width: int = 110) -> str:
+    """One frame of the view as text (no terminal control codes)."""
+    now = time.time() if now is None else now
+    head = (
+        f"{'rank':>4} {'ops/s':>9} {'busy%':>6} "
+        + " ".join(f"{_SHORT[k]:>5}" for k in _KINDS)
+        + f" {'idle%':>6} {'coll/s':>7} {'colls':>7} {'coll B':>8} {'phase':>5} {'age':>5}"
+    )
+    lines = [f"spmdgt top  {time.strftime('%H:%M:%S', time.localtime(now))}", head]
+    if not statuses:
+        lines.append("  (waiting for ranks: start the job with GT_RUN_DIR set to this folder)")
+    for s in statuses:
+        shares = s.get("time_share", {})
+        age = now - s.get("updated_unix", now)
+        lines.append(
+            f"{s.get('rank', '?'):>4} {s.get('ops_per_s', 0):>9.0f} "
+            f"{100 * s.get('busy_frac', 0):>6.1f} "
+            + " ".join(f"{100 * shares.get(k, 0):>5.1f}" for k in _KINDS)
+            + f" {100 * s.get('idle_frac', 0):>6.1f} {s.get('collectives_per_s', 0):>7.1f} "
+            f"{s.get('collectives_total', 0):>7} {_bytes(s.get('collective_bytes', 0)):>8} "
+            f"{s.get('phase', '-'):>5} {age:>5.1f}"
+        )
+    total = sum(s.get("ops_per_s", 0) for s in statuses)
+    if statuses:
+        lines.append(f"total {total:.0f} ops/s over {len(statuses)} rank(s)")
+    return "\n".join(line[:width] for line in lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Live per-rank view of a running spmdgt job.")
+    ap.add_argument("--run-dir", default=os.environ.get("GT_RUN_DIR", ".gt_run"))
+    ap.add_argument("--once", action="store_true", help="print one frame and exit")
+    ap.add_argument("--interval", type=float, default=1.0)
+    args = ap.parse_args(argv)
+    if args.once:
+        print(render(load_statuses(args.run_dir)))
+        return 0
+    try:
+        while True:
+            frame = render(load_statuses(args.run_dir))
+            sys.stdout.write("\x1b[H\x1b[2J" + frame + "\n")  # home + clear: plain ANSI
+            sys.stdout.flush()
+            time.sleep(args.interval)
+    except KeyboardInterrupt:
+        return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
