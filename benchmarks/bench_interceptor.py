@@ -101,7 +101,8 @@ def main() -> None:
     print(f"{'case':30s} {'us/op':>8s} {'x plain':>8s}")
     for name, v in best.items():
         print(f"{name:30s} {v:8.2f} {v / base:8.2f}")
-    lines = sum(1 for _ in open(log))
+    with open(log) as f:
+        lines = sum(1 for _ in f)
     print(f"(last log: {lines} lines in {log})")
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+import time
 from typing import Any
 
 from spmdgt.interceptor import _debuglog
@@ -107,9 +108,11 @@ def enable(
     ic = get_interceptor()
     rank, world = env_rank()
     level = level or os.environ.get("GT_INTERCEPT") or ic.level or "torch"
-    if not ic.active:
-        ic.origin_ns = __import__("time").perf_counter_ns()
-        ic.origin_unix_ns = __import__("time").time_ns()
+    if not ic.active:  # a fresh session: its own clock origin and instruction numbers
+        ic.origin_ns = time.perf_counter_ns()
+        ic.origin_unix_ns = time.time_ns()
+        ic.seq = 0
+        ic.phase = "fwd"
     ic.start(level)
     if (stats or run_dir) and "stats" not in _tools:
         size = tape_size or int(os.environ.get("GT_TAPE_SIZE", "1000") or 1000)

@@ -80,11 +80,14 @@ def draw_timeline(records: Sequence[LogRecord], output: str, title: str | None =
     t1 = max(r.t_unix + r.dur_us * 1e-6 for r in records)
     fig, ax = plt.subplots(figsize=(14, 1.2 + 0.9 * len(ranks)))
     lane = {rank: i for i, rank in enumerate(ranks)}
-    for draw_comm in (False, True):  # collectives last, on top
+    # layers: torch-level ops (faded where they contain ATen ops: backward, DTensor calls),
+    # then the ATen ops inside them, then collectives on top
+    layers = ((0, False), (1, False), (None, True))
+    for level, draw_comm in layers:
         by_kind: dict[tuple[int, str], list[tuple[float, float]]] = {}
         for r in records:
             is_comm = r.kind in ("comm", "wait")
-            if is_comm != draw_comm:
+            if is_comm != draw_comm or (level is not None and r.level != level):
                 continue
             start = (r.t_unix - t0) * 1e3
             width = max(r.dur_us * 1e-3, (t1 - t0) * 1e3 / 4000)  # keep tiny ops visible
@@ -93,7 +96,10 @@ def draw_timeline(records: Sequence[LogRecord], output: str, title: str | None =
             y = lane[rank]
             height = 0.7 if kind in ("comm", "wait") else 0.5
             ax.broken_barh(
-                spans, (y - height / 2, height), facecolors=KIND_COLORS.get(kind, "#7f7f7f")
+                spans,
+                (y - height / 2, height),
+                facecolors=KIND_COLORS.get(kind, "#7f7f7f"),
+                alpha=0.35 if level == 0 and kind == "backward" else 1.0,
             )
     ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
     ax.set_ylim(-0.6, len(ranks) - 0.4)
