@@ -395,8 +395,9 @@ class DistributedTrainer:
                         tokens += _num_tokens(inputs)
                         last = micro == group - 1
                         sync = contextlib.nullcontext() if last else self.wrapped.no_sync()
-                        with sync:
-                            with self._autocast(), self.wrapped.comm_context():
+                        # comm_context spans backward too: TP all-reduces input grads there.
+                        with sync, self.wrapped.comm_context():
+                            with self._autocast():
                                 loss = self._loss(inputs, targets)
                             scaled = loss.float() / group
                             if self.scaler is not None:

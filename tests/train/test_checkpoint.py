@@ -132,8 +132,8 @@ def test_crash_mid_save_keeps_last_checkpoint(tmp_path, monkeypatch):
 
     real_save = ckpt_mod.dcp.save
 
-    def crashing_save(state, checkpoint_id):
-        real_save(state, checkpoint_id=checkpoint_id)  # shards on disk, then the "crash"
+    def crashing_save(state, checkpoint_id, **kwargs):
+        real_save(state, checkpoint_id=checkpoint_id, **kwargs)  # shards on disk, then the "crash"
         raise OSError("disk full (simulated crash mid-save)")
 
     monkeypatch.setattr(ckpt_mod.dcp, "save", crashing_save)
