@@ -120,3 +120,14 @@ def __getattr__(name: str):
     if name == "profile":
         return importlib.import_module("spmdgt.debug").profile
     raise AttributeError(f"module 'spmdgt' has no attribute {name!r}")
+
+
+def _boot_tools() -> None:
+    # GT_INSTRUCTION_LOG, GT_VERBOSE, GT_DEBUG_*, ... turn tools on at import; with none set
+    # this reads the environment and imports nothing (tools that are off cost nothing).
+    from spmdgt.interceptor import maybe_enable_from_env
+
+    maybe_enable_from_env()
+
+
+_boot_tools()

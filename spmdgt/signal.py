@@ -40,7 +40,7 @@ def enter(name: str, backward: str | None = None) -> None:
     _scope.push(name, backward)
 
 
-def exit(name: str | None = None) -> None:  # noqa: A001 - GT's name
+def exit(name: str | None = None) -> None:
     """Leave the innermost scope (``name``, if given, must match it)."""
     _scope.pop(name)
 

@@ -46,9 +46,7 @@ class ShardConfig:
         if isinstance(self.axis, bool) or not isinstance(self.axis, int):
             raise ConfigError(f"axis must be an int, got {self.axis!r}", key="axis")
         if self.axis < 0:
-            raise ConfigError(
-                f"axis must be >= 0, got {self.axis}", key="axis", value=self.axis
-            )
+            raise ConfigError(f"axis must be >= 0, got {self.axis}", key="axis", value=self.axis)
         if self.workers is not None:
             if len(self.workers) == 0:
                 raise ConfigError(

@@ -74,9 +74,7 @@ def _coerce(tp: Any, value: Any, ctx: dict, key: str) -> Any:
                 return _coerce(arg, value, ctx, key)
             except ConfigError:
                 pass
-        raise ConfigError(
-            f"expected {_type_name(tp)}, got {value!r}", key=key, value=value, **ctx
-        )
+        raise ConfigError(f"expected {_type_name(tp)}, got {value!r}", key=key, value=value, **ctx)
     if tp is type(None):
         if value is None:
             return None
@@ -110,9 +108,8 @@ def _coerce(tp: Any, value: Any, ctx: dict, key: str) -> Any:
     elif tp is str:
         if isinstance(value, str):
             return value
-    elif isinstance(tp, type):
-        if isinstance(value, tp):
-            return value
+    elif isinstance(tp, type) and isinstance(value, tp):
+        return value
     raise ConfigError(
         f"expected {_type_name(tp)}, got {type(value).__name__} {value!r}",
         key=key,
@@ -170,4 +167,3 @@ def from_dict(
             value=e.value,
             **ctx,
         ) from None
-

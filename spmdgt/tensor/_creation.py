@@ -13,6 +13,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from spmdgt.interceptor import _debuglog
 from spmdgt.runtime._state import get_runtime
 from spmdgt.tensor import _scope
 from spmdgt.tensor._dtypes import to_dtype
@@ -58,12 +59,32 @@ def check_same_shape(shape: Sequence[int], what: str) -> None:
     if shape:
         mine[1 : 1 + len(shape)] = torch.tensor(list(shape), dtype=torch.int64)
     every = torch.empty(rt.world_size * 16, dtype=torch.int64, device=rt.device)
-    dist.all_gather_into_tensor(every, mine)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(every, mine)
     rows = every.view(rt.world_size, 16).tolist()
     if any(row != rows[0] for row in rows):
         shapes = "; ".join(f"rank {r}: {tuple(row[1 : 1 + row[0]])}" for r, row in enumerate(rows))
-        raise ValueError(f"{what}: ranks disagree on the shape ({shapes}); every rank must "
-                         "create the same global tensor")
+        raise ValueError(
+            f"{what}: ranks disagree on the shape ({shapes}); every rank must "
+            "create the same global tensor"
+        )
+
+
+def _note_placement(what: str, shape: tuple[int, ...], target) -> None:
+    from torch.distributed.tensor import Shard
+
+    from spmdgt.tensor._meshes import mesh_ranks
+
+    ranks = mesh_ranks(target.mesh)
+    msg = f"{what}{tuple(shape)} -> {tuple(target.placements)} on ranks {ranks}"
+    p = target.placements[0]
+    if isinstance(p, Shard) and shape[p.dim] % len(ranks):
+        sizes = [len(c) for c in torch.arange(shape[p.dim]).chunk(len(ranks))]
+        sizes += [0] * (len(ranks) - len(sizes))
+        msg += f" (uneven: axis {p.dim} split {sizes}, torch.chunk rule)"
+    if target.signal:
+        msg += f" [signal {target.signal!r}]"
+    _debuglog.debug("tensor", msg)
 
 
 def _backward_hook(t: torch.Tensor) -> None:
@@ -95,6 +116,8 @@ def _create(
     else:
         check_same_shape(shape, what)
         t = place(make(rt.device), target)
+        if _debuglog.TENSOR:
+            _note_placement(what, shape, target)
     if requires_grad:
         t.requires_grad_(True)
         if _scope._stack and rt.world_size > 1:
@@ -113,9 +136,7 @@ def randn(*size, dtype=None, requires_grad: bool = False) -> torch.Tensor:
 def rand(*size, dtype=None, requires_grad: bool = False) -> torch.Tensor:
     """Uniform [0, 1) values; placement-independent like ``randn``."""
     shape, dt = _shape(size), to_dtype(dtype)
-    return _create(
-        shape, lambda d: torch.rand(shape, dtype=dt, device=d), requires_grad, "gt.rand"
-    )
+    return _create(shape, lambda d: torch.rand(shape, dtype=dt, device=d), requires_grad, "gt.rand")
 
 
 def zeros(*size, dtype=None, requires_grad: bool = False) -> torch.Tensor:
@@ -129,9 +150,7 @@ def zeros(*size, dtype=None, requires_grad: bool = False) -> torch.Tensor:
 def ones(*size, dtype=None, requires_grad: bool = False) -> torch.Tensor:
     """Ones, placed by the active signal / auto-shard."""
     shape, dt = _shape(size), to_dtype(dtype)
-    return _create(
-        shape, lambda d: torch.ones(shape, dtype=dt, device=d), requires_grad, "gt.ones"
-    )
+    return _create(shape, lambda d: torch.ones(shape, dtype=dt, device=d), requires_grad, "gt.ones")
 
 
 def empty(*size, dtype=None, requires_grad: bool = False) -> torch.Tensor:
@@ -169,9 +188,7 @@ def eye(n: int, m: int | None = None, *, dtype=None, requires_grad: bool = False
     """Identity matrix."""
     dt = to_dtype(dtype)
     shape = (n, n if m is None else m)
-    return _create(
-        shape, lambda d: torch.eye(*shape, dtype=dt, device=d), requires_grad, "gt.eye"
-    )
+    return _create(shape, lambda d: torch.eye(*shape, dtype=dt, device=d), requires_grad, "gt.eye")
 
 
 def tensor(data, dtype=None, requires_grad: bool = False) -> torch.Tensor:

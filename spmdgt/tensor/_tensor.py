@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
 
+from spmdgt.interceptor import _debuglog
 from spmdgt.runtime._state import get_runtime
 from spmdgt.tensor import _scope
 from spmdgt.tensor._meshes import mesh_ranks
@@ -186,6 +187,10 @@ def move(x: torch.Tensor, target) -> torch.Tensor:
             out = x.redistribute(target.mesh, target.placements)
         out.__class__ = Tensor
         return out
+    if _debuglog.SHARDING:
+        src = (mesh_ranks(x.device_mesh), tuple(x.placements)) if isinstance(x, DTensor) else "all"
+        dst = (mesh_ranks(target.mesh), tuple(target.placements)) if target else "all"
+        _debuglog.debug("sharding", f"move {tuple(x.shape)}: ranks {src} -> ranks {dst}")
     with _DisableSubclass():
         return _Move.apply(x, target)
 
@@ -233,9 +238,7 @@ def _lift_grad_plain(mesh, args, kwargs):
             and a.dim()
         ):
             with _DisableSubclass():
-                out = DTensor.from_local(
-                    a, mesh, [Replicate()] * mesh.ndim, run_check=False
-                )
+                out = DTensor.from_local(a, mesh, [Replicate()] * mesh.ndim, run_check=False)
             out.__class__ = Tensor
             return out
         return a
@@ -291,14 +294,10 @@ _noted: set[str] = set()
 
 
 def _fallback_note(func, e: BaseException) -> None:
-    import os
+    from spmdgt.interceptor import _debuglog
 
     name = getattr(func, "__name__", str(func))
-    if name not in _noted and os.environ.get("GT_DEBUG_DISPATCHER", "0") not in ("", "0"):
+    if _debuglog.SHARDING and name not in _noted:
         _noted.add(name)
         first = str(e).strip().splitlines()[0]
-        print(
-            f"[rank {get_runtime().rank}] [sharding] {name}: no rule for this layout "
-            f"({first}); inputs replicated for it",
-            flush=True,
-        )
+        _debuglog.debug("sharding", f"{name}: no rule for this layout ({first}); inputs replicated")

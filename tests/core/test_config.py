@@ -110,7 +110,7 @@ def test_bad_yaml_names_file_signal_key_and_value(tmp_path, yaml_text, expected)
 
 
 def test_missing_file_is_a_config_error(tmp_path):
-    with pytest.raises(ConfigError, match="nope.yaml: cannot read signal config file"):
+    with pytest.raises(ConfigError, match=r"nope\.yaml: cannot read signal config file"):
         gt.load_config(tmp_path / "nope.yaml")
 
 

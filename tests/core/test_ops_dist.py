@@ -162,7 +162,7 @@ def _views(rank, world):
 
 def test_views_cat_indexing_pointwise(tmp_path):
     for parts, gx, gy in run_ranks(_views, 2, tmp_path):
-        for i, (got, ref) in enumerate(parts + [gx, gy]):
+        for i, (got, ref) in enumerate([*parts, gx, gy]):
             torch.testing.assert_close(
                 torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=1e-5, msg=f"part {i}"
             )
@@ -195,8 +195,10 @@ def _plain_module(rank, world):
         opt.zero_grad()
         ropt.zero_grad()
         losses.append((loss.item(), rloss.item(), str(x.placements)))
-    return losses, [(p.detach().numpy(), q.detach().numpy()) for p, q in
-                    zip(model.parameters(), ref.parameters())]
+    return losses, [
+        (p.detach().numpy(), q.detach().numpy())
+        for p, q in zip(model.parameters(), ref.parameters())
+    ]
 
 
 def test_plain_torch_module_and_optimizer_on_sharded_input(tmp_path):

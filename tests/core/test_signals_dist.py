@@ -206,9 +206,13 @@ def _signal_tensor(rank, world):
     wc = gt.signal.tensor(ws, "cols")
     loss = (wc * wc).sum() + ws.sum()
     loss.backward()
-    return ws.placements, wc.placements, isinstance(ws, DTensor), w.grad.numpy(), (
-        2 * w + 1
-    ).detach().numpy()
+    return (
+        ws.placements,
+        wc.placements,
+        isinstance(ws, DTensor),
+        w.grad.numpy(),
+        (2 * w + 1).detach().numpy(),
+    )
 
 
 def test_signal_tensor_places_existing_tensor_differentiably(tmp_path):

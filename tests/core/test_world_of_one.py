@@ -84,7 +84,7 @@ def test_bad_creation_input():
         gt.randn(2, -1)
     with pytest.raises(TypeError, match="unknown dtype 'flaot32'"):
         gt.zeros(2, dtype="flaot32")
-    with pytest.raises(TypeError, match="expects a numpy.ndarray"):
+    with pytest.raises(TypeError, match=r"expects a numpy\.ndarray"):
         gt.from_numpy([1, 2])
 
 

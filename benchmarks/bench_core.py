@@ -1,0 +1,231 @@
+"""Core overhead: spmdgt vs plain torch (1 rank) and gt.Tensor vs raw DTensor (2 ranks).
+
+    python benchmarks/bench_core.py            # all four, side by side, ratios printed
+    python benchmarks/bench_core.py --quick    # fewer iterations (CI smoke)
+
+Each pair runs interleaved in one process (A, B, A, B ... best of rounds), so machine noise
+hits both sides alike. Targets (issue #2): small-op loop <= 1.3x torch, seed 000's baseline
+<= 1.05x, MLP step <= 1.05x, 2-rank sharded per-op cost no worse than DTensor's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+
+def best_of(fn: Callable[[], None], iters: int, rounds: int) -> float:
+    """Seconds per iteration: the best of ``rounds`` timings of ``iters`` calls."""
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / iters)
+    return best
+
+
+def pair(name: str, base: Callable, ours: Callable, iters: int, rounds: int, unit=1e6):
+    base(), ours()  # warm
+    tb, to = float("inf"), float("inf")
+    for _ in range(rounds):  # interleave the two sides
+        tb = min(tb, best_of(base, iters, 1))
+        to = min(to, best_of(ours, iters, 1))
+    label = "us" if unit == 1e6 else "ms"
+    print(
+        f"{name:<44} baseline {tb * unit:9.2f} {label}   spmdgt {to * unit:9.2f} {label}"
+        f"   ratio {to / tb:5.2f}x",
+        flush=True,
+    )
+    return to / tb
+
+
+def small_op_loop(q: bool) -> None:
+    import spmdgt as gt
+
+    torch.manual_seed(0)
+    a, b, c0 = (torch.randn(64, 64) for _ in range(3))
+    gt.manual_seed(0)
+    ga, gb, gc0 = (gt.randn(64, 64) for _ in range(3))
+    n = 200
+
+    def torch_loop():
+        c = c0
+        for _ in range(n):
+            c = c * b + a
+
+    def gt_loop():
+        c = gc0
+        for _ in range(n):
+            c = c * gb + ga
+
+    r = pair(
+        "small-op loop c=c*b+a 64x64 (per op)",
+        torch_loop,
+        gt_loop,
+        1,
+        30 if q else 200,
+        unit=1e6 / (2 * n),
+    )
+    print(f"{'':<44} target <= 1.30x: {'OK' if r <= 1.3 else 'MISSED'}")
+
+
+def seed000_baseline(q: bool) -> None:
+    import spmdgt as gt
+
+    def torch_iter():
+        x = torch.randn(1000, 1000)
+        y = x @ x
+        y.data.numpy()
+
+    def gt_iter():
+        x = gt.randn(1000, 1000)
+        y = x @ x
+        y.data.numpy()
+
+    r = pair(
+        "seed 000: randn(1000,1000) @, .data.numpy()",
+        torch_iter,
+        gt_iter,
+        10 if q else 100,
+        3,
+        unit=1e3,
+    )
+    print(f"{'':<44} target <= 1.05x: {'OK' if r <= 1.05 else 'MISSED'}")
+
+
+def mlp_step(q: bool) -> None:
+    import spmdgt as gt
+
+    def build():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(
+            torch.nn.Linear(256, 256),
+            torch.nn.ReLU(),
+            torch.nn.Linear(256, 256),
+            torch.nn.ReLU(),
+            torch.nn.Linear(256, 10),
+        )
+        return m, torch.optim.AdamW(m.parameters(), lr=1e-3)
+
+    tm, topt = build()
+    gm, gopt = build()
+    tx, ty = torch.randn(64, 256), torch.randint(0, 10, (64,))
+    gx, gy = gt.tensor(tx), gt.tensor(ty)
+
+    def step(m, opt, x, y):
+        loss = torch.nn.functional.cross_entropy(m(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    r = pair(
+        "3-layer MLP step (AdamW, batch 64, width 256)",
+        lambda: step(tm, topt, tx, ty),
+        lambda: step(gm, gopt, gx, gy),
+        20 if q else 100,
+        3,
+        unit=1e3,
+    )
+    print(f"{'':<44} target <= 1.05x: {'OK' if r <= 1.05 else 'MISSED'}")
+
+
+def _two_rank(rank: int, world: int, init: str, q: bool, out) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    import spmdgt as gt
+
+    gt.register_config("rows", gt.SignalConfig(shard=gt.ShardConfig(axis=0)))
+    mesh = gt.device_mesh()
+    torch.manual_seed(0)
+    full = [torch.randn(64, 64) for _ in range(3)]
+    da, db, dc = (distribute_tensor(t, mesh, [Shard(0)]) for t in full)
+    with gt.signal.context("rows"):
+        ga, gb, gc = (gt.tensor(t) for t in full)
+    assert type(ga) is gt.Tensor and type(da) is DTensor, (type(ga), type(da))
+    w = torch.randn(64, 64)
+    dw = distribute_tensor(w, mesh, [Shard(0)])
+    gw = gt.signal.tensor(w, "rows")
+    n = 50
+    results = []
+
+    def run(name, f_dt, f_gt, iters, unit):
+        f_dt(), f_gt()
+        tb = to = float("inf")
+        for _ in range(5 if q else 20):
+            dist.barrier()
+            tb = min(tb, best_of(f_dt, iters, 1))
+            dist.barrier()
+            to = min(to, best_of(f_gt, iters, 1))
+        results.append((name, tb * unit, to * unit))
+
+    def loop(a, b, c):
+        def f():
+            x = c
+            for _ in range(n):
+                x = x * b + a
+
+        return f
+
+    run(
+        "2 ranks: c=c*b+a on Shard(0) 64x64 (per op)",
+        loop(da, db, dc),
+        loop(ga, gb, gc),
+        1,
+        1e6 / (2 * n),
+    )
+    run("2 ranks: Shard(0) @ Shard(0) -> redistribute", lambda: da @ dw, lambda: ga @ gw, 20, 1e6)
+    run(
+        "2 ranks: sum() -> Partial -> .full_tensor()",
+        lambda: da.sum().full_tensor(),
+        lambda: gc.sum().full_tensor(),
+        20,
+        1e6,
+    )
+    if rank == 0:
+        out.put(results)
+    dist.destroy_process_group()
+
+
+def two_rank_vs_dtensor(q: bool) -> None:
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    init = "file://" + tempfile.mktemp(prefix="gt-bench-")
+    procs = [ctx.Process(target=_two_rank, args=(r, 2, init, q, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = out.get(timeout=600)
+    for p in procs:
+        p.join()
+    for name, tb, to in results:
+        print(f"{name:<44} DTensor  {tb:9.2f} us   spmdgt {to:9.2f} us   ratio {to / tb:5.2f}x")
+    print(f"{'':<44} target: no worse than DTensor (ratio ~1.0 within noise)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    print(f"torch {torch.__version__}, 1 thread per rank, {os.cpu_count()} CPUs\n")
+    small_op_loop(args.quick)
+    seed000_baseline(args.quick)
+    mlp_step(args.quick)
+    two_rank_vs_dtensor(args.quick)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""End to end: the quick start under plain python and under torchrun (2 ranks), same numbers.
+
+One torchrun start costs 5-8 s, so this file runs the example twice (with YAML and with
+auto-shard) in one torchrun each and compares with the plain `python` run.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "quickstart.py"
+
+
+def _run(cmd: list[str], **env: str) -> str:
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
+    full_env.pop("GT_CONFIG", None)
+    full_env.update(env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=300)
+    assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    return proc.stdout
+
+
+def _numbers(out: str) -> list[float]:
+    lines = [ln for ln in out.splitlines() if not ln.startswith(("world=", "("))]
+    return [float(x) for x in re.findall(r"-?\d+\.\d+", "\n".join(lines))]
+
+
+def _torchrun(**env: str) -> str:
+    return _run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            "--standalone",
+            str(EXAMPLE),
+        ],
+        **env,
+    )
+
+
+def test_quickstart_same_numbers_on_one_and_two_ranks():
+    single = _run([sys.executable, str(EXAMPLE)])
+    yaml_run = _torchrun(GT_CONFIG=str(ROOT / "examples" / "quickstart.yaml"))
+    auto_run = _torchrun(GT_AUTO_SHARD="1")
+    assert "world=1" in single and "world=2" in yaml_run and "world=2" in auto_run
+    assert "x: (Shard(dim=0),)  w: (Shard(dim=1),)" in yaml_run  # the YAML took effect
+    assert "x: (Shard(dim=0),)  w: (Shard(dim=0),)" in auto_run  # 10 % 2 == 16 % 2 == 0
+    ref = _numbers(single)
+    assert len(ref) >= 8  # sum, loss, |grad w|, 5 training losses
+    for out in (yaml_run, auto_run):
+        got = _numbers(out)
+        assert len(got) == len(ref), out
+        for g, r in zip(got, ref):
+            # Sharded sums add in a different order: fp32 agreement to ~1e-6 relative.
+            assert abs(g - r) <= 1e-5 * max(1.0, abs(r)), (g, r, out)
