@@ -5,8 +5,12 @@ Three pieces:
 * ``CollectiveLog`` records every gradient/parameter collective a wrapped model issues, with
   bytes and issue-to-completion time. It is fed by torch's own extension points, never by
   guessing: a DDP communication hook (DDP's reducer calls C++ collectives that Python patches
-  cannot see), FSDP2's ``set_custom_all_gather`` / ``set_custom_reduce_scatter``, and, for
-  tensor-parallel placements, a dispatch mode that sees the functional collectives DTensor issues.
+  cannot see) and FSDP2's ``set_custom_all_gather`` / ``set_custom_reduce_scatter``. Each hook
+  appends one record at issue and stamps its end in the completion callback it needs anyway:
+  no synchronisation, no extra wait. Tensor-parallel placements have no such hook; their
+  collectives come from the project's single op stream (``spmdgt.interceptor``) through
+  ``InterceptorCollectiveSink``, and only when the user asked for measurement: the trainer
+  traces nothing on its own.
 * ``measure_bandwidth`` times a short all-reduce probe on the current process group and returns
   the *bus* bandwidth (bytes each rank moves per second, ring algebra applied).
 * ``CommunicationProfiler.estimate_ddp_comm_cost`` / ``estimate_fsdp_comm_cost`` apply the ring
@@ -30,9 +34,13 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
     DefaultAllGather,
     DefaultReduceScatter,
 )
-from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["CollectiveLog", "CommunicationProfiler", "measure_bandwidth"]
+__all__ = [
+    "CollectiveLog",
+    "CommunicationProfiler",
+    "InterceptorCollectiveSink",
+    "measure_bandwidth",
+]
 
 # Bytes each rank sends per byte of its buffer, for a ring over n ranks.
 _RING_FACTOR = {
@@ -123,6 +131,10 @@ class CollectiveLog:
         return dict(out)
 
 
+def _first(f: torch.futures.Future) -> torch.Tensor:
+    return f.value()[0]
+
+
 def ddp_counting_hook(log: CollectiveLog):
     """A DDP comm hook: record the bucket, then do DDP's own mean all-reduce.
 
@@ -137,8 +149,16 @@ def ddp_counting_hook(log: CollectiveLog):
         rec = log.start("all_reduce", buf.numel() * buf.element_size())
         buf.div_(world)
         fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
-        fut = log.finish_on(rec, fut)  # DDP waits on the chain, so the stamp is written first
-        return fut.then(lambda f: f.value()[0])
+        if rec is None:
+            return fut.then(_first)
+
+        # One callback, as torch's own Python allreduce_hook has: it unwraps the result and
+        # stamps the completion time. DDP waits on this future, so the stamp is written first.
+        def done(f: torch.futures.Future, rec: _Record = rec) -> torch.Tensor:
+            rec.end = time.perf_counter()
+            return f.value()[0]
+
+        return fut.then(done)
 
     # DDP checks the annotations as objects; this module's are strings (future annotations).
     hook.__annotations__ = {
@@ -181,42 +201,73 @@ class LoggedReduceScatter(DefaultReduceScatter):
         return self.log.finish_on(rec, work)
 
 
-_FUNCOL = {
+# Base names of functional collectives -> the kinds ``_RING_FACTOR`` and the estimates use.
+_KIND = {
     "all_reduce": "all_reduce",
-    "all_reduce_": "all_reduce",
     "all_gather_into_tensor": "all_gather",
+    "all_gather": "all_gather",
     "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter": "reduce_scatter",
     "all_to_all_single": "all_to_all",
     "broadcast": "broadcast",
 }
 
 
-class FunctionalCollectiveTracer(TorchDispatchMode):
-    """Records DTensor's functional collectives (bytes, issue to completion) in a log.
+def _collective_kind(op: str) -> str:
+    """``_c10d_functional.all_gather_into_tensor.default`` -> ``all_gather``."""
+    parts = op.split(".")
+    name = parts[1] if parts[0] in ("_c10d_functional", "c10d_functional") else parts[0]
+    name = name.rstrip("_")
+    return _KIND.get(name, name)
 
-    Used for tensor-parallel placements, whose collectives live in DTensor's redistribute
-    machinery rather than behind a hook. The tracer waits on each collective right after
-    issuing it: the wait that ``AsyncCollectiveTensor`` does later runs outside any dispatch
-    mode and cannot be seen, and tensor-parallel collectives sit on the critical path (their
-    result is the next op's input), so little overlap is lost. It sees every op, so it costs a
-    little Python per op.
+
+class InterceptorCollectiveSink:
+    """A sink on the interceptor's op stream that keeps the model's collective events.
+
+    Keeps ``(t0_ns, dur_ns, kind, nbytes)`` for every ``comm`` event except the ``dist.*`` /
+    ``c10d.*`` calls of the torch.distributed Python API: the model's collectives under DTensor
+    are functional collectives (``_c10d_functional``), while the trainer's own bookkeeping
+    (loader-length check, loss reduction) goes through ``dist.*`` and must not count as the
+    model's communication. ``fill`` assigns the kept events to optimizer steps by timestamp
+    (events are delivered in batches, long after the step that issued them).
+
+    The duration is what the interceptor timed: the call that issues the collective. An
+    ``AsyncCollectiveTensor``'s later wait happens inside a tensor subclass, which the stream
+    does not show, so time spent waiting there is not included.
     """
 
-    def __init__(self, log: CollectiveLog) -> None:
-        super().__init__()
-        self.log = log
+    def __init__(self) -> None:
+        self.events: list[tuple[int, int, str, int]] = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func.namespace == "_c10d_functional" and func._opname in _FUNCOL:
-            t = args[0]
-            rec = self.log.start(_FUNCOL[func._opname], t.numel() * t.element_size())
-            out = func(*args, **kwargs)
-            if rec is not None:
-                out = torch.ops._c10d_functional.wait_tensor(out)
-                rec.end = time.perf_counter()
-            return out
-        return func(*args, **kwargs)
+    def on_events(self, events: list) -> None:
+        keep = self.events.append
+        for e in events:
+            if e.kind == "comm" and not e.op.startswith(("dist.", "c10d.")):
+                keep((e.t0_ns, e.dur_ns, _collective_kind(e.op), e.nbytes))
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def fill(self, log: CollectiveLog, windows: list[tuple[int, float, float]]) -> None:
+        """Add the kept events that started inside a ``(step, start_s, end_s)`` window to ``log``.
+
+        Windows are ``time.perf_counter`` seconds (the interceptor stamps ``perf_counter_ns``,
+        the same clock). Events outside every window (before training, between steps) are not
+        the model's step communication and are dropped.
+        """
+        events = sorted(self.events)
+        i = 0
+        for step, lo, hi in sorted(windows, key=lambda w: w[1]):
+            lo_ns, hi_ns = int(lo * 1e9), int(hi * 1e9)
+            while i < len(events) and events[i][0] < lo_ns:
+                i += 1
+            while i < len(events) and events[i][0] <= hi_ns:
+                t0, dur, kind, nbytes = events[i]
+                log.records.append(_Record(kind, nbytes, t0 * 1e-9, step, (t0 + dur) * 1e-9))
+                i += 1
 
 
 def measure_bandwidth(

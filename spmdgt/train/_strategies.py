@@ -29,7 +29,6 @@ from torch import nn
 from spmdgt.config import ConfigError
 from spmdgt.train._comm import (
     CollectiveLog,
-    FunctionalCollectiveTracer,
     LoggedAllGather,
     LoggedReduceScatter,
     ddp_counting_hook,
@@ -51,7 +50,9 @@ class Wrapped:
     fsdp_modules: list[nn.Module] = field(default_factory=list)
     autocast_dtype: torch.dtype | None = None
     """dtype for ``torch.autocast`` around forward; None when FSDP mixed precision does it."""
-    tracer: FunctionalCollectiveTracer | None = None
+    comm_source: str | None = "no_collectives"
+    """What fills ``log``: a torch hook, ``None`` when only the interceptor's op stream can see
+    the collectives (placements: measured only on request), "no_collectives" in a world of one."""
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -68,10 +69,6 @@ class Wrapped:
                 root.set_requires_gradient_sync(True)
         else:
             yield
-
-    def comm_context(self) -> contextlib.AbstractContextManager:
-        """Where collectives happen inside compute (TP): a tracer that logs them."""
-        return self.tracer if self.tracer is not None else contextlib.nullcontext()
 
 
 def _placement_plan(
@@ -183,9 +180,10 @@ def wrap_model(
         from torch.distributed.tensor.parallel import parallelize_module
 
         parallelize_module(model, mesh, plan)
-        return Wrapped(
-            model, strategy, 1, log, autocast_dtype=autocast, tracer=FunctionalCollectiveTracer(log)
-        )
+        # DTensor's collectives have no hook: the trainer reads them from the interceptor's op
+        # stream when measurement is asked for (see DistributedTrainer.train), never by tracing
+        # here.
+        return Wrapped(model, strategy, 1, log, autocast_dtype=autocast, comm_source=None)
 
     if world_size == 1:
         if strategy == "fsdp" and fsdp.use_mixed_precision:
@@ -201,7 +199,9 @@ def wrap_model(
             find_unused_parameters=find_unused_parameters,
         )
         module.register_comm_hook(None, ddp_counting_hook(log))
-        return Wrapped(module, strategy, world_size, log, autocast_dtype=autocast)
+        return Wrapped(
+            module, strategy, world_size, log, autocast_dtype=autocast, comm_source="ddp_comm_hook"
+        )
 
     # fsdp
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -241,7 +241,15 @@ def wrap_model(
         unit.set_custom_all_gather(LoggedAllGather(log))
         unit.set_custom_reduce_scatter(LoggedReduceScatter(log))
     # FSDP's own MixedPrecisionPolicy casts; autocast stays off so compute is what it says.
-    return Wrapped(model, strategy, world_size, log, fsdp_modules=units, autocast_dtype=None)
+    return Wrapped(
+        model,
+        strategy,
+        world_size,
+        log,
+        fsdp_modules=units,
+        autocast_dtype=None,
+        comm_source="fsdp2_collective_hooks",
+    )
 
 
 def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
@@ -255,6 +263,8 @@ def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float) -> torch.Ten
 
     grads = [p.grad for p in parameters if p.grad is not None]
     sharded = [g for g in grads if isinstance(g, DTensor)]
+    if not sharded:  # DDP, world of one, or FSDP2 (all DTensors: handled below): torch's own
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
     plain = [g for g in grads if not isinstance(g, DTensor)]
     sq = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
     if sharded:

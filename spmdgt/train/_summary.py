@@ -1,9 +1,12 @@
 """What a run reports: per-step measurements, the Training Summary, TensorBoard, progress bar.
 
 Every number is measured on this run: step times by ``perf_counter`` around each optimizer step
-(on CUDA after a device synchronise), losses all-reduced across ranks in batches (one small
-collective every ``log_every`` steps, not one per step), memory sampled after each step, and the
-communication share from the collectives the wrapped model actually issued. The first
+(on CUDA after a device synchronise); losses kept on the device (no ``.item()`` per step) and
+all-reduced across ranks in batches (one small collective every ``log_every`` steps when
+TensorBoard or the progress bar reads them, else every 256 steps and at the end); memory sampled
+on the first step, every ``log_every`` steps and the last (a CPU RSS read costs ~60 us); and the
+communication share from the collectives the wrapped model actually issued, or ``None`` where
+nothing measured them (placements without ``profile=True`` or the interceptor on). The first
 ``warmup_steps`` steps are left out of the timing statistics and the summary says how many.
 """
 
@@ -24,24 +27,41 @@ class RunStats:
     """Raw per-optimizer-step measurements on this rank."""
 
     step_times: list[float] = field(default_factory=list)
-    local_losses: list[float] = field(default_factory=list)
+    local_losses: list[float] = field(default_factory=list)  # this rank's means, once flushed
+    pending_losses: list[torch.Tensor] = field(default_factory=list)
+    """Steps not reduced yet: this rank's summed micro-step losses, 0-d fp32 on the device."""
+    pending_micro_steps: list[int] = field(default_factory=list)  # micro-steps in each sum
     global_losses: list[float] = field(default_factory=list)  # all-reduced means, by step
     lrs: list[float] = field(default_factory=list)
     samples: list[int] = field(default_factory=list)  # global samples per step
     tokens: list[int] = field(default_factory=list)  # global tokens per step (0: unknown)
-    memory: list[int] = field(default_factory=list)
-    comm_sec: list[float] = field(default_factory=list)
+    memory: list[int] = field(default_factory=list)  # bytes, sampled (see memory_steps)
+    memory_steps: list[int] = field(default_factory=list)  # step index of each memory sample
+    comm_sec: list[float] = field(default_factory=list)  # empty when comm was not measured
     collectives: list[int] = field(default_factory=list)
     first_step: int = 0  # global step number of the first entry (after a resume)
 
+    def sample_memory(self, nbytes: int) -> None:
+        """Record a memory sample for the latest step."""
+        self.memory.append(nbytes)
+        self.memory_steps.append(len(self.step_times) - 1)
+
     def flush_losses(self, device: torch.device | str = "cpu") -> list[float]:
-        """All-reduce the not-yet-reduced local losses in one collective; return the new ones."""
-        pending = self.local_losses[len(self.global_losses) :]
-        if not pending:
+        """All-reduce the not-yet-reduced local losses in one collective; return the new ones.
+
+        Each step's loss is its fp32 micro-step sum divided by the micro-step count in float64,
+        then the mean over ranks: the same numbers a per-step ``.item()`` would have given.
+        """
+        if not self.pending_losses:
             return []
-        t = all_reduce_mean(torch.tensor(pending, dtype=torch.float64, device=device))
-        new = t.tolist()
+        sums = torch.stack(self.pending_losses).to(device=device, dtype=torch.float64)
+        counts = torch.tensor(self.pending_micro_steps, dtype=torch.float64, device=device)
+        local = sums / counts
+        new = all_reduce_mean(local).tolist()
+        self.local_losses.extend(local.tolist())
         self.global_losses.extend(new)
+        self.pending_losses.clear()
+        self.pending_micro_steps.clear()
         return new
 
 
@@ -54,8 +74,12 @@ def build_summary(
     world_size: int,
     strategy: str,
     val_loss: float | None,
+    comm_source: str | None = "no_collectives",
 ) -> dict:
-    """The Training Summary dict (seed 004's keys plus warm-up, tokens/s, comm share)."""
+    """The Training Summary dict (seed 004's keys plus warm-up, tokens/s, comm share).
+
+    ``comm_source`` names what measured the collectives (``None``: nothing did, and
+    ``comm_time_share`` / ``collectives_per_step`` are ``None`` rather than a guess)."""
     n = len(stats.step_times)
     warm = min(warmup_steps, max(n - 1, 0))
     times = stats.step_times[warm:]
@@ -63,7 +87,8 @@ def build_summary(
     avg = total_time / len(times) if times else 0.0
     samples = sum(stats.samples[warm:])
     tokens = sum(stats.tokens[warm:])
-    comm = sum(stats.comm_sec[warm:])
+    measured = comm_source is not None
+    comm = sum(stats.comm_sec[warm:]) if measured else 0.0
     losses = stats.global_losses
     out = {
         "num_steps": n,
@@ -82,8 +107,11 @@ def build_summary(
         if stats.memory
         else 0.0,
         "memory_kind": memory_kind,
-        "comm_time_share": comm / total_time if total_time > 0 else 0.0,
-        "collectives_per_step": (sum(stats.collectives[warm:]) / len(times)) if times else 0.0,
+        "comm_time_share": (comm / total_time if total_time > 0 else 0.0) if measured else None,
+        "collectives_per_step": (
+            (sum(stats.collectives[warm:]) / len(times) if times else 0.0) if measured else None
+        ),
+        "comm_measured_by": comm_source if measured else "not measured (use profile=True)",
         "world_size": world_size,
         "strategy": strategy,
     }

@@ -24,9 +24,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from spmdgt import runtime
+from spmdgt import interceptor, runtime
 from spmdgt.config import ConfigError
 from spmdgt.train._checkpoint import find_latest, load_checkpoint, save_checkpoint
+from spmdgt.train._comm import InterceptorCollectiveSink
 from spmdgt.train._config import STRATEGIES, SchedulerConfig, TrainConfig, load_train_config
 from spmdgt.train._data import ResumableDistributedSampler
 from spmdgt.train._profilers import current_memory_bytes, peak_memory_bytes
@@ -40,6 +41,10 @@ from spmdgt.train._summary import (
 )
 
 __all__ = ["DistributedTrainer", "build_scheduler"]
+
+# Steps between loss reductions when nobody reads per-step losses: bounds the 0-d loss tensors
+# kept on the device while avoiding a collective per step.
+_FLUSH_EVERY = 256
 
 
 def build_scheduler(
@@ -348,6 +353,13 @@ class DistributedTrainer:
         prof = self._make_profiler() if profile else None
         params = [p for p in self.model.parameters() if p.requires_grad]
         checked_batch = self.strategy != "placements"
+        # Losses stay on the device until a flush all-reduces them in one collective: every
+        # log_every steps when someone reads them per step (TensorBoard, progress bar), else
+        # every _FLUSH_EVERY steps (bounded memory) and at the end. Same steps on every rank.
+        per_step_reader = metrics.writer is not None or bar.active
+        flush_every = self.log_every if per_step_reader else max(self.log_every, _FLUSH_EVERY)
+        windows: list[tuple[int, float, float]] = []  # (step, start, end): placements' comm
+        sink, own_interceptor = self._attach_comm_sink(profile)
         val_loss = None
         stop = False
         if prof is not None:
@@ -379,7 +391,7 @@ class DistributedTrainer:
                     if group <= 0:
                         break
                     log.step = self.global_step
-                    loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
+                    loss_sum: torch.Tensor | None = None
                     samples = tokens = 0
                     done = 0
                     for micro in range(group):
@@ -395,16 +407,18 @@ class DistributedTrainer:
                         tokens += _num_tokens(inputs)
                         last = micro == group - 1
                         sync = contextlib.nullcontext() if last else self.wrapped.no_sync()
-                        # comm_context spans backward too: TP all-reduces input grads there.
-                        with sync, self.wrapped.comm_context():
+                        with sync:
                             with self._autocast():
                                 loss = self._loss(inputs, targets)
-                            scaled = loss.float() / group
+                            scaled = loss.float()
+                            if group > 1:  # x / 1 is exact: skip the op when not accumulating
+                                scaled = scaled / group
                             if self.scaler is not None:
                                 self.scaler.scale(scaled).backward()
                             else:
                                 scaled.backward()
-                        loss_sum += loss.detach().float()
+                        det = loss.detach().float()
+                        loss_sum = det if loss_sum is None else loss_sum + det
                         done += 1
                     if done == 0:
                         break
@@ -421,15 +435,20 @@ class DistributedTrainer:
                         torch.cuda.synchronize(self.device)
                     t1 = time.perf_counter()
                     stats.step_times.append(t1 - t0)
-                    stats.local_losses.append(float(loss_sum.item()) / done)
+                    windows.append((self.global_step - 1, t0, t1))
+                    stats.pending_losses.append(loss_sum)
+                    stats.pending_micro_steps.append(done)
                     stats.samples.append(samples * dp)
                     stats.tokens.append(tokens * dp)
                     stats.lrs.append(self.optimizer.param_groups[0]["lr"])
-                    stats.memory.append(current_memory_bytes(self.device))
-                    bar.update(self.global_step, stats.local_losses[-1], t1 - t0)
+                    n = len(stats.step_times)
+                    if n == 1 or n % self.log_every == 0:  # sampled: a read costs ~60 us on CPU
+                        stats.sample_memory(current_memory_bytes(self.device))
+                    if bar.active:
+                        bar.update(self.global_step, float(loss_sum) / done, t1 - t0)
                     if prof is not None:
                         prof.step()
-                    if len(stats.local_losses) % self.log_every == 0:
+                    if n % flush_every == 0:
                         self._log_metrics(stats, metrics)
                     if max_steps is not None and self.global_step >= max_steps:
                         stop = True
@@ -446,16 +465,24 @@ class DistributedTrainer:
         finally:
             if prof is not None:
                 prof.__exit__(None, None, None)
+            self._detach_comm_sink(sink, own_interceptor)
             bar.close()
+        if stats.step_times and (not stats.memory_steps or stats.memory_steps[-1] != n - 1):
+            stats.sample_memory(current_memory_bytes(self.device))  # the last step too
         self._log_metrics(stats, metrics)
         ran = bool(stats.step_times)
         if ck.dir and ran and (not ck.every_steps or self.global_step % ck.every_steps != 0):
             self.save_checkpoint()
-        counts, secs = log.step_counts(), log.step_seconds()
-        first = stats.first_step
-        for i in range(len(stats.step_times)):
-            stats.collectives.append(counts.get(first + i, 0))
-            stats.comm_sec.append(secs.get(first + i, 0.0))
+        comm_source = self.wrapped.comm_source
+        if sink is not None:
+            sink.fill(log, windows)
+            comm_source = "interceptor"
+        if comm_source is not None:
+            counts, secs = log.step_counts(), log.step_seconds()
+            first = stats.first_step
+            for i in range(len(stats.step_times)):
+                stats.collectives.append(counts.get(first + i, 0))
+                stats.comm_sec.append(secs.get(first + i, 0.0))
         summary = build_summary(
             stats,
             warmup_steps=cfg.training.warmup_steps,
@@ -464,11 +491,39 @@ class DistributedTrainer:
             world_size=self.rt.world_size,
             strategy=self.strategy,
             val_loss=val_loss,
+            comm_source=comm_source,
         )
         metrics.close()
         self.last_stats = stats
         runtime.print0(format_summary(summary))
         return summary
+
+    def _attach_comm_sink(self, profile: bool) -> tuple[InterceptorCollectiveSink | None, bool]:
+        """For placements, when measurement is asked for: a sink on the interceptor's stream.
+
+        DTensor's collectives have no hook, and the project has one interception point per
+        rank, so their bytes and times come from ``spmdgt.interceptor``: when it is already on
+        (GT_* variables, ``spmdgt.interceptor.enable``) or ``profile=True`` turns it on for the
+        run. Otherwise nothing is traced and the summary says comm time was not measured.
+        Returns the sink and whether this run enabled the interceptor (and must disable it).
+        """
+        if self.wrapped.comm_source is not None:
+            return None, False
+        own = False
+        if not interceptor.is_enabled():
+            if not profile:
+                return None, False
+            interceptor.enable(stats=False, hotpath=False)
+            own = True
+        return interceptor.add_sink(InterceptorCollectiveSink()), own
+
+    @staticmethod
+    def _detach_comm_sink(sink: InterceptorCollectiveSink | None, own: bool) -> None:
+        if sink is None:
+            return
+        interceptor.remove_sink(sink)  # delivers what is still buffered first
+        if own:
+            interceptor.disable()
 
     def _optimizer_step(self, params: list[nn.Parameter]) -> None:
         if self.scaler is not None:
@@ -488,8 +543,12 @@ class DistributedTrainer:
         """All-reduce pending losses (one collective) and write the steps' scalars."""
         start = len(stats.global_losses)
         new = stats.flush_losses(self._comm_device())
+        if metrics.writer is None:
+            return
+        memory = dict(zip(stats.memory_steps, stats.memory))
         for i, loss in enumerate(new, start=start):
             dt = stats.step_times[i]
+            mem = memory.get(i)
             metrics.scalars(
                 stats.first_step + i + 1,
                 {
@@ -497,7 +556,7 @@ class DistributedTrainer:
                     "train/lr": stats.lrs[i],
                     "perf/step_time_sec": dt,
                     "perf/throughput_samples_per_sec": stats.samples[i] / dt if dt else None,
-                    "perf/memory_gb": stats.memory[i] / 1e9,
+                    "perf/memory_gb": mem / 1e9 if mem is not None else None,
                 },
             )
 
@@ -524,7 +583,7 @@ class DistributedTrainer:
         n = 0
         for batch in loader:
             inputs, targets = self._unpack(batch)
-            with self._autocast(), self.wrapped.comm_context():
+            with self._autocast():
                 total += self._loss(inputs, targets).double().cpu()
             n += 1
         self.model.train()

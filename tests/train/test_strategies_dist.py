@@ -44,10 +44,15 @@ class CountC10d(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _train(rank, world, strategy, accum, count_comms=False):
+def _train(rank, world, strategy, accum, count_comms=False, profile_dir=None):
     hidden = TP_HIDDEN if strategy == "placements" else HIDDEN
     model = make_model(hidden=hidden)
-    cfg = TrainConfig(strategy=strategy, placements=TP_PLAN if strategy == "placements" else {})
+    cfg = TrainConfig(
+        strategy=strategy,
+        placements=TP_PLAN if strategy == "placements" else {},
+        profile=profile_dir is not None,
+        logdir=profile_dir,
+    )
     trainer = DistributedTrainer(
         model,
         make_optimizer(model),
@@ -67,6 +72,11 @@ def _train(rank, world, strategy, accum, count_comms=False):
         counts = mode.counts
     else:
         summary = trainer.train(loader, epochs=1)
+    if profile_dir is not None:  # the run turned the interceptor on for itself: now off again
+        from spmdgt import interceptor
+
+        counts = {"interceptor_on_after": interceptor.is_enabled()}
+        counts["all_reduce_bytes"] = trainer.wrapped.log.totals()["all_reduce"]["bytes"]
     return full_state(trainer.model), trainer.last_stats.global_losses, summary, counts
 
 
@@ -102,13 +112,31 @@ def test_fsdp_matches_single_process(tmp_path):
     _check([r[1] for r in out], "fsdp", 2)
 
 
+def _placements(rank, world, profile_dir):
+    return [
+        _train(rank, world, "placements", 1),
+        _train(rank, world, "placements", 2, profile_dir=f"{profile_dir}/r{rank}"),
+    ]
+
+
 def test_placements_match_single_process(tmp_path):
-    out = run_ranks(_both, 2, tmp_path, "placements")
+    out = run_ranks(_placements, 2, tmp_path, str(tmp_path))
     _check([r[0] for r in out], "placements", 1)
     _check([r[1] for r in out], "placements", 2)
-    # Rowwise 'down' all-reduces its output once per micro-step; nothing else communicates.
-    assert out[0][0][2]["collectives_per_step"] == 1
-    assert out[0][1][2]["collectives_per_step"] == 2
+    # Not asked to measure: nothing traced, and the summary says so instead of guessing.
+    plain = out[0][0][2]
+    assert plain["comm_time_share"] is None and plain["collectives_per_step"] is None
+    assert plain["comm_measured_by"].startswith("not measured")
+    # profile=True: collectives read from the interceptor's op stream. Per optimizer step,
+    # rowwise 'down' all-reduces its [4, 3] fp32 output once per micro-step (2) and clipping
+    # all-reduces the sharded grads' norm once; the trainer's own dist.* calls do not count.
+    for _, _, summary, extra in (r[1] for r in out):
+        assert summary["comm_measured_by"] == "interceptor"
+        assert summary["collectives_per_step"] == 3
+        assert 0 < summary["comm_time_share"] < 1
+        assert extra["interceptor_on_after"] is False
+        # 6 steps x 2 micro-steps x 48 bytes of activations, plus the 6 norm all-reduces.
+        assert extra["all_reduce_bytes"] > 6 * 2 * 48
 
 
 def _accum_counts(rank, world, strategy):
