@@ -7,11 +7,15 @@ time of a hand-written torch loop doing the same work (DDP / fully_shard / paral
 clip, AdamW, ``loss.item()``), and the trainer's added step time. Then gradient accumulation 1
 vs 4 (same micro-batch): collectives per optimizer step and step time.
 
-    python benchmarks/bench_trainer.py                 # default size, ~1-2 minutes on 2 cores
+    python benchmarks/bench_trainer.py                 # default size, ~2-3 minutes on 2 cores
     python benchmarks/bench_trainer.py --steps 5 --rounds 1 --dim 64   # quick look
 
-Trainer and raw runs alternate for ``--rounds`` rounds and the median per-round mean is
-reported, so drift on a shared machine hits both sides alike.
+Noise: trainer and raw runs alternate for ``--rounds`` rounds (the order flips every round, so
+neither side always runs first), each round gives one mean step time per side, and the table
+reports the median over rounds per side, the overhead of those medians, and the spread of the
+per-round paired overheads (min .. max), which says how far a single pair can be off on this
+machine. The placements trainer runs with no tracing (comm "n/a": nothing measured it; pass
+``profile=True`` or turn the interceptor on to measure it, which costs interception time).
 """
 
 from __future__ import annotations
@@ -164,6 +168,11 @@ def _raw_case(args, ex, strategy):
     return {"avg_step_time": statistics.fmean(times[args.warmup :]), "max_rss_gb": max(mem) / 1e9}
 
 
+def _spread(values: list[float]) -> float:
+    """(max - min) / median of per-round step times: how noisy one side was."""
+    return (max(values) - min(values)) / statistics.median(values)
+
+
 def _rank_main(rank, world, init_file, args, conn):
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world)
@@ -179,13 +188,22 @@ def _rank_main(rank, world, init_file, args, conn):
     out = {}
     for strategy in ("ddp", "fsdp", "placements"):
         tr, raw = [], []
-        for _ in range(args.rounds):  # alternate so machine drift hits both sides
-            tr.append(_trainer_case(args, ex, strategy))
-            raw.append(_raw_case(args, ex, strategy))
+        for i in range(args.rounds):  # alternate, flipping the order, so drift hits both sides
+            if i % 2 == 0:
+                tr.append(_trainer_case(args, ex, strategy))
+                raw.append(_raw_case(args, ex, strategy))
+            else:
+                raw.append(_raw_case(args, ex, strategy))
+                tr.append(_trainer_case(args, ex, strategy))
         best = sorted(tr, key=lambda s: s["avg_step_time"])[len(tr) // 2]
         best["raw_step_time"] = statistics.median(r["avg_step_time"] for r in raw)
         best["raw_max_rss_gb"] = statistics.median(r["max_rss_gb"] for r in raw)
         best["trainer_step_time"] = statistics.median(s["avg_step_time"] for s in tr)
+        paired = [t["avg_step_time"] / r["avg_step_time"] - 1 for t, r in zip(tr, raw)]
+        best["paired_min"], best["paired_max"] = min(paired), max(paired)
+        best["paired_median"] = statistics.median(paired)
+        best["trainer_spread"] = _spread([s["avg_step_time"] for s in tr])
+        best["raw_spread"] = _spread([r["avg_step_time"] for r in raw])
         out[strategy] = best
     out["accum"] = {a: _trainer_case(args, ex, "ddp", accum=a) for a in (1, 4)}
     model, _ = _setup(args, ex)
@@ -208,23 +226,31 @@ def report(out: dict, args) -> None:
         f"{args.rounds} alternating rounds"
     )
     hdr = (
-        f"{'strategy':<11}{'step ms':>9}{'raw ms':>9}{'overhead':>10}{'samples/s':>11}"
-        f"{'tokens/s':>10}{'RSS GB':>8}{'comm %':>8}{'coll/step':>10}"
+        f"{'strategy':<11}{'step ms':>9}{'raw ms':>9}{'overhead':>10}{'paired min..max':>17}"
+        f"{'spread tr/raw':>15}{'samples/s':>11}{'tokens/s':>10}{'RSS GB':>8}{'comm %':>8}"
+        f"{'coll/step':>10}"
     )
     print(hdr)
     print("-" * len(hdr))
     for s in ("ddp", "fsdp", "placements"):
         r = out[s]
         over = (r["trainer_step_time"] / r["raw_step_time"] - 1) * 100
+        paired = f"{r['paired_min'] * 100:+.1f}..{r['paired_max'] * 100:+.1f}%"
+        spread = f"{r['trainer_spread'] * 100:.0f}%/{r['raw_spread'] * 100:.0f}%"
+        share, coll = r["comm_time_share"], r["collectives_per_step"]
+        share_s = f"{share * 100:>7.1f}%" if share is not None else f"{'n/a':>8}"
+        coll_s = f"{coll:>10.1f}" if coll is not None else f"{'n/a':>10}"
         print(
             f"{s:<11}{r['trainer_step_time'] * 1e3:>9.1f}{r['raw_step_time'] * 1e3:>9.1f}"
-            f"{over:>+9.1f}%{r['throughput_samples_per_sec']:>11.1f}"
-            f"{r['throughput_tokens_per_sec']:>10.0f}{r['max_rss_gb']:>8.3f}"
-            f"{r['comm_time_share'] * 100:>7.1f}%{r['collectives_per_step']:>10.1f}"
+            f"{over:>+9.1f}%{paired:>17}{spread:>15}"
+            f"{r['throughput_samples_per_sec']:>11.1f}"
+            f"{r['throughput_tokens_per_sec']:>10.0f}{r['max_rss_gb']:>8.3f}{share_s}{coll_s}"
         )
     print(
-        "(overhead = trainer step time / raw torch loop step time - 1; target <= +3%. comm % ="
-        " collective issue-to-completion time / step time, overlap counted in full)"
+        "(step/raw ms: median over rounds of each round's mean step time; overhead = their "
+        "ratio - 1, target <= +3%;\n paired min..max: per-round trainer/raw - 1; spread: "
+        "(max - min) / median of the rounds per side;\n comm % = collective issue-to-completion"
+        " time / step time, overlap counted in full; n/a = not measured)"
     )
     bw = out["estimate"]["ddp"]["bandwidth_bytes_per_sec"]
     print(
@@ -233,7 +259,7 @@ def report(out: dict, args) -> None:
     )
     for s in ("ddp", "fsdp"):
         e = out["estimate"][s]
-        meas = out[s]["comm_time_share"] * out[s]["avg_step_time"]
+        meas = (out[s]["comm_time_share"] or 0.0) * out[s]["avg_step_time"]
         print(
             f"  {s:<5} {e['bytes_per_rank'] / 1e6:8.2f} MB/rank -> {e['estimated_sec'] * 1e3:6.2f}"
             f" ms estimated; measured comm {meas * 1e3:6.2f} ms/step"
@@ -253,9 +279,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--steps", type=int, default=15)
+    p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=7)
     args = p.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     ctx = mp.get_context("fork")
