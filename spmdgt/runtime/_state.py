@@ -117,6 +117,19 @@ def world_mesh():
     return _world_mesh
 
 
+def _forget_after_fork() -> None:
+    # A forked child (a test rank, a benchmark rank, a DataLoader worker) is a new process:
+    # it re-reads its rank from the environment and owns no process group of its parent's.
+    global _runtime, _owns_process_group, _world_mesh
+    _runtime, _owns_process_group, _world_mesh = None, False, None
+    from spmdgt.tensor import _meshes
+
+    _meshes.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
 def shutdown() -> None:
     """Destroy the process group spmdgt made (not one the user made) and forget all state."""
     global _runtime, _owns_process_group, _world_mesh

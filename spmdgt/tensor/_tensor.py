@@ -35,46 +35,66 @@ class Tensor(DTensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if kwargs is None:
-            kwargs = {}
+        # The per-op path: one pass over the arguments (one list level deep, for torch.cat)
+        # notes meshes and plain tensors and turns our tensors into plain DTensors for the
+        # call, so DTensor's C++ fast path dispatches them; then the classes are restored.
+        swapped = []
         plain = False
-        meshes = None
+        mesh = None
+        many = False
         for a in args:
-            if isinstance(a, torch.Tensor):
-                if isinstance(a, DTensor):
-                    if meshes is None:
-                        meshes = [a.device_mesh]
-                    elif a.device_mesh is not meshes[0]:
-                        meshes.append(a.device_mesh)
-                elif a.dim():
+            if isinstance(a, DTensor):
+                if type(a) is Tensor:
+                    a.__class__ = DTensor
+                    swapped.append(a)
+                m = a._spec.mesh
+                if mesh is None:
+                    mesh = m
+                elif m is not mesh:
+                    many = True
+            elif isinstance(a, torch.Tensor):
+                if a.dim():
                     plain = True
-            elif isinstance(a, (list, tuple)):
+            elif type(a) is list or type(a) is tuple:
                 for b in a:
                     if isinstance(b, DTensor):
-                        if meshes is None:
-                            meshes = [b.device_mesh]
-                        elif b.device_mesh is not meshes[0]:
-                            meshes.append(b.device_mesh)
+                        if type(b) is Tensor:
+                            b.__class__ = DTensor
+                            swapped.append(b)
+                        m = b._spec.mesh
+                        if mesh is None:
+                            mesh = m
+                        elif m is not mesh:
+                            many = True
                     elif isinstance(b, torch.Tensor) and b.dim():
                         plain = True
-        for a in kwargs.values():
-            if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.dim():
-                plain = True
-        if meshes is not None and (len(meshes) > 1 or _scope._stack):
-            with _DisableSubclass():
-                args, kwargs = _align_meshes(meshes, args, kwargs)
-        if plain and meshes is not None and torch.is_grad_enabled():
-            with _DisableSubclass():
-                args, kwargs = _lift_grad_plain(meshes[0], args, kwargs)
+        if kwargs:
+            for a in kwargs.values():
+                if isinstance(a, DTensor):
+                    if type(a) is Tensor:
+                        a.__class__ = DTensor
+                        swapped.append(a)
+                elif isinstance(a, torch.Tensor) and a.dim():
+                    plain = True
+        else:
+            kwargs = {}
         try:
-            out = _call(func, args, kwargs, plain)
-        except (RuntimeError, NotImplementedError) as e:
-            # DTensor has no rule for this op on this layout (e.g. reshaping an unevenly
-            # sharded dim). Replicating the inputs is always correct: do that and say so.
-            if not _is_propagation_error(e):
-                raise
-            _fallback_note(func, e)
-            out = _call(func, *_map_tensors(_replicate, args, kwargs), plain)
+            if mesh is not None and (many or _scope._stack):
+                args, kwargs = _align_meshes(args, kwargs)
+            if plain and mesh is not None and torch.is_grad_enabled():
+                args, kwargs = _lift_grad_plain(mesh, args, kwargs)
+            try:
+                out = _call(func, args, kwargs, plain)
+            except (RuntimeError, NotImplementedError) as e:
+                # DTensor has no rule for this op on this layout (e.g. reshaping an unevenly
+                # sharded dim). Replicating the inputs is always correct: do that, say so.
+                if not _is_propagation_error(e):
+                    raise
+                _fallback_note(func, e)
+                out = _call(func, *_map_tensors(_replicate, args, kwargs), plain)
+        finally:
+            for a in swapped:
+                a.__class__ = Tensor
         if type(out) is DTensor:
             out.__class__ = Tensor
         elif isinstance(out, (tuple, list)):
@@ -82,6 +102,17 @@ class Tensor(DTensor):
                 if type(o) is DTensor:
                     o.__class__ = Tensor
         return out
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        # Reached by ops the autograd engine runs on saved gt.Tensors (backward): take
+        # DTensor's C++ fast path as the forward does.
+        swapped = _swap_to_base(args, kwargs)
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            for a in swapped:
+                a.__class__ = Tensor
 
     # -- GT's contract: the global value, on every rank ------------------------------------
     def numpy(self, *, force: bool = False):
@@ -205,15 +236,23 @@ def _signal_mesh():
     return mesh_for(cfg.shard.workers, cfg.name), cfg
 
 
-def _align_meshes(meshes, args, kwargs):
+def _align_meshes(args, kwargs):
     """Bring every DTensor argument onto one mesh: the active signal's, else the largest."""
     from spmdgt.tensor._placement import Target, signal_target
 
     dst, cfg = _signal_mesh() if _scope._stack else (None, None)
     if dst is None:
-        if len({id(m) for m in meshes}) == 1:
+        meshes = {}
+        _map_tensors(
+            lambda a: (
+                meshes.setdefault(id(a.device_mesh), a.device_mesh) if isinstance(a, DTensor) else a
+            ),
+            args,
+            kwargs,
+        )
+        if len(meshes) == 1:
             return args, kwargs
-        dst = max(meshes, key=lambda m: m.size())
+        dst = max(meshes.values(), key=lambda m: m.size())
 
     def fix(a):
         if isinstance(a, DTensor) and a.device_mesh is not dst:
@@ -231,17 +270,12 @@ def _lift_grad_plain(mesh, args, kwargs):
     whose backward all-reduces partial gradients, so they get plain, correct ``.grad``."""
 
     def lift(a):
-        if (
-            isinstance(a, torch.Tensor)
-            and not isinstance(a, DTensor)
-            and a.requires_grad
-            and a.dim()
-        ):
-            with _DisableSubclass():
-                out = DTensor.from_local(a, mesh, [Replicate()] * mesh.ndim, run_check=False)
-            out.__class__ = Tensor
-            return out
-        return a
+        if not isinstance(a, torch.Tensor) or isinstance(a, DTensor) or not a.requires_grad:
+            return a
+        if not a.dim():
+            return a
+        # A plain DTensor: it lives for this one call (outputs are re-tagged).
+        return DTensor.from_local(a, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
     return _map_tensors(lift, args, kwargs)
 
@@ -257,16 +291,39 @@ def _map_tensors(fn, args, kwargs):
     return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
 
 
+def _swap_to_base(args, kwargs) -> list:
+    """Make our arguments plain ``DTensor`` for the length of one call, and list them.
+
+    DTensor dispatches its own exact type on a C++ fast path; any subclass takes a Python path
+    that re-wraps every argument (~10 us per op). The class is restored right after the call.
+    """
+    swapped = []
+    for a in args:
+        if type(a) is Tensor:
+            a.__class__ = DTensor
+            swapped.append(a)
+        elif type(a) is list or type(a) is tuple:
+            for b in a:
+                if type(b) is Tensor:
+                    b.__class__ = DTensor
+                    swapped.append(b)
+    if kwargs:
+        for a in kwargs.values():
+            if type(a) is Tensor:
+                a.__class__ = DTensor
+                swapped.append(a)
+    return swapped
+
+
 def _call(func, args, kwargs, plain):
-    with _DisableSubclass():
-        if not plain:
-            return func(*args, **kwargs)
-        prev = _get_implicit()
-        _set_implicit(True)
-        try:
-            return func(*args, **kwargs)
-        finally:
-            _set_implicit(prev)
+    if not plain:
+        return func(*args, **kwargs)
+    prev = _get_implicit()
+    _set_implicit(True)
+    try:
+        return func(*args, **kwargs)
+    finally:
+        _set_implicit(prev)
 
 
 _PROPAGATION_ERRORS = (
