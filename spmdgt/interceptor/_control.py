@@ -13,9 +13,7 @@ Environment variables (all per rank; every rank of a job sees the same ones):
     GT_RUN_DIR=dir            publish status for ``scripts.top``, accept ``scripts.trace`` requests
     GT_PROFILE=logdir         torch.profiler + TensorBoard for the whole run (short runs only;
                               ``spmdgt.debug.profile`` records a window)
-    GT_INTERCEPT=torch|aten|kineto   interception level (default torch; aten: every ATen op
-                              through a dispatch mode; kineto: every ATen op through torch's C++
-                              profiler, delivered in batches at flush points: see ``_kineto``)
+    GT_INTERCEPT=torch|aten   interception level (default torch; aten: every ATen op, ~4x cost)
     GT_TAPE_SIZE=n            events kept for ``get_tape`` (default 1000)
     GT_AUTO_COMPILE, GT_HOTPATH_WINDOW/MIN_SEQ/THRESHOLD   hot-path detection (``_stats``)
 """
@@ -43,58 +41,6 @@ _ENV_VARS = (
 
 _tools: dict[str, Any] = {}
 _atexit_registered = False
-
-# Called (no arguments) by ``spmdgt.tensor._scope.push``/``pop`` after the scope stack changed,
-# when not None. None unless a level that needs it (kineto: signal marks by time) is on, so the
-# cost with the tools off is one module-attribute test per scope change.
-scope_observer: Any = None
-_scope_wrapped: tuple[Any, Any] | None = None
-
-
-def _install_scope_observer(backend: Any) -> None:
-    """Route signal scope changes to ``backend`` (a mark, and a >= 1 s flush check).
-
-    If ``_scope.push`` does not call ``scope_observer`` yet (the two-line change documented in
-    docs/observability.md), wrap ``_scope.push``/``pop`` while the level is on instead.
-    """
-    global scope_observer, _scope_wrapped
-
-    def observe() -> None:
-        backend.mark()
-        backend.maybe_flush()
-
-    scope_observer = observe
-    try:
-        from spmdgt.tensor import _scope
-    except ImportError:
-        return
-    if "scope_observer" in _scope.push.__code__.co_names or _scope_wrapped is not None:
-        return
-    push, pop = _scope.push, _scope.pop
-
-    def push_observed(name: str, backward: str | None = None) -> None:
-        push(name, backward)
-        if scope_observer is not None:
-            scope_observer()
-
-    def pop_observed(name: str | None = None) -> str:
-        top = pop(name)
-        if scope_observer is not None:
-            scope_observer()
-        return top
-
-    _scope.push, _scope.pop = push_observed, pop_observed
-    _scope_wrapped = (push, pop)
-
-
-def _remove_scope_observer() -> None:
-    global scope_observer, _scope_wrapped
-    scope_observer = None
-    if _scope_wrapped is not None:
-        from spmdgt.tensor import _scope
-
-        _scope.push, _scope.pop = _scope_wrapped
-        _scope_wrapped = None
 
 
 def is_enabled() -> bool:
@@ -152,9 +98,8 @@ def enable(
 
     ``instruction_log``: path of the text log; ``run_dir``: publish for ``top``/``trace``;
     ``stats``: counters, tape and hot paths for ``get_worker_stats``/``get_tape``; ``debug_ops``:
-    print ops per ``GT_DEBUG_WORKER``/``GT_DEBUG_DISPATCHER``; ``level``: "torch" (default),
-    "aten" (every ATen op, dispatch mode) or "kineto" (every ATen op, torch's C++ profiler,
-    events reach the tools at flush points).
+    print ops per ``GT_DEBUG_WORKER``/``GT_DEBUG_DISPATCHER``; ``level``: "torch" (default,
+    cheap) or "aten" (every ATen op).
     """
     from spmdgt.interceptor._mode import env_rank, get_interceptor
     from spmdgt.interceptor._stats import StatsSink

@@ -43,7 +43,7 @@ COLUMNS = (
 _DTYPE_SHORT = {
     "float32": "f32", "float64": "f64", "float16": "f16", "bfloat16": "bf16", "int64": "i64",
     "int32": "i32", "int16": "i16", "int8": "i8", "uint8": "u8", "bool": "b1",
-    "complex64": "c64", "complex128": "c128", "None": "?",
+    "complex64": "c64", "complex128": "c128",
 }  # fmt: skip
 _EVENT = {"comm": "COMM", "wait": "WAIT"}
 

@@ -19,9 +19,6 @@ bench_interceptor.py``, ``c = c*b + a`` on 64x64, 1 CPU thread, ~5.5 us/op untra
   ATen ops and the functional collectives DTensor issues, and every op the autograd engine runs.
   Those inner events have ``level=1`` and complete before their torch-level parent (level 0).
 * ``level="aten"`` pushes the dispatch mode for everything: exact ATen op counts, ~4x cost.
-* ``level="kineto"`` pushes no mode: torch's C++ profiler records every ATen op and the
-  events are converted in batches at flush points (``_kineto.py``; no Python per op, but the
-  conversion costs more than the ``torch`` level's per-op Python).
 
 When nothing is enabled no mode is pushed (``torch._C._len_torch_function_stack()`` and
 ``_len_torch_dispatch_stack()`` stay 0) and nothing here is on any path. Events are buffered as
@@ -45,9 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from spmdgt.interceptor._events import OpEvent, Sink, classify
 from spmdgt.interceptor._events import op_name as _op_name
 
-__all__ = ["LEVELS", "Interceptor", "get_interceptor"]
-
-LEVELS = ("torch", "aten", "kineto")
+__all__ = ["Interceptor", "get_interceptor"]
 
 _BATCH = 2048  # events buffered before sinks see them
 _TICK_NS = 1_000_000_000  # sinks' flush tick (top publication, log flush)
@@ -232,7 +227,6 @@ class Interceptor:
         self._tick_callbacks: list[Callable[[], None]] = []
         self._lock = threading.RLock()
         self._froze_gc = False  # tick callbacks add/remove sinks
-        self._kineto: Any = None  # the KinetoBackend while level == "kineto"
 
     # -- hot path ---------------------------------------------------------------------------
     def _record(self, func, t0: int, dur: int, level: int, ins: tuple, outs: tuple) -> None:
@@ -254,12 +248,7 @@ class Interceptor:
         """Hand buffered events to the sinks (and, on a tick, let them flush/publish)."""
         with self._lock:
             raw, self._buf = self._buf, []
-            if self._kineto is not None:
-                events = self._kineto.collect()
-                if events:
-                    for sink in self.sinks:
-                        sink.on_events(events)
-            elif raw and self.sinks:
+            if raw and self.sinks:
                 events = []
                 append = events.append
                 cache, names = self._names, self._name
@@ -284,28 +273,18 @@ class Interceptor:
 
     # -- switch -----------------------------------------------------------------------------
     def start(self, level: str = "torch") -> None:
-        """Start intercepting: "torch" (Python function mode, escalating), "aten" (dispatch mode,
-        every ATen op) or "kineto" (torch's C++ profiler, events delivered at flush points)."""
-        if level not in LEVELS:
-            raise ValueError(f"interceptor level must be one of {LEVELS}, got {level!r}")
+        """Push the mode (``level`` "torch": cheap, escalating; "aten": every ATen op)."""
+        if level not in ("torch", "aten"):
+            raise ValueError(f"interceptor level must be 'torch' or 'aten', got {level!r}")
         if self.active:
             if level == self.level:
                 return
             self.stop(close_sinks=False)
         self.level = level
         self._signal = _signal_provider()
-        if level == "kineto":
-            from spmdgt.interceptor._kineto import KinetoBackend
-
-            self._kineto = KinetoBackend(self)
-            self._kineto.start()
-            from spmdgt.interceptor import _control
-
-            _control._install_scope_observer(self._kineto)
-        else:
-            self._mode = _TorchMode(self) if level == "torch" else _AtenMode(self, 0)
-            self._mode.__enter__()
-            self._install_optimizer_hooks()
+        self._mode = _TorchMode(self) if level == "torch" else _AtenMode(self, 0)
+        self._mode.__enter__()
+        self._install_optimizer_hooks()
         # Tracing allocates a few small tuples per op; with torch's ~200k module-level objects in
         # the oldest GC generation, the collections those allocations trigger cost more than the
         # tracing itself (measured: 81 -> 37 us/op). Freezing moves what exists now out of the
@@ -319,18 +298,7 @@ class Interceptor:
     def stop(self, close_sinks: bool = True) -> None:
         """Pop the mode, deliver what is buffered, and (by default) close and drop the sinks."""
         if self.active:
-            if self._kineto is not None:
-                from spmdgt.interceptor import _control
-
-                _control._remove_scope_observer()
-                events = self._kineto.stop()
-                self._kineto = None
-                if events:
-                    with self._lock:
-                        for sink in self.sinks:
-                            sink.on_events(events)
-            else:
-                _pop_mode(self._mode)
+            _pop_mode(self._mode)
             self._mode = None
             self.active = False
             for h in self._opt_hooks:
