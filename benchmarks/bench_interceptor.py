@@ -74,16 +74,16 @@ def main() -> None:
     cases = {
         "plain torch": (nothing, nothing),
         "interceptor off": (nothing, nothing),
-        "GT_INSTRUCTION_LOG (torch)": (
+        "log only (torch)": (
             lambda: interceptor.enable(instruction_log=log, stats=False),
             interceptor.disable,
         ),
         "stats only (torch)": (lambda: interceptor.enable(stats=True), interceptor.disable),
-        "log + stats (torch)": (
+        "log + stats (torch) = GT_INSTRUCTION_LOG": (
             lambda: interceptor.enable(instruction_log=log, stats=True),
             interceptor.disable,
         ),
-        "GT_INSTRUCTION_LOG (aten)": (
+        "log only (aten)": (
             lambda: interceptor.enable(instruction_log=log, stats=False, level="aten"),
             interceptor.disable,
         ),
@@ -98,9 +98,9 @@ def main() -> None:
         assert torch._C._len_torch_dispatch_stack() == 0
     base = best["plain torch"]
     print(f"c = c*b + a, 64x64 fp32, 1 thread, {args.iters} iters, best of {args.repeats}")
-    print(f"{'case':30s} {'us/op':>8s} {'x plain':>8s}")
+    print(f"{'case':42s} {'us/op':>8s} {'x plain':>8s}")
     for name, v in best.items():
-        print(f"{name:30s} {v:8.2f} {v / base:8.2f}")
+        print(f"{name:42s} {v:8.2f} {v / base:8.2f}")
     with open(log) as f:
         lines = sum(1 for _ in f)
     print(f"(last log: {lines} lines in {log})")
