@@ -19,6 +19,7 @@ __all__ = [
     "barrier",
     "device",
     "device_mesh",
+    "gpu_workers",
     "init",
     "is_main_process",
     "local_rank",
@@ -69,3 +70,19 @@ def print0(*args: object, **kwargs) -> None:
     """``print`` on rank 0 only, so N ranks do not print N copies."""
     if get_runtime().rank == 0:
         builtins.print(*args, **kwargs)
+
+
+def gpu_workers(n: int) -> int:
+    """GT's worker-count knob. In SPMD the launcher fixes the world (``torchrun
+    --nproc_per_node=N``), so this only checks ``n`` against it, warns once if they differ, and
+    returns the real world size: the program runs either way, on the ranks there are."""
+    import warnings
+
+    world = world_size()
+    if n != world:
+        warnings.warn(
+            f"gt.gpu_workers({n}): this program runs on {world} rank(s); the world size is set "
+            f"by the launcher: torchrun --nproc_per_node={n} ...",
+            stacklevel=2,
+        )
+    return world

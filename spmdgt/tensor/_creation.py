@@ -18,7 +18,7 @@ from spmdgt.runtime._state import get_runtime
 from spmdgt.tensor import _scope
 from spmdgt.tensor._dtypes import to_dtype
 from spmdgt.tensor._placement import creation_target, signal_target
-from spmdgt.tensor._tensor import move, place
+from spmdgt.tensor._tensor import global_value, move, place
 
 __all__ = [
     "arange",
@@ -198,7 +198,8 @@ def tensor(data, dtype=None, requires_grad: bool = False) -> torch.Tensor:
     """
     dt = to_dtype(dtype)
     if isinstance(data, torch.Tensor):
-        base = data.detach().to(dtype=dt) if dt is not None else data.detach()
+        base = global_value(data)  # a sharded input contributes its global value
+        base = base.to(dtype=dt) if dt is not None else base
         shape = tuple(base.shape)
         return _create(shape, lambda d: base.to(d, copy=True), requires_grad, "gt.tensor")
     base = torch.as_tensor(np.asarray(data) if isinstance(data, np.ndarray) else data, dtype=dt)

@@ -182,6 +182,7 @@ def place(full: torch.Tensor, target) -> torch.Tensor:
     communication: each rank keeps its slice. ``target`` None means a plain tensor."""
     if target is None:
         return full
+    enable_implicit_replication()
     placements = [Replicate() if isinstance(p, Partial) else p for p in target.placements]
     with _DisableSubclass():
         out = distribute_tensor(full, target.mesh, placements, src_data_rank=None)
@@ -316,14 +317,20 @@ def _swap_to_base(args, kwargs) -> list:
 
 
 def _call(func, args, kwargs, plain):
-    if not plain:
-        return func(*args, **kwargs)
-    prev = _get_implicit()
+    if plain and not _get_implicit():
+        enable_implicit_replication()
+    return func(*args, **kwargs)
+
+
+def enable_implicit_replication() -> None:
+    """Let plain tensors mix with DTensors as replicated values, for the whole process.
+
+    That is spmdgt's contract (a plain tensor is the same value on every rank), and it must
+    hold in backward too, where the autograd engine mixes saved plain tensors (targets, masks)
+    with sharded gradients outside any call of ours. DTensor leaves it off by default because
+    a plain tensor *could* differ per rank; spmdgt programs keep per-rank data in gt tensors.
+    """
     _set_implicit(True)
-    try:
-        return func(*args, **kwargs)
-    finally:
-        _set_implicit(prev)
 
 
 _PROPAGATION_ERRORS = (
