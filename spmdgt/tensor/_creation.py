@@ -125,40 +125,27 @@ def _create(
     return t
 
 
-def randn(*size, dtype=None, requires_grad: bool = False) -> torch.Tensor:
-    """Standard normal values; the same global values whatever the placement or world size."""
-    shape, dt = _shape(size), to_dtype(dtype)
-    return _create(
-        shape, lambda d: torch.randn(shape, dtype=dt, device=d), requires_grad, "gt.randn"
-    )
+def _factory(fill: Callable[..., torch.Tensor], name: str, doc: str):
+    """A GT creation op over ``fill`` (``torch.randn``, ``torch.zeros``...)."""
+
+    def create(*size: int, dtype=None, requires_grad: bool = False) -> torch.Tensor:
+        shape, dt = _shape(size), to_dtype(dtype)
+        return _create(shape, lambda d: fill(shape, dtype=dt, device=d), requires_grad, name)
+
+    create.__name__ = create.__qualname__ = name.removeprefix("gt.")
+    create.__doc__ = doc
+    return create
 
 
-def rand(*size, dtype=None, requires_grad: bool = False) -> torch.Tensor:
-    """Uniform [0, 1) values; placement-independent like ``randn``."""
-    shape, dt = _shape(size), to_dtype(dtype)
-    return _create(shape, lambda d: torch.rand(shape, dtype=dt, device=d), requires_grad, "gt.rand")
-
-
-def zeros(*size, dtype=None, requires_grad: bool = False) -> torch.Tensor:
-    """Zeros, placed by the active signal / auto-shard."""
-    shape, dt = _shape(size), to_dtype(dtype)
-    return _create(
-        shape, lambda d: torch.zeros(shape, dtype=dt, device=d), requires_grad, "gt.zeros"
-    )
-
-
-def ones(*size, dtype=None, requires_grad: bool = False) -> torch.Tensor:
-    """Ones, placed by the active signal / auto-shard."""
-    shape, dt = _shape(size), to_dtype(dtype)
-    return _create(shape, lambda d: torch.ones(shape, dtype=dt, device=d), requires_grad, "gt.ones")
-
-
-def empty(*size, dtype=None, requires_grad: bool = False) -> torch.Tensor:
-    """Uninitialised memory, placed like any created tensor."""
-    shape, dt = _shape(size), to_dtype(dtype)
-    return _create(
-        shape, lambda d: torch.empty(shape, dtype=dt, device=d), requires_grad, "gt.empty"
-    )
+randn = _factory(
+    torch.randn,
+    "gt.randn",
+    "Standard normal values; the same global values whatever the placement or world size.",
+)
+rand = _factory(torch.rand, "gt.rand", "Uniform [0, 1) values; placement-independent.")
+zeros = _factory(torch.zeros, "gt.zeros", "Zeros, placed by the active signal / auto-shard.")
+ones = _factory(torch.ones, "gt.ones", "Ones, placed by the active signal / auto-shard.")
+empty = _factory(torch.empty, "gt.empty", "Uninitialised memory, placed like any new tensor.")
 
 
 def full(size, fill_value, *, dtype=None, requires_grad: bool = False) -> torch.Tensor:
