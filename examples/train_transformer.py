@@ -225,7 +225,9 @@ def run_trainer(args: argparse.Namespace) -> dict:
     if args.checkpoint_dir:
         trainer.config.checkpoint.dir = args.checkpoint_dir
     bs = args.batch_size or (cfg.training.batch_size if cfg else 8)
-    loader = OptimizedDataLoader.create(ds, bs, shard=strategy != "placements", seed=args.seed)
+    loader = OptimizedDataLoader.create(
+        ds, bs, shard=strategy != "placements", seed=args.seed, num_workers=args.workers
+    )
     return trainer.train(
         loader, epochs=args.epochs, profile=args.profile or None, max_steps=args.steps
     )
@@ -247,7 +249,9 @@ def run_pytorch(args: argparse.Namespace) -> dict:
         model = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     sampler = DistributedSampler(ds, num_replicas=world, rank=rank, seed=args.seed)
-    loader = DataLoader(ds, batch_size=args.batch_size, sampler=sampler)
+    loader = DataLoader(
+        ds, batch_size=args.batch_size, sampler=sampler, num_workers=args.workers or 0
+    )
     times, losses, step = [], [], 0
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
@@ -299,6 +303,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--logdir", help="TensorBoard directory")
     p.add_argument("--checkpoint-dir", help="DCP checkpoints (resumes when present)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="DataLoader workers (default: the trainer picks from the machine; plain loop 0)",
+    )
     p.add_argument("--pytorch", action="store_true", help="plain torch loop for comparison")
     args = p.parse_args(argv)
     if args.dim % args.heads or args.heads % args.kv_heads:
