@@ -105,7 +105,7 @@ _COMM = {
     "gather", "scatter", "send", "recv", "barrier", "all_reduce_coalesced",
     "allreduce_coalesced", "all_gather_into_tensor_coalesced", "allgather_coalesced",
     "allgather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced", "all_gather_object",
-    "broadcast_object_list", "isend", "irecv",
+    "broadcast_object_list", "isend", "irecv", "all_gather_single", "reduce_scatter_single",
 }  # fmt: skip
 
 
