@@ -5,7 +5,9 @@
 Prints, side by side in one process, microseconds per op (best of ``repeats``) for:
 plain torch; the interceptor imported but off (must equal plain: nothing is pushed); the
 instruction log on (``GT_INSTRUCTION_LOG``'s tool, default ``torch`` level); stats only;
-the log at ``aten`` level; and, for reference, a bare ``TorchDispatchMode`` and a bare
+the log at ``aten`` level; the same at ``native`` level (the compiled RecordFunction observer,
+``_native``: what ``GT_INSTRUCTION_LOG`` uses when it builds; skipped if it cannot); and, for
+reference, a bare ``TorchDispatchMode`` and a bare
 ``TorchFunctionMode`` that only call the op. The issue's bar: log on <= 2x plain.
 """
 
@@ -75,21 +77,37 @@ def main() -> None:
         "plain torch": (nothing, nothing),
         "interceptor off": (nothing, nothing),
         "log only (torch)": (
-            lambda: interceptor.enable(instruction_log=log, stats=False),
+            lambda: interceptor.enable(instruction_log=log, stats=False, level="torch"),
             interceptor.disable,
         ),
-        "stats only (torch)": (lambda: interceptor.enable(stats=True), interceptor.disable),
-        "log + stats (torch) = GT_INSTRUCTION_LOG": (
-            lambda: interceptor.enable(instruction_log=log, stats=True),
+        "stats only (torch)": (
+            lambda: interceptor.enable(stats=True, level="torch"),
+            interceptor.disable,
+        ),
+        "log + stats (torch)": (
+            lambda: interceptor.enable(instruction_log=log, stats=True, level="torch"),
             interceptor.disable,
         ),
         "log only (aten)": (
             lambda: interceptor.enable(instruction_log=log, stats=False, level="aten"),
             interceptor.disable,
         ),
+        "log only (native)": (
+            lambda: interceptor.enable(instruction_log=log, stats=False, level="native"),
+            interceptor.disable,
+        ),
+        "log + stats (native) = GT_INSTRUCTION_LOG": (
+            lambda: interceptor.enable(instruction_log=log, stats=True, level="native"),
+            interceptor.disable,
+        ),
         "bare TorchFunctionMode": (push(_BareFunction), pop),
         "bare TorchDispatchMode": (push(_BareDispatch), pop),
     }
+    from spmdgt.interceptor import _native
+
+    if not _native.available():
+        print(f"native level unavailable ({_native.error()}): skipped")
+        cases = {k: v for k, v in cases.items() if "native" not in k}
     best = {k: float("inf") for k in cases}
     for _ in range(args.repeats):  # interleaved so drift hits every case alike
         for name, (setup, teardown) in cases.items():

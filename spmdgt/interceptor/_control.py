@@ -13,7 +13,11 @@ Environment variables (all per rank; every rank of a job sees the same ones):
     GT_RUN_DIR=dir            publish status for ``scripts.top``, accept ``scripts.trace`` requests
     GT_PROFILE=logdir         torch.profiler + TensorBoard for the whole run (short runs only;
                               ``spmdgt.debug.profile`` records a window)
-    GT_INTERCEPT=torch|aten   interception level (default torch; aten: every ATen op, ~4x cost)
+    GT_INTERCEPT=torch|aten|native   interception level (default torch; aten: every ATen op,
+                              ~4x cost; native: compiled RecordFunction observer, ~1.5x, the
+                              default for GT_INSTRUCTION_LOG when it builds: see ``_native``)
+    GT_NATIVE=0               never build/use the native observer (GT_INSTRUCTION_LOG then
+                              uses level torch)
     GT_TAPE_SIZE=n            events kept for ``get_tape`` (default 1000)
     GT_AUTO_COMPILE, GT_HOTPATH_WINDOW/MIN_SEQ/THRESHOLD   hot-path detection (``_stats``)
 """
@@ -99,7 +103,8 @@ def enable(
     ``instruction_log``: path of the text log; ``run_dir``: publish for ``top``/``trace``;
     ``stats``: counters, tape and hot paths for ``get_worker_stats``/``get_tape``; ``debug_ops``:
     print ops per ``GT_DEBUG_WORKER``/``GT_DEBUG_DISPATCHER``; ``level``: "torch" (default,
-    cheap) or "aten" (every ATen op).
+    cheap), "aten" (every ATen op) or "native" (compiled observer; falls back to "torch" with a
+    verbose line when it cannot be built).
     """
     from spmdgt.interceptor._mode import env_rank, get_interceptor
     from spmdgt.interceptor._stats import StatsSink
@@ -108,6 +113,12 @@ def enable(
     ic = get_interceptor()
     rank, world = env_rank()
     level = level or os.environ.get("GT_INTERCEPT") or ic.level or "torch"
+    if level == "native" and (not ic.active or ic.level != "native"):
+        from spmdgt.interceptor import _native
+
+        if not _native.available():
+            _debuglog.verbose(f"native interceptor unavailable ({_native.error()}); using torch")
+            level = "torch"
     if not ic.active:  # a fresh session: its own clock origin and instruction numbers
         ic.origin_ns = time.perf_counter_ns()
         ic.origin_unix_ns = time.time_ns()
@@ -118,11 +129,18 @@ def enable(
         size = tape_size or int(os.environ.get("GT_TAPE_SIZE", "1000") or 1000)
         _tools["stats"] = ic.add_sink(StatsSink(tape_size=size, hotpath=hotpath))
     if instruction_log and "log" not in _tools:
-        from spmdgt.interceptor._instruction_log import InstructionLogSink
+        from spmdgt.interceptor._instruction_log import InstructionLogSink, header, rank_path
 
-        sink = InstructionLogSink(
-            instruction_log, rank, world, ic.origin_ns, ic.origin_unix_ns, ic.level
-        )
+        if ic.level == "native":
+            from spmdgt.interceptor._native import NativeLogSink
+
+            path = rank_path(instruction_log, rank, world)
+            head = header(rank, world, ic.origin_unix_ns, ic.level)
+            sink = NativeLogSink(ic._native, path, head)
+        else:
+            sink = InstructionLogSink(
+                instruction_log, rank, world, ic.origin_ns, ic.origin_unix_ns, ic.level
+            )
         _tools["log"] = ic.add_sink(sink)
         _debuglog.verbose(f"instruction log -> {sink.path}")
     if debug_ops and "debug" not in _tools:
@@ -176,7 +194,9 @@ def maybe_enable_from_env() -> bool:
         log or run_dir or debug_ops or env.get("GT_INTERCEPT") or _truthy("GT_AUTO_COMPILE")
     )
     if want:
-        enable(instruction_log=log, run_dir=run_dir, debug_ops=debug_ops, stats=True)
+        # the log's default level is the compiled observer (falls back to torch in enable)
+        level = None if env.get("GT_INTERCEPT") or not log or _falsy("GT_NATIVE") else "native"
+        enable(instruction_log=log, run_dir=run_dir, debug_ops=debug_ops, stats=True, level=level)
     if env.get("GT_PROFILE"):
         from spmdgt.interceptor._profile import profile
 
@@ -190,6 +210,10 @@ def maybe_enable_from_env() -> bool:
 
 def _truthy(var: str) -> bool:
     return (os.environ.get(var) or "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def _falsy(var: str) -> bool:
+    return (os.environ.get(var) or "").strip().lower() in ("0", "false", "no", "off")
 
 
 def _register_atexit() -> None:

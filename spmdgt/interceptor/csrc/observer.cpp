@@ -1,0 +1,649 @@
+// spmdgt native op observer: a global at::RecordFunction callback that records every ATen op
+// (and every c10d op) the dispatcher runs into a compact buffer, and writes instruction-log
+// lines (same columns as _instruction_log.py) from C++. See spmdgt/interceptor/_native.py.
+//
+// Hot path (per op): two callbacks (start: time, depth, shapes/dtypes of the first 4 tensor
+// inputs, collective bytes; end: duration, output shapes, one buffer append under a mutex).
+// Formatting and file I/O run every kFlushEvery records (or on flush()) under the same mutex,
+// on whichever thread filled the buffer. Names are interned (pointer cache checked by strcmp).
+
+#include <ATen/record_function.h>
+#include <ATen/core/ivalue.h>
+#include <c10/core/ScalarType.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <Python.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace {
+
+constexpr int kMaxSpecs = 4;
+constexpr int kMaxDims = 6;
+constexpr size_t kFlushEvery = 4096;
+
+struct Spec {
+  int8_t ndim;  // -1: more dims than kMaxDims (only the first kMaxDims kept)
+  int8_t dtype;
+  int8_t truncated;
+  int64_t sizes[kMaxDims];
+};
+
+struct Rec {
+  uint64_t seq;
+  int64_t t0;
+  int64_t dur;
+  int64_t nbytes;
+  int32_t name;
+  int32_t signal;
+  uint8_t level;
+  uint8_t phase;
+  uint8_t nin;
+  uint8_t nout;
+  Spec in[kMaxSpecs];
+  Spec out[2];
+};
+
+struct Ctx : at::ObserverContext {
+  int64_t t0;
+  int64_t nbytes;
+  uint8_t level;
+  uint8_t phase;
+  uint8_t nin;
+  int32_t name;
+  Spec in[kMaxSpecs];
+};
+
+struct NameInfo {
+  std::string key;   // "aten::mul" + '\0' + "Tensor"
+  std::string op;    // aten.mul.Tensor
+  std::string mid;   // "OP <phase> elementwise aten.mul.Tensor" without phase: event and kind
+  std::string event; // OP / COMM / WAIT
+  std::string kind;
+  bool comm;
+  bool backward;  // an autograd engine node (evaluate_function): phase bwd
+};
+
+// ---- global state (guarded by g_mu unless atomic) -------------------------------------------
+std::mutex g_mu;
+std::vector<Rec> g_buf;
+std::deque<NameInfo> g_names;  // stable addresses: read without the lock once interned
+std::unordered_map<std::string, int32_t> g_name_ids;
+std::vector<std::string> g_signals{"-"};
+std::unordered_map<std::string, int32_t> g_signal_ids{{"-", 0}};
+std::unordered_map<std::string, std::string> g_kinds;  // base name -> kind (from Python)
+std::atomic<int32_t> g_signal{0};
+std::atomic<uint8_t> g_phase{0};  // 0 fwd, 1 bwd, 2 opt
+std::atomic<bool> g_enabled{false};
+uint64_t g_seq = 0;
+uint64_t g_total = 0;
+int64_t g_origin = 0;
+int g_rank = 0;
+FILE* g_file = nullptr;
+std::string g_out;  // formatting buffer
+at::CallbackHandle g_handle = 0;
+at::CallbackHandle g_bwd_handle = 0;
+bool g_record_outputs = true;
+bool g_write = true;
+size_t g_keep = 0;  // records kept for Python drain (0: none), at most kKeepCap
+constexpr size_t kKeepCap = 1 << 16;
+constexpr size_t kDrainEvery = 4096;
+constexpr int64_t kTickNs = 1000000000;
+std::vector<Rec> g_kept;
+uint64_t g_dropped = 0;  // kept records lost because no GIL-holding thread drained them
+int64_t g_next_tick = 0;
+py::object* g_callback = nullptr;  // called (GIL held, lock free) at flush points
+std::vector<py::object>* g_dtypes = nullptr;  // ScalarType int -> torch.dtype
+thread_local bool t_in_callback = false;
+
+thread_local int t_depth = 0;
+thread_local int t_bwd = 0;
+struct CacheSlot {
+  const char* name = nullptr;
+  const char* overload = nullptr;
+  int32_t id = -1;
+  bool comm = false;
+  bool backward = false;
+  const std::string* key = nullptr;  // the interned entry's key (deque element: stable)
+};
+constexpr size_t kCache = 256;
+thread_local CacheSlot t_cache[kCache];
+
+const char* kPhases[] = {"fwd", "bwd", "opt"};
+
+inline int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+const char* dtype_short(int8_t d) {
+  switch (static_cast<c10::ScalarType>(d)) {
+    case c10::ScalarType::Float: return "f32";
+    case c10::ScalarType::Double: return "f64";
+    case c10::ScalarType::Half: return "f16";
+    case c10::ScalarType::BFloat16: return "bf16";
+    case c10::ScalarType::Long: return "i64";
+    case c10::ScalarType::Int: return "i32";
+    case c10::ScalarType::Short: return "i16";
+    case c10::ScalarType::Char: return "i8";
+    case c10::ScalarType::Byte: return "u8";
+    case c10::ScalarType::Bool: return "b1";
+    case c10::ScalarType::ComplexFloat: return "c64";
+    case c10::ScalarType::ComplexDouble: return "c128";
+    default: return c10::toString(static_cast<c10::ScalarType>(d));
+  }
+}
+
+std::string base_name(const std::string& op) {
+  // aten.mul_.Tensor -> mul ; same rule as _events.base_name
+  static const char* ns[] = {"aten", "c10d", "_c10d_functional", "c10d_functional", "prims",
+                             "dist"};
+  std::vector<std::string> parts;
+  size_t s = 0;
+  for (size_t i = 0; i <= op.size(); ++i) {
+    if (i == op.size() || op[i] == '.') {
+      parts.push_back(op.substr(s, i - s));
+      s = i + 1;
+    }
+  }
+  std::string name = parts[0];
+  if (parts.size() >= 2) {
+    for (auto* n : ns) {
+      if (parts[0] == n) {
+        name = parts[1];
+        break;
+      }
+    }
+  }
+  if (name.size() >= 1 && name.back() == '_' && !(name.size() >= 2 && name[name.size() - 2] == '_'))
+    name.pop_back();
+  return name;
+}
+
+bool ends_with(const std::string& s, const char* suf) {
+  size_t n = std::strlen(suf);
+  return s.size() >= n && s.compare(s.size() - n, n, suf) == 0;
+}
+
+// Under g_mu.
+int32_t intern_locked(const char* name, const char* overload) {
+  std::string key(name);
+  key.push_back('\0');
+  key += overload;
+  auto it = g_name_ids.find(key);
+  if (it != g_name_ids.end()) return it->second;
+  NameInfo info;
+  info.key = key;
+  std::string op(name);
+  static const std::string kEval = "autograd::engine::evaluate_function: ";
+  bool node = op.compare(0, kEval.size(), kEval) == 0;
+  if (node) {  // the autograd engine running one backward node: autograd.MulBackward0
+    op = "autograd." + op.substr(kEval.size());
+    auto q = op.rfind("::");  // torch::autograd::AccumulateGrad -> AccumulateGrad
+    if (q != std::string::npos) op = "autograd." + op.substr(q + 2);
+  } else {
+    auto p = op.find("::");
+    if (p != std::string::npos) op.replace(p, 2, ".");
+    op += ".";
+    op += (overload && *overload) ? overload : "default";
+  }
+  for (auto& ch : op)
+    if (ch == ' ' || ch == '\t' || ch == '\n') ch = '_';
+  info.op = op;
+  info.backward = node;
+  std::string kind;
+  if (node) {
+    kind = "backward";
+  } else if (ends_with(op, "wait_tensor.default") || ends_with(op, ".wait")) {
+    kind = "wait";
+  } else {
+    auto k = g_kinds.find(base_name(op));
+    kind = k != g_kinds.end() ? k->second : "elementwise";
+  }
+  info.kind = kind;
+  info.event = kind == "comm" ? "COMM" : (kind == "wait" ? "WAIT" : "OP");
+  info.comm = kind == "comm";
+  int32_t id = static_cast<int32_t>(g_names.size());
+  g_names.push_back(std::move(info));
+  g_name_ids.emplace(std::move(key), id);
+  return id;
+}
+
+// Interned id of the op (and whether it is a collective). A direct-mapped thread-local cache
+// keyed by the name pointers, confirmed by strcmp (string-named RecordFunctions own their name,
+// so a pointer may be reused for another name).
+inline const CacheSlot& name_id(const at::RecordFunction& fn) {
+  const char* n = fn.name();
+  const char* o = fn.overload_name();
+  size_t h = ((reinterpret_cast<uintptr_t>(n) >> 3) ^ (reinterpret_cast<uintptr_t>(o) >> 5)) &
+             (kCache - 1);
+  CacheSlot& slot = t_cache[h];
+  if (slot.name == n && slot.overload == o && slot.key != nullptr) {
+    const auto& k = *slot.key;
+    size_t nl = std::strlen(n);
+    if (std::strncmp(k.c_str(), n, nl + 1) == 0 && std::strcmp(k.c_str() + nl + 1, o) == 0)
+      return slot;
+  }
+  std::lock_guard<std::mutex> g(g_mu);
+  int32_t id = intern_locked(n, o);
+  slot.name = n;
+  slot.overload = o;
+  slot.id = id;
+  slot.comm = g_names[id].comm;
+  slot.backward = g_names[id].backward;
+  slot.key = &g_names[id].key;
+  return slot;
+}
+
+inline void fill_spec(Spec& s, const at::Tensor& t) {
+  auto sizes = t.sizes();
+  size_t nd = sizes.size();
+  s.truncated = nd > kMaxDims;
+  size_t k = nd > kMaxDims ? kMaxDims : nd;
+  s.ndim = static_cast<int8_t>(k);
+  for (size_t i = 0; i < k; ++i) s.sizes[i] = sizes[i];
+  s.dtype = static_cast<int8_t>(t.scalar_type());
+}
+
+inline int64_t tensor_bytes(const at::Tensor& t) {
+  return t.defined() ? static_cast<int64_t>(t.numel()) * static_cast<int64_t>(t.element_size())
+                     : 0;
+}
+
+std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
+  if (t_in_callback) return nullptr;
+  auto ctx = std::make_unique<Ctx>();
+  ctx->level = static_cast<uint8_t>(t_depth > 0 ? 1 : 0);
+  ++t_depth;
+  const CacheSlot& slot = name_id(fn);
+  ctx->phase = (t_bwd > 0 || slot.backward) ? 1 : g_phase.load(std::memory_order_relaxed);
+  ctx->name = slot.id;
+  bool comm = slot.comm;
+  uint8_t n = 0;
+  int64_t nbytes = 0;
+  if (fn.needsInputs()) {
+    for (const auto& v : fn.inputs()) {
+      if (v.isTensor()) {
+        const auto& t = v.toTensor();
+        if (!t.defined()) continue;
+        if (n < kMaxSpecs) fill_spec(ctx->in[n++], t);
+        if (comm) nbytes += tensor_bytes(t);
+      } else if (v.isTensorList()) {
+        for (const at::Tensor& t : v.toTensorVector()) {
+          if (!t.defined()) continue;
+          if (n < kMaxSpecs) fill_spec(ctx->in[n++], t);
+          if (comm) nbytes += tensor_bytes(t);
+        }
+      }
+      if (n >= kMaxSpecs && !comm) break;
+    }
+  }
+  ctx->nin = n;
+  ctx->nbytes = nbytes;
+  ctx->t0 = now_ns();
+  return ctx;
+}
+
+void format_locked(const Rec& r);
+
+void flush_locked() {
+  if (g_write && g_file != nullptr && !g_buf.empty()) {
+    g_out.clear();
+    for (const auto& r : g_buf) format_locked(r);
+    std::fwrite(g_out.data(), 1, g_out.size(), g_file);
+  }
+  if (g_keep > 0) {
+    g_kept.insert(g_kept.end(), g_buf.begin(), g_buf.end());
+    if (g_kept.size() > g_keep) {
+      size_t drop = g_kept.size() - g_keep;
+      g_dropped += drop;
+      g_kept.erase(g_kept.begin(), g_kept.begin() + drop);
+    }
+  }
+  g_buf.clear();
+}
+
+void on_end(const at::RecordFunction& fn, at::ObserverContext* c) {
+  int64_t t1 = now_ns();
+  auto* ctx = static_cast<Ctx*>(c);
+  if (ctx == nullptr) return;
+  --t_depth;
+  Rec r;
+  r.t0 = ctx->t0;
+  r.dur = t1 - ctx->t0;
+  r.nbytes = ctx->nbytes;
+  r.name = ctx->name;
+  r.signal = g_signal.load(std::memory_order_relaxed);
+  r.level = ctx->level;
+  r.phase = ctx->phase;
+  r.nin = ctx->nin;
+  std::memcpy(r.in, ctx->in, sizeof(Spec) * ctx->nin);
+  uint8_t no = 0;
+  if (g_record_outputs) {
+    for (const auto& v : fn.outputs()) {
+      if (v.isTensor()) {
+        const auto& t = v.toTensor();
+        if (t.defined()) fill_spec(r.out[no++], t);
+      } else if (v.isTensorList()) {
+        for (const at::Tensor& t : v.toTensorVector()) {
+          if (no >= 2) break;
+          if (t.defined()) fill_spec(r.out[no++], t);
+        }
+      }
+      if (no >= 2) break;
+    }
+    if (r.nbytes > 0) {
+      int64_t ob = 0;
+      for (const auto& v : fn.outputs())
+        if (v.isTensor()) ob += tensor_bytes(v.toTensor());
+      if (ob > r.nbytes) r.nbytes = ob;
+    }
+  }
+  r.nout = no;
+  bool call = false;
+  {
+    std::lock_guard<std::mutex> g(g_mu);
+    if (!g_enabled.load(std::memory_order_relaxed)) return;
+    r.seq = ++g_seq;
+    ++g_total;
+    g_buf.push_back(r);
+    size_t pending = g_buf.size() + g_kept.size();
+    if (g_buf.size() >= kFlushEvery) flush_locked();
+    if (g_callback != nullptr && (t1 > g_next_tick || (g_keep > 0 && pending >= kDrainEvery))) {
+      call = true;
+      g_next_tick = t1 + kTickNs;
+    }
+  }
+  // Python sinks run only on a thread that already holds the GIL (the rank's own thread): a
+  // backward worker never waits for the GIL here; its records wait for the next drain.
+  if (call && ctx->level == 0 && PyGILState_Check()) {
+    t_in_callback = true;
+    try {
+      py::gil_scoped_acquire gil;
+      py::object cb;
+      {
+        std::lock_guard<std::mutex> g(g_mu);
+        if (g_callback != nullptr) cb = *g_callback;
+      }
+      if (cb) cb();
+    } catch (py::error_already_set& e) {
+      e.discard_as_unraisable("spmdgt native observer callback");
+    } catch (...) {
+    }
+    t_in_callback = false;
+  } else if (call) {
+    std::lock_guard<std::mutex> g(g_mu);
+    g_next_tick = 0;  // retry at the next top-level op on the rank's thread
+  }
+}
+
+std::unique_ptr<at::ObserverContext> on_noop_start(const at::RecordFunction&) {
+  return nullptr;
+}
+void on_noop_end(const at::RecordFunction&, at::ObserverContext*) {}
+
+std::unique_ptr<at::ObserverContext> on_bwd_start(const at::RecordFunction&) {
+  ++t_bwd;
+  return nullptr;
+}
+
+void on_bwd_end(const at::RecordFunction&, at::ObserverContext*) { --t_bwd; }
+
+inline void put_u64(std::string& o, uint64_t v, int width = 0) {
+  char tmp[24];
+  int n = 0;
+  do {
+    tmp[n++] = static_cast<char>('0' + v % 10);
+    v /= 10;
+  } while (v);
+  for (int i = n; i < width; ++i) o.push_back('0');
+  while (n) o.push_back(tmp[--n]);
+}
+
+void put_specs(std::string& o, const Spec* s, int n) {
+  if (n == 0) {
+    o.push_back('-');
+    return;
+  }
+  for (int i = 0; i < n; ++i) {
+    if (i) o.push_back(',');
+    if (s[i].ndim == 0) {
+      o += "scalar";
+    } else {
+      for (int d = 0; d < s[i].ndim; ++d) {
+        if (d) o.push_back('x');
+        put_u64(o, static_cast<uint64_t>(s[i].sizes[d]));
+      }
+      if (s[i].truncated) o += "x...";
+    }
+    o.push_back(':');
+    o += dtype_short(s[i].dtype);
+  }
+}
+
+void format_locked(const Rec& r) {
+  std::string& o = g_out;
+  int64_t us = (r.t0 - g_origin) / 1000;
+  if (us < 0) us = 0;
+  put_u64(o, us / 1000000);
+  o.push_back('.');
+  put_u64(o, us % 1000000, 6);
+  o += "s r";
+  put_u64(o, g_rank);
+  o += " #";
+  put_u64(o, r.seq, 8);
+  const NameInfo& ni = g_names[r.name];
+  o.push_back(' ');
+  o += ni.event;
+  o.push_back(' ');
+  o += kPhases[r.phase];
+  o.push_back(' ');
+  o += ni.kind;
+  o.push_back(' ');
+  o += ni.op;
+  o.push_back(' ');
+  put_u64(o, r.nbytes);
+  o += "B ";
+  int64_t d = r.dur / 100;
+  put_u64(o, d / 10);
+  o.push_back('.');
+  put_u64(o, d % 10);
+  o += "us ";
+  put_u64(o, r.level);
+  o.push_back(' ');
+  o += g_signals[r.signal];
+  o.push_back(' ');
+  put_specs(o, r.in, r.nin);
+  o.push_back(' ');
+  put_specs(o, r.out, r.nout);
+  o += " -\n";
+}
+
+py::tuple spec_tuple(const Spec* s, int n) {
+  py::tuple t(n);
+  for (int i = 0; i < n; ++i) {
+    py::tuple shape(s[i].ndim);
+    for (int d = 0; d < s[i].ndim; ++d) shape[d] = s[i].sizes[d];
+    size_t dt = static_cast<size_t>(static_cast<uint8_t>(s[i].dtype));
+    py::object dtype = (g_dtypes != nullptr && dt < g_dtypes->size())
+                           ? (*g_dtypes)[dt]
+                           : py::object(py::int_(static_cast<int>(dt)));
+    t[i] = py::make_tuple(shape, dtype, py::none());
+  }
+  return t;
+}
+
+// ---- Python API -----------------------------------------------------------------------------
+void start(int rank, int64_t origin_ns, bool record_outputs, size_t keep, int noop) {
+  std::lock_guard<std::mutex> g(g_mu);
+  if (g_enabled) throw std::runtime_error("native observer already started");
+  g_rank = rank;
+  g_origin = origin_ns;
+  g_seq = 0;
+  g_total = 0;
+  g_dropped = 0;
+  g_record_outputs = record_outputs;
+  g_keep = keep > kKeepCap ? kKeepCap : keep;
+  g_kept.clear();
+  g_buf.clear();
+  g_buf.reserve(kFlushEvery);
+  g_out.reserve(kFlushEvery * 128);
+  g_next_tick = now_ns() + kTickNs;
+  g_enabled = true;
+  if (noop) {  // measurement only: the cost of the callbacks themselves (1: with inputs)
+    g_handle = at::addGlobalCallback(at::RecordFunctionCallback(on_noop_start, on_noop_end)
+                                         .needsInputs(noop == 1)
+                                         .scopes({at::RecordScope::FUNCTION}));
+    return;
+  }
+  g_handle = at::addGlobalCallback(at::RecordFunctionCallback(on_start, on_end)
+                                       .needsInputs(true)
+                                       .needsOutputs(record_outputs)
+                                       .scopes({at::RecordScope::FUNCTION}));
+  g_bwd_handle = at::addGlobalCallback(
+      at::RecordFunctionCallback(on_bwd_start, on_bwd_end)
+          .scopes({at::RecordScope::BACKWARD_FUNCTION}));
+}
+
+void set_keep(size_t keep) {
+  std::lock_guard<std::mutex> g(g_mu);
+  g_keep = keep > kKeepCap ? kKeepCap : keep;
+}
+
+void open_log(const std::string& path, const std::string& header) {
+  std::lock_guard<std::mutex> g(g_mu);
+  flush_locked();
+  if (g_file) std::fclose(g_file);
+  g_file = std::fopen(path.c_str(), "w");
+  if (!g_file) throw std::runtime_error("cannot open " + path);
+  std::setvbuf(g_file, nullptr, _IOFBF, 1 << 20);
+  std::fputs(header.c_str(), g_file);
+  g_write = true;
+}
+
+void close_log() {
+  std::lock_guard<std::mutex> g(g_mu);
+  flush_locked();
+  if (g_file) {
+    std::fclose(g_file);
+    g_file = nullptr;
+  }
+}
+
+void flush() {
+  std::lock_guard<std::mutex> g(g_mu);
+  flush_locked();
+  if (g_file) std::fflush(g_file);
+}
+
+void stop() {
+  at::CallbackHandle h = 0, hb = 0;
+  {
+    std::lock_guard<std::mutex> g(g_mu);
+    g_enabled = false;
+    h = g_handle;
+    hb = g_bwd_handle;
+    g_handle = g_bwd_handle = 0;
+  }
+  if (h) at::removeCallback(h);
+  if (hb) at::removeCallback(hb);
+  std::lock_guard<std::mutex> g(g_mu);
+  flush_locked();
+  if (g_file) std::fflush(g_file);
+}
+
+void set_signal(py::object name) {
+  std::string s = name.is_none() ? std::string("-") : name.cast<std::string>();
+  for (auto& ch : s)
+    if (ch == ' ') ch = '_';
+  std::lock_guard<std::mutex> g(g_mu);
+  auto it = g_signal_ids.find(s);
+  int32_t id;
+  if (it == g_signal_ids.end()) {
+    id = static_cast<int32_t>(g_signals.size());
+    g_signals.push_back(s);
+    g_signal_ids.emplace(s, id);
+  } else {
+    id = it->second;
+  }
+  g_signal.store(id);
+}
+
+// Records kept since the last drain, as (seq, t0, dur, op, kind, level, phase, signal,
+// inputs, outputs, nbytes); inputs/outputs are ((shape...), scalar_type_int) pairs.
+py::list drain() {
+  std::vector<Rec> got;
+  std::deque<NameInfo> names;
+  std::vector<std::string> sigs;
+  {
+    std::lock_guard<std::mutex> g(g_mu);
+    flush_locked();
+    got.swap(g_kept);
+    names = g_names;
+    sigs = g_signals;
+  }
+  py::list out;
+  std::vector<py::object> opnames, kinds;
+  for (const auto& ni : names) {
+    opnames.push_back(py::str(ni.op));
+    kinds.push_back(py::str(ni.kind));
+  }
+  std::vector<py::object> sigobjs;
+  for (const auto& sg : sigs) sigobjs.push_back(py::str(sg));
+  py::str phases[3] = {py::str("fwd"), py::str("bwd"), py::str("opt")};
+  for (const auto& r : got) {
+    out.append(py::make_tuple(r.seq, r.t0, r.dur, opnames[r.name], kinds[r.name],
+                              static_cast<int>(r.level), phases[r.phase],
+                              r.signal ? sigobjs[r.signal] : py::none(),
+                              spec_tuple(r.in, r.nin), spec_tuple(r.out, r.nout), r.nbytes));
+  }
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("start", &start, py::arg("rank"), py::arg("origin_ns"), py::arg("record_outputs") = true,
+        py::arg("keep") = 0, py::arg("noop") = 0);
+  m.def("stop", &stop);
+  m.def("flush", &flush);
+  m.def("drain", &drain);
+  m.def("open_log", &open_log);
+  m.def("close_log", &close_log);
+  m.def("set_keep", &set_keep);
+  m.def("set_signal", &set_signal);
+  m.def("set_phase", [](int p) { g_phase.store(static_cast<uint8_t>(p)); });
+  m.def("set_kinds", [](const std::unordered_map<std::string, std::string>& k) {
+    std::lock_guard<std::mutex> g(g_mu);
+    g_kinds = k;
+  });
+  m.def("set_dtypes", [](const std::vector<py::object>& d) {
+    if (g_dtypes == nullptr) g_dtypes = new std::vector<py::object>();  // leaked on purpose
+    *g_dtypes = d;
+  });
+  m.def("set_callback", [](py::object cb) {
+    py::object* old = nullptr;
+    {
+      std::lock_guard<std::mutex> g(g_mu);
+      old = g_callback;
+      g_callback = cb.is_none() ? nullptr : new py::object(cb);
+    }
+    delete old;
+  });
+  m.def("counts", []() {
+    std::lock_guard<std::mutex> g(g_mu);
+    return py::make_tuple(g_total, g_dropped);
+  });
+  m.def("now_ns", &now_ns);
+}

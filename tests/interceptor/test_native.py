@@ -1,0 +1,154 @@
+"""level="native": the compiled RecordFunction observer (built on first use, ~1 min once)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import spmdgt.interceptor as interceptor
+from spmdgt import debug
+from spmdgt.interceptor import _control, _debuglog, _native
+from spmdgt.interceptor._instruction_log import COLUMNS
+from spmdgt.interceptor._logreader import read_log
+from spmdgt.interceptor._mode import get_interceptor
+
+needs_native = pytest.mark.skipif(
+    not _native.available(), reason=f"native observer unavailable: {_native.error()}"
+)
+
+
+def _loop(n: int) -> torch.Tensor:
+    a, b = torch.full((5, 7), 0.5), torch.full((5, 7), 2.0)
+    c = torch.zeros(5, 7)
+    for _ in range(n):
+        c = c * b + a
+    return c, a, b
+
+
+@needs_native
+def test_log_lines_parse_back_and_count_exactly(tmp_path):
+    path = str(tmp_path / "ops.log")
+    n = 5000  # more than one 4096-record batch
+    a, b = torch.full((5, 7), 0.5), torch.full((5, 7), 2.0)
+    c = torch.zeros(5, 7)
+    interceptor.enable(instruction_log=path, stats=True, level="native")
+    try:
+        assert torch._C._len_torch_function_stack() == 0  # no Python mode on the op path
+        for _ in range(n):
+            c = c * b + a
+        stats = debug.get_worker_stats()[0]
+    finally:
+        interceptor.disable()
+        get_interceptor().level = "torch"
+    assert stats["operations"]["total"] == 2 * n
+    assert dict(stats["top_ops"]) == {"aten.mul.Tensor": n, "aten.add.Tensor": n}
+    with open(path) as f:
+        lines = f.read().splitlines()
+    assert lines[0].startswith("# spmdgt-instruction-log v1 rank=0 world=1")
+    assert "level=native" in lines[0]
+    assert all(len(line.split()) == len(COLUMNS) for line in lines[1:])
+    recs = read_log(path)
+    assert [r.seq for r in recs] == list(range(1, 2 * n + 1))
+    assert [r.op for r in recs[:2]] == ["aten.mul.Tensor", "aten.add.Tensor"]
+    r = recs[0]
+    assert (r.event, r.phase, r.kind, r.level, r.nbytes) == ("OP", "fwd", "elementwise", 0, 0)
+    assert r.inputs == "5x7:f32,5x7:f32" and r.outputs == "5x7:f32" and r.placements == "-"
+    assert all(x.dur_us >= 0 and x.rank == 0 for x in recs)
+    assert recs[0].start_unix_ns > 0 and recs[-1].t_unix >= recs[0].t_unix
+
+
+@needs_native
+def test_phases_levels_and_dtypes(tmp_path):
+    path = str(tmp_path / "ops.log")
+    w = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.SGD([w], lr=0.1)
+    interceptor.enable(instruction_log=path, stats=True, level="native")
+    try:
+        loss = (w * 2).sum()
+        loss.backward()
+        opt.step()
+        tape = debug.get_tape()
+    finally:
+        interceptor.disable()
+        get_interceptor().level = "torch"
+    recs = read_log(path)
+    assert len(recs) == len(tape)
+    by_phase = {p: [r for r in recs if r.phase == p] for p in ("fwd", "bwd", "opt")}
+    assert [r.op for r in by_phase["fwd"] if r.level == 0][:2] == [
+        "aten.mul.Tensor",
+        "aten.sum.default",
+    ]
+    assert any(r.op == "autograd.MulBackward0" and r.kind == "backward" for r in by_phase["bwd"])
+    assert any(r.op.startswith("aten.mul") for r in by_phase["bwd"])
+    assert any(r.op == "aten.add_.Tensor" and r.level == 0 for r in by_phase["opt"])
+    sums = [r for r in recs if r.op == "aten.sum.default"]
+    assert sums[0].kind == "reduce" and sums[0].outputs == "scalar:f64"
+    mul = next(e for e in tape if e.op == "aten.mul.Tensor")
+    assert mul.inputs[0][:2] == ((4, 4), torch.float64)  # Python sinks get torch dtypes
+
+
+@needs_native
+def test_collective_has_bytes(tmp_path):
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        pytest.skip("torch.distributed unavailable")
+    if dist.is_initialized():
+        pytest.skip("a process group is already up")
+    path = str(tmp_path / "ops.log")
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        t = torch.ones(8, 16)
+        interceptor.enable(instruction_log=path, stats=True, level="native")
+        try:
+            dist.all_reduce(t)
+            stats = debug.get_worker_stats()[0]
+        finally:
+            interceptor.disable()
+            get_interceptor().level = "torch"
+    finally:
+        dist.destroy_process_group()
+    comm = [r for r in read_log(path) if r.event == "COMM"]
+    assert [r.op for r in comm] == ["c10d.allreduce_.default"]
+    assert comm[0].nbytes == 8 * 16 * 4 and comm[0].kind == "comm"
+    assert stats["collectives"]["total"] == 1 and stats["collectives"]["bytes"] == 512
+
+
+def test_fallback_when_disabled(tmp_path, monkeypatch, capsys):
+    saved = (_native._ext, _native._tried, _native._error)
+    monkeypatch.setenv("GT_NATIVE", "0")
+    monkeypatch.setattr(_debuglog, "VERBOSE", True, raising=False)
+    _native._ext, _native._tried, _native._error = None, False, None
+    path = str(tmp_path / "ops.log")
+    try:
+        assert not _native.available() and "GT_NATIVE" in (_native.error() or "")
+        interceptor.enable(instruction_log=path, stats=False, level="native")
+        try:
+            assert get_interceptor().level == "torch"
+            assert torch._C._len_torch_function_stack() == 1
+            _loop(3)
+        finally:
+            interceptor.disable()
+            get_interceptor().level = "torch"
+    finally:
+        _native._ext, _native._tried, _native._error = saved
+    assert [r.op for r in read_log(path)][-6:] == ["mul", "add"] * 3  # torch-level names
+    assert "native interceptor unavailable" in capsys.readouterr().err
+
+
+@needs_native
+def test_instruction_log_env_uses_native(tmp_path, monkeypatch):
+    path = str(tmp_path / "env.log")
+    monkeypatch.setenv("GT_INSTRUCTION_LOG", path)
+    monkeypatch.delenv("GT_INTERCEPT", raising=False)
+    monkeypatch.delenv("GT_NATIVE", raising=False)
+    try:
+        assert _control.maybe_enable_from_env()
+        assert get_interceptor().level == "native"
+        _loop(2)
+    finally:
+        interceptor.disable()
+        get_interceptor().level = "torch"
+    ops = [r.op for r in read_log(path)]
+    assert ops.count("aten.mul.Tensor") == 2 and ops.count("aten.add.Tensor") == 2
