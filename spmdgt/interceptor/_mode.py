@@ -330,6 +330,9 @@ class Interceptor:
             self._sync_keep()
             signal = _signal_provider()()
             ext.set_signal(signal)
+            from spmdgt.tensor import _scope
+
+            _scope.observer = ext.set_signal
             ext.set_phase({"fwd": 0, "bwd": 1, "opt": 2}.get(self.phase, 0))
             ext.set_callback(self._native_callback)
             self._install_optimizer_hooks()
@@ -354,6 +357,9 @@ class Interceptor:
     def stop(self, close_sinks: bool = True) -> None:
         """Pop the mode, deliver what is buffered, and (by default) close and drop the sinks."""
         if self.active and self._native is not None:
+            from spmdgt.tensor import _scope
+
+            _scope.observer = None
             self._native.stop()
             self._native.set_callback(None)
             self.drain(tick=False)

@@ -60,6 +60,15 @@ def load() -> ModuleType | None:
         tag = torch.__version__.replace("+", "_").replace(".", "_")
         build = os.path.join(build, f"spmdgt_observer_{tag}")
         os.makedirs(build, exist_ok=True)
+        if not os.path.exists(os.path.join(build, "spmdgt_observer.so")):
+            import sys
+
+            print(
+                "spmdgt: compiling the native op observer for the instruction log (once per "
+                f"machine and torch version, ~1 min; cached in {build}; GT_NATIVE=0 skips it)",
+                file=sys.stderr,
+                flush=True,
+            )
         ext = cpp_extension.load(
             name="spmdgt_observer",
             sources=[_SRC],

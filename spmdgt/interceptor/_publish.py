@@ -85,7 +85,10 @@ class RunDirPublisher:
         os.makedirs(run_dir, exist_ok=True)
         self.path = status_path(run_dir, rank)
         self._last = (time.time(), 0, 0, 0, dict(stats.time_ns_by_kind))
-        self._request_mtime = self._mtime(os.path.join(run_dir, TRACE_REQUEST))
+        # A request still inside its window when this rank starts is taken on the first tick
+        # (ranks start at different moments); an expired one is history.
+        req = os.path.join(run_dir, TRACE_REQUEST)
+        self._request_mtime = 0.0 if self._request_live(req) else self._mtime(req)
         self._trace: TraceSink | None = None
         self.start_unix = time.time()
         self.publish()
@@ -96,6 +99,18 @@ class RunDirPublisher:
             return os.stat(path).st_mtime
         except OSError:
             return 0.0
+
+    @classmethod
+    def _request_live(cls, path: str) -> bool:
+        mtime = cls._mtime(path)
+        if not mtime:
+            return False
+        try:
+            with open(path) as f:
+                seconds = float(json.load(f)["seconds"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
+        return time.time() < mtime + seconds
 
     def publish(self) -> None:
         """Write this rank's status: totals, and rates/time shares since the last publish."""

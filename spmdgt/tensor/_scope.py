@@ -8,11 +8,17 @@ __all__ = ["current", "current_backward", "pop", "push"]
 # ``_stack`` with one truthiness test, and a rank runs its program on one thread.
 _stack: list[tuple[str, str | None]] = []
 
+# Called with the innermost signal name after every push/pop while the compiled interceptor
+# records (it cannot ask Python per op); None otherwise, so scopes cost one test.
+observer = None
+
 
 def push(name: str, backward: str | None = None) -> None:
     if not isinstance(name, str) or not name:
         raise TypeError(f"a signal name must be a non-empty string, got {name!r}")
     _stack.append((name, backward))
+    if observer is not None:
+        observer(name)
 
 
 def pop(name: str | None = None) -> str:
@@ -26,6 +32,8 @@ def pop(name: str | None = None) -> str:
             "scopes must be left in the reverse order they were entered"
         )
     _stack.pop()
+    if observer is not None:
+        observer(_stack[-1][0] if _stack else None)
     return top
 
 

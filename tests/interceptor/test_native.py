@@ -152,3 +152,33 @@ def test_instruction_log_env_uses_native(tmp_path, monkeypatch):
         get_interceptor().level = "torch"
     ops = [r.op for r in read_log(path)]
     assert ops.count("aten.mul.Tensor") == 2 and ops.count("aten.add.Tensor") == 2
+
+
+@needs_native
+def test_signal_scopes_reach_the_native_log(tmp_path):
+    import spmdgt as gt
+
+    path = str(tmp_path / "sig.log")
+    x = torch.ones(3, 3)
+    interceptor.enable(instruction_log=path, stats=False, level="native")
+    try:
+        with gt.signal.context("outer"):
+            y = x * 2
+            with gt.signal.context("inner"):
+                y = y + 1
+            y = y - 3
+        y = y / 4
+    finally:
+        interceptor.disable()
+        get_interceptor().level = "torch"
+    from spmdgt.tensor import _scope
+
+    assert _scope.observer is None  # off again: scopes cost one test
+    arith = ("aten.mul.Tensor", "aten.add.Tensor", "aten.sub.Tensor", "aten.div.Tensor")
+    ops = [(r.op, r.signal) for r in read_log(path) if r.op in arith]
+    assert ops == [
+        ("aten.mul.Tensor", "outer"),
+        ("aten.add.Tensor", "inner"),
+        ("aten.sub.Tensor", "outer"),
+        ("aten.div.Tensor", None),
+    ]
