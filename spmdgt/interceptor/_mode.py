@@ -272,11 +272,15 @@ class Interceptor:
                 for sink in self.sinks:
                     sink.on_events(events)
             if tick:
-                self._next_tick = _perf_ns() + _TICK_NS
-                for sink in self.sinks:
-                    sink.flush()
-                for cb in self._tick_callbacks:
-                    cb()
+                self._tick()
+
+    def _tick(self) -> None:
+        """Flush every sink and run the tick callbacks (top's publisher), ~once a second."""
+        self._next_tick = _perf_ns() + _TICK_NS
+        for sink in self.sinks:
+            sink.flush()
+        for cb in self._tick_callbacks:
+            cb()
 
     def _drain_native(self, tick: bool) -> None:
         ext = self._native
@@ -290,11 +294,7 @@ class Interceptor:
                 for sink in sinks:
                     sink.on_events(events)
         if tick:
-            self._next_tick = _perf_ns() + _TICK_NS
-            for sink in self.sinks:
-                sink.flush()
-            for cb in self._tick_callbacks:
-                cb()
+            self._tick()
 
     def _native_callback(self) -> None:
         # called by the C++ observer (GIL held) every 4096 records or ~1 s
