@@ -106,28 +106,21 @@ def _placement_plan(
     return plan
 
 
+# (is an Embedding, style) -> the attribute holding the dim that style splits
+_SHARDED_DIM = {
+    (True, "colwise"): "embedding_dim",
+    (True, "rowwise"): "num_embeddings",
+    (False, "colwise"): "out_features",
+    (False, "rowwise"): "in_features",
+}
+
+
 def _check_divisible(
     module: nn.Module, name: str, pattern: str, style: str, world_size: int
 ) -> None:
     """torch hands colwise output to rowwise input as even local shards: demand divisibility."""
-    if isinstance(module, nn.Embedding):
-        size, what = (
-            (module.embedding_dim, "embedding_dim")
-            if style == "colwise"
-            else (
-                module.num_embeddings,
-                "num_embeddings",
-            )
-        )
-    else:
-        size, what = (
-            (module.out_features, "out_features")
-            if style == "colwise"
-            else (
-                module.in_features,
-                "in_features",
-            )
-        )
+    what = _SHARDED_DIM[(isinstance(module, nn.Embedding), style)]
+    size = getattr(module, what)
     if size % world_size:
         raise ConfigError(
             f"{style} placement of {name!r} splits its {what}={size} over {world_size} ranks; "
