@@ -55,6 +55,9 @@ def _local_stats() -> dict[str, Any]:
         get_interceptor().drain()
     entry = (st if st is not None else StatsSink(tape_size=1)).snapshot(rank)
     entry["interceptor"] = "on" if is_enabled() else "off"
+    # Counters run only when asked (GT_STATS=1, gt.debug.enable(stats=True), top, debug lines):
+    # say so rather than let zeros pass for a quiet rank.
+    entry["stats_enabled"] = st is not None
     if _compilation_provider is not None:
         c = dict(_compilation_provider())
         compiled = int(c.pop("compiled", 0))

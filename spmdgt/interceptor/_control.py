@@ -36,6 +36,7 @@ __all__ = ["disable", "enable", "is_enabled", "maybe_enable_from_env", "tool", "
 
 _ENV_VARS = (
     "GT_INSTRUCTION_LOG",
+    "GT_STATS",
     "GT_RUN_DIR",
     "GT_PROFILE",
     "GT_INTERCEPT",
@@ -190,13 +191,15 @@ def maybe_enable_from_env() -> bool:
     log = env.get("GT_INSTRUCTION_LOG") or None
     run_dir = env.get("GT_RUN_DIR") or None
     debug_ops = _debuglog.INTERCEPTOR or _debuglog.SHARDING
-    want = bool(
-        log or run_dir or debug_ops or env.get("GT_INTERCEPT") or _truthy("GT_AUTO_COMPILE")
-    )
+    # Pay for what is asked: the log alone is written in C++ (~1.5x on a 5 us op); counters,
+    # hot paths and the tape take every record into Python (~4x). top (GT_RUN_DIR), op debug
+    # lines and auto-compile read the counters, so they bring them along.
+    stats = bool(_truthy("GT_STATS") or run_dir or debug_ops or _truthy("GT_AUTO_COMPILE"))
+    want = bool(log or stats or env.get("GT_INTERCEPT"))
     if want:
         # the log's default level is the compiled observer (falls back to torch in enable)
         level = None if env.get("GT_INTERCEPT") or not log or _falsy("GT_NATIVE") else "native"
-        enable(instruction_log=log, run_dir=run_dir, debug_ops=debug_ops, stats=True, level=level)
+        enable(instruction_log=log, run_dir=run_dir, debug_ops=debug_ops, stats=stats, level=level)
     if env.get("GT_PROFILE"):
         from spmdgt.interceptor._profile import profile
 

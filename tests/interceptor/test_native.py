@@ -146,7 +146,9 @@ def test_instruction_log_env_uses_native(tmp_path, monkeypatch):
     try:
         assert _control.maybe_enable_from_env()
         assert get_interceptor().level == "native"
+        assert _control.tool("stats") is None  # the log alone: no Python counters to pay for
         _loop(2)
+        assert debug.get_worker_stats()[0]["stats_enabled"] is False
     finally:
         interceptor.disable()
         get_interceptor().level = "torch"
@@ -182,3 +184,20 @@ def test_signal_scopes_reach_the_native_log(tmp_path):
         ("aten.sub.Tensor", "outer"),
         ("aten.div.Tensor", None),
     ]
+
+
+@needs_native
+def test_gt_stats_env_adds_counters_to_the_log(tmp_path, monkeypatch):
+    monkeypatch.setenv("GT_INSTRUCTION_LOG", str(tmp_path / "env.log"))
+    monkeypatch.setenv("GT_STATS", "1")
+    monkeypatch.delenv("GT_INTERCEPT", raising=False)
+    try:
+        assert _control.maybe_enable_from_env()
+        _loop(3)
+        stats = debug.get_worker_stats()[0]
+    finally:
+        interceptor.disable()
+        get_interceptor().level = "torch"
+    assert stats["stats_enabled"] is True
+    top = dict(stats["top_ops"])
+    assert top["aten.mul.Tensor"] == 3 and top["aten.add.Tensor"] == 3
