@@ -18,12 +18,14 @@ Three pieces:
   all-gather and reduce-scatter ``(n-1)/n`` each; FSDP all-gathers parameters in forward *and*
   again in backward (when resharding after forward) and reduce-scatters gradients.
 
-Works in a world of one (every cost is 0). Under ``torchrun --nproc_per_node=N`` the probe runs
-on the default group, so every rank must call it together.
+Works in a world of one (its own costs are 0; estimates for N ranks need ``bandwidth=``).
+Under ``torchrun --nproc_per_node=N`` the probe runs on the default group, so every rank must
+call it together.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -327,7 +329,9 @@ class CommunicationProfiler:
     """Communication cost per optimizer step: estimated from algebra, measured in a run.
 
     ``bandwidth`` (bytes/s, bus bandwidth) is measured with ``measure_bandwidth`` on first use
-    unless given; estimates are bytes each rank moves per step and seconds at that bandwidth.
+    unless given; estimates are bytes each rank moves per step and seconds at that bandwidth
+    (``nan`` when estimating for N ranks from a world of one, where there is nothing to probe:
+    pass ``bandwidth=`` then).
     """
 
     def __init__(self, enabled: bool = True, bandwidth: float | None = None) -> None:
@@ -345,11 +349,19 @@ class CommunicationProfiler:
         total = sum(parts.values())
         bw = self.bandwidth if world_size > 1 else 0.0
         out = {f"{k}_bytes": v for k, v in parts.items()}
+        if world_size <= 1:
+            seconds = 0.0  # nothing moves
+        elif bw > 0:
+            seconds = total / bw
+        else:
+            # No peer to probe (a world of one estimating for N ranks): say "unknown", never
+            # a made-up 0. Pass ``bandwidth=`` to the profiler to plan for another machine.
+            seconds = math.nan
         out.update(
             world_size=world_size,
             bytes_per_rank=total,
             bandwidth_bytes_per_sec=bw,
-            estimated_sec=(total / bw) if bw > 0 else 0.0,
+            estimated_sec=seconds,
         )
         return out
 

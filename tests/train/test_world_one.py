@@ -190,6 +190,9 @@ def test_comm_cost_algebra():
     no_reshard = prof.estimate_fsdp_comm_cost(model, 4, reshard_after_forward=False)
     assert no_reshard["all_gather_bytes"] == pytest.approx(3 / 4 * padded)
     assert prof.estimate_ddp_comm_cost(model, world_size=1)["bytes_per_rank"] == 0
+    # A world of one has no peer to probe: the time for 4 ranks is unknown, not 0.
+    unknown = CommunicationProfiler().estimate_ddp_comm_cost(model, world_size=4)
+    assert math.isnan(unknown["estimated_sec"]) and unknown["bytes_per_rank"] > 0
     assert (IN, HIDDEN, OUT) == (6, 11, 3)
 
 
