@@ -40,7 +40,6 @@ from spmdgt.runtime import (
     world_size,
 )
 from spmdgt.tensor import (
-    Tensor,
     arange,
     cat,
     empty,
@@ -121,6 +120,8 @@ def __getattr__(name: str):
         return importlib.import_module(_LAZY[name])
     if name == "profile":
         return importlib.import_module("spmdgt.debug").profile
+    if name == "Tensor":  # loads torch.distributed.tensor: only when asked for
+        return importlib.import_module("spmdgt.tensor._tensor").Tensor
     raise AttributeError(f"module 'spmdgt' has no attribute {name!r}")
 
 

@@ -20,7 +20,6 @@ from spmdgt.runtime._state import get_runtime
 from spmdgt.tensor import _scope
 from spmdgt.tensor._creation import check_same_shape
 from spmdgt.tensor._placement import signal_target
-from spmdgt.tensor._tensor import move
 
 __all__ = ["context", "current_signal", "enter", "exit", "tensor"]
 
@@ -60,5 +59,7 @@ def tensor(t: torch.Tensor, name: str) -> torch.Tensor:
     cfg = lookup(name)
     if cfg is None or cfg.shard is None or get_runtime().world_size == 1:
         return t
+    from spmdgt.tensor._tensor import move
+
     check_same_shape(t.shape, f"gt.signal.tensor(..., {name!r})")
     return move(t, signal_target(cfg, t.shape))

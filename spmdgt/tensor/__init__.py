@@ -3,6 +3,9 @@
 Pipeline of a created tensor: ``_placement`` picks a mesh and placements from the active
 signal (``_scope``) or auto-shard, ``_meshes`` builds the mesh, ``_creation`` makes the global
 value and keeps this rank's slice, ``_tensor`` carries it through torch ops.
+
+``Tensor`` and ``global_value`` load ``torch.distributed.tensor`` (~2 s), so they are imported
+on first use: a world of one, whose tensors are all plain, never loads it.
 """
 
 from spmdgt.tensor import _meshes
@@ -22,7 +25,6 @@ from spmdgt.tensor._creation import (
     zeros,
 )
 from spmdgt.tensor._dtypes import DTYPES, to_dtype
-from spmdgt.tensor._tensor import Tensor, global_value
 
 __all__ = [
     "DTYPES",
@@ -44,3 +46,11 @@ __all__ = [
     "zeros",
     "_meshes",
 ]
+
+
+def __getattr__(name: str):
+    if name in ("Tensor", "global_value"):
+        from spmdgt.tensor import _tensor
+
+        return getattr(_tensor, name)
+    raise AttributeError(f"module 'spmdgt.tensor' has no attribute {name!r}")

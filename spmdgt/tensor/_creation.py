@@ -7,6 +7,7 @@ where values live, never what they are. A world of one returns plain torch tenso
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -18,7 +19,6 @@ from spmdgt.runtime._state import get_runtime
 from spmdgt.tensor import _scope
 from spmdgt.tensor._dtypes import to_dtype
 from spmdgt.tensor._placement import creation_target, signal_target
-from spmdgt.tensor._tensor import global_value, move, place
 
 __all__ = [
     "arange",
@@ -100,6 +100,8 @@ def _backward_hook(t: torch.Tensor) -> None:
     target = signal_target(cfg, t.shape)
     if target is None:
         return
+    from spmdgt.tensor._tensor import move
+
     t.register_hook(lambda g: move(g, target))
 
 
@@ -114,6 +116,8 @@ def _create(
     if target is None:
         t = make(rt.device)
     else:
+        from spmdgt.tensor._tensor import place
+
         check_same_shape(shape, what)
         t = place(make(rt.device), target)
         if _debuglog.TENSOR:
@@ -185,13 +189,22 @@ def tensor(data, dtype=None, requires_grad: bool = False) -> torch.Tensor:
     """
     dt = to_dtype(dtype)
     if isinstance(data, torch.Tensor):
-        base = global_value(data)  # a sharded input contributes its global value
+        base = _global_value(data)  # a sharded input contributes its global value
         base = base.to(dtype=dt) if dt is not None else base
         shape = tuple(base.shape)
         return _create(shape, lambda d: base.to(d, copy=True), requires_grad, "gt.tensor")
     base = torch.as_tensor(np.asarray(data) if isinstance(data, np.ndarray) else data, dtype=dt)
     shape = tuple(base.shape)
     return _create(shape, lambda d: base.to(d), requires_grad, "gt.tensor")
+
+
+def _global_value(t: torch.Tensor) -> torch.Tensor:
+    # No DTensor can exist before torch.distributed.tensor is imported: skip the import then.
+    if "torch.distributed.tensor" not in sys.modules:
+        return t.detach()
+    from spmdgt.tensor._tensor import global_value
+
+    return global_value(t)
 
 
 def from_numpy(array: np.ndarray) -> torch.Tensor:

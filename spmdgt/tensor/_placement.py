@@ -1,7 +1,8 @@
 """Where a new tensor lives: from the active signal's YAML, else auto-shard, else replicated.
 
 ``None`` means "replicated on every rank", which spmdgt represents as a plain torch tensor:
-the cheapest form there is, and exactly what a world of one uses.
+the cheapest form there is, and exactly what a world of one uses. ``torch.distributed.tensor``
+(~2 s to import) is loaded only when a placement is actually made: a world of one never pays.
 """
 
 from __future__ import annotations
@@ -9,14 +10,16 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-from torch.distributed.tensor import Placement, Replicate, Shard
+from typing import TYPE_CHECKING
 
 from spmdgt.config._errors import ConfigError
 from spmdgt.config._signals import SignalConfig, lookup
 from spmdgt.runtime._state import get_runtime, world_mesh
 from spmdgt.tensor import _scope
 from spmdgt.tensor._meshes import mesh_for
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import Placement
 
 __all__ = ["Target", "auto_shard_enabled", "creation_target", "signal_target"]
 
@@ -37,6 +40,8 @@ def signal_target(cfg: SignalConfig, shape: Sequence[int]) -> Target | None:
     shard = cfg.shard
     if shard is None:
         return None
+    from torch.distributed.tensor import Replicate, Shard
+
     mesh = mesh_for(shard.workers, cfg.name)
     if shard.replicated or len(shape) == 0:
         if mesh is world_mesh():
@@ -66,5 +71,7 @@ def creation_target(shape: Sequence[int]) -> Target | None:
         if cfg is not None and cfg.shard is not None:
             return signal_target(cfg, shape)
     if auto_shard_enabled() and len(shape) > 0 and shape[0] % world == 0:
+        from torch.distributed.tensor import Shard
+
         return Target(world_mesh(), (Shard(0),), None)
     return None

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -15,6 +19,22 @@ def test_no_setup_and_no_process_group():
     assert gt.rank() == 0 and gt.world_size() == 1 and gt.device().type in ("cpu", "cuda")
     assert type(x) is torch.Tensor  # replicated on a world of one: a plain tensor, no wrapper
     assert not dist.is_initialized()
+
+
+def test_world_of_one_never_loads_dtensor():
+    # Pay only for what is used: torch.distributed.tensor costs ~2 s to import, and a world of
+    # one (all tensors plain) must not load it, YAML signals and all; gt.Tensor still resolves.
+    code = (
+        "import sys, spmdgt as gt\n"
+        "gt.register_config('d', gt.SignalConfig(shard=gt.ShardConfig(axis=0)))\n"
+        "with gt.signal.context('d'):\n"
+        "    x = gt.randn(4, 3, requires_grad=True)\n"
+        "(x @ gt.signal.tensor(gt.ones(3, 2), 'd')).sum().backward()\n"
+        "assert 'torch.distributed.tensor' not in sys.modules, 'loaded'\n"
+        "assert gt.Tensor.__name__ == 'Tensor' and 'torch.distributed.tensor' in sys.modules\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GT_")}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
 
 
 def test_creation_api_dtypes_and_grad():
