@@ -2,7 +2,8 @@
 
 What it is: a global C++ callback on every op the dispatcher runs (``RecordScope::FUNCTION``:
 every ATen op, and the c10d ops ``dist.*`` issues, e.g. ``c10d.allreduce_.default`` with its
-bytes), plus one on autograd nodes (``BACKWARD_FUNCTION``) to tag ops that run inside backward
+bytes; a c10d op inside a functional collective being recorded is skipped: one collective, one
+record), plus one on autograd nodes (``BACKWARD_FUNCTION``) to tag ops that run inside backward
 with phase ``bwd``. Per op it keeps name, start/duration (``CLOCK_MONOTONIC``, the clock of
 ``time.perf_counter_ns``), the first 4 input tensors' shapes and dtypes, up to 2 outputs, the
 nesting level (0: called from Python or the autograd engine, 1: called inside another op),

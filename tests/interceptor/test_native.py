@@ -201,3 +201,69 @@ def test_gt_stats_env_adds_counters_to_the_log(tmp_path, monkeypatch):
     assert stats["stats_enabled"] is True
     top = dict(stats["top_ops"])
     assert top["aten.mul.Tensor"] == 3 and top["aten.add.Tensor"] == 3
+
+
+def _native_two_rank_job(rank: int, world: int, log: str):
+    import spmdgt as gt
+    from spmdgt.interceptor import _native as native
+
+    if not native.available():  # the parent built it; a child that cannot load it fails
+        raise RuntimeError(f"native observer unavailable on rank {rank}: {native.error()}")
+    gt.register_config("rows", gt.SignalConfig(shard=gt.ShardConfig(axis=0)))
+    gt.manual_seed(0)
+    interceptor.enable(instruction_log=log, stats=True, level="native")
+    try:
+        with gt.signal.context("rows"):
+            a = gt.randn(2 * world + 1, 6, requires_grad=True)  # uneven rows
+        w = torch.ones(6, 3, requires_grad=True)  # a plain parameter: replicated
+        with gt.signal.context("loss"):
+            loss = (a @ w).relu().sum()
+        loss.backward()
+        value, grad_a, grad_w = loss.item(), a.grad.numpy(), w.grad.numpy()
+        stats = debug.get_worker_stats()
+    finally:
+        interceptor.disable()
+        get_interceptor().level = "torch"
+    return value, grad_a, grad_w, stats
+
+
+@needs_native
+def test_two_ranks_native_logs(tmp_path):
+    from tests._dist import run_ranks
+
+    log = str(tmp_path / "ops.log")
+    results = run_ranks(_native_two_rank_job, 2, tmp_path, log)
+
+    torch.manual_seed(0)  # the same program in one process, no interceptor
+    a = torch.randn(5, 6, requires_grad=True)
+    w = torch.ones(6, 3, requires_grad=True)
+    loss = (a @ w).relu().sum()
+    loss.backward()
+    for rank, (value, grad_a, grad_w, stats) in enumerate(results):
+        assert value == pytest.approx(loss.item(), rel=1e-6)
+        torch.testing.assert_close(torch.from_numpy(grad_a), a.grad)
+        torch.testing.assert_close(torch.from_numpy(grad_w), w.grad)
+        assert [s["rank"] for s in stats] == [0, 1]  # gathered from both ranks
+        mine = stats[rank]
+        assert mine["collectives"]["total"] >= 1 and mine["collectives"]["bytes"] > 0
+
+    for rank in (0, 1):
+        lines = (tmp_path / f"ops.rank{rank}.log").read_text().splitlines()
+        assert lines[0].startswith(f"# spmdgt-instruction-log v1 rank={rank} world=2")
+        recs = read_log(str(tmp_path / f"ops.rank{rank}.log"))
+        assert {r.rank for r in recs} == {rank}
+        comm = [r for r in recs if r.event == "COMM"]
+        assert comm and all(r.nbytes > 0 and "c10d" in r.op for r in comm), comm
+        # one record per collective: DTensor's functional collective, not also the c10d call
+        # it runs (the same bytes, counted twice before)
+        assert not any(r.op.startswith("c10d.allreduce") for r in comm), comm
+        assert results[rank][3][rank]["collectives"]["total"] == len(comm)
+        assert results[rank][3][rank]["collectives"]["bytes"] == sum(r.nbytes for r in comm)
+        assert any(r.op == "aten.mm.default" and r.signal == "loss" for r in recs)
+        assert {r.phase for r in recs} >= {"fwd", "bwd"}
+    # Same program on both ranks: the same collectives, in the same order.
+    ops = [
+        [r.op for r in read_log(str(tmp_path / f"ops.rank{k}.log")) if r.event == "COMM"]
+        for k in (0, 1)
+    ]
+    assert ops[0] == ops[1]

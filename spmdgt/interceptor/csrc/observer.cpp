@@ -60,6 +60,7 @@ struct Ctx : at::ObserverContext {
   uint8_t level;
   uint8_t phase;
   uint8_t nin;
+  bool comm;
   int32_t name;
   Spec in[kMaxSpecs];
 };
@@ -107,6 +108,7 @@ std::vector<py::object>* g_dtypes = nullptr;  // ScalarType int -> torch.dtype
 thread_local bool t_in_callback = false;
 
 thread_local int t_depth = 0;
+thread_local int t_comm_depth = 0;  // recorded collectives open on this thread
 thread_local int t_bwd = 0;
 struct CacheSlot {
   const char* name = nullptr;
@@ -263,10 +265,15 @@ inline int64_t tensor_bytes(const at::Tensor& t) {
 
 std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   if (t_in_callback) return nullptr;
+  const CacheSlot& slot = name_id(fn);
+  // One collective, one record: a backend op (c10d.allreduce_) run inside a collective already
+  // being recorded (DTensor's _c10d_functional.all_reduce) is the same transfer, not a second.
+  if (slot.comm && t_comm_depth > 0) return nullptr;
   auto ctx = std::make_unique<Ctx>();
   ctx->level = static_cast<uint8_t>(t_depth > 0 ? 1 : 0);
   ++t_depth;
-  const CacheSlot& slot = name_id(fn);
+  ctx->comm = slot.comm;
+  if (slot.comm) ++t_comm_depth;
   ctx->phase = (t_bwd > 0 || slot.backward) ? 1 : g_phase.load(std::memory_order_relaxed);
   ctx->name = slot.id;
   bool comm = slot.comm;
@@ -319,6 +326,7 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* c) {
   auto* ctx = static_cast<Ctx*>(c);
   if (ctx == nullptr) return;
   --t_depth;
+  if (ctx->comm) --t_comm_depth;
   Rec r;
   r.t0 = ctx->t0;
   r.dur = t1 - ctx->t0;
