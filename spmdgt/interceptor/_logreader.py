@@ -97,11 +97,22 @@ def read_log(path: str | Path) -> list[LogRecord]:
 
 
 def read_logs(paths: Iterable[str | Path]) -> list[LogRecord]:
-    """Records of several files (directories expand to their ``*.log`` files), by start time."""
+    """Records of several files (directories expand to their ``*.log`` files), by start time.
+
+    A record read twice is kept once: ``traces/trace_*.log`` matches both the per-rank files
+    and the merged one that ``scripts.trace`` writes, and each op must be drawn once.
+    """
     files: list[Path] = []
     for p in paths:
         p = Path(p)
         files.extend(sorted(p.glob("*.log")) if p.is_dir() else [p])
-    records = [r for f in files for r in read_log(f)]
+    seen: set[tuple[int, int, int, float]] = set()
+    records = []
+    for f in files:
+        for r in read_log(f):
+            key = (r.rank, r.seq, r.start_unix_ns, r.elapsed_s)
+            if key not in seen:
+                seen.add(key)
+                records.append(r)
     records.sort(key=lambda r: (r.t_unix, r.rank, r.seq))
     return records

@@ -74,6 +74,8 @@ def test_two_ranks_collectives_logs_trace_timeline_top(tmp_path, capsys):
     merged = trace.merge([os.path.join(trace_dir, p) for p in parts], str(tmp_path / "t.log"))
     recs = read_logs([merged])
     assert {r.rank for r in recs} == {0, 1}
+    # `visualize traces/trace_*.log` matches the per-rank files and the merged one: once each
+    assert len(read_logs([trace_dir, merged])) == len(recs)
     png, js = str(tmp_path / "timeline.png"), str(tmp_path / "timeline.json")
     assert visualize.main([merged, "--output", png, "--chrome", js]) == 0
     with open(png, "rb") as f:
