@@ -110,16 +110,23 @@ def _create(
     make: Callable[[torch.device], torch.Tensor],
     requires_grad: bool,
     what: str,
+    make_part: Callable[[tuple[int, ...], torch.device], torch.Tensor] | None = None,
 ) -> torch.Tensor:
+    """Make a tensor of ``shape`` where the scope says: ``make(device)`` builds the global
+    value; ``make_part(local_shape, device)``, for values with nothing to slice (a constant
+    fill), builds just this rank's part, so no rank holds the whole tensor."""
     rt = get_runtime()
     target = creation_target(shape)
     if target is None:
         t = make(rt.device)
     else:
-        from spmdgt.tensor._tensor import place
+        from spmdgt.tensor._tensor import place, place_local
 
         check_same_shape(shape, what)
-        t = place(make(rt.device), target)
+        if make_part is not None:
+            t = place_local(lambda s: make_part(s, rt.device), shape, target)
+        else:
+            t = place(make(rt.device), target)
         if _debuglog.TENSOR:
             _note_placement(what, shape, target)
     if requires_grad:
@@ -129,12 +136,14 @@ def _create(
     return t
 
 
-def _factory(fill: Callable[..., torch.Tensor], name: str, doc: str):
-    """A GT creation op over ``fill`` (``torch.randn``, ``torch.zeros``...)."""
+def _factory(fill: Callable[..., torch.Tensor], name: str, doc: str, *, constant: bool = False):
+    """A GT creation op over ``fill`` (``torch.randn``, ``torch.zeros``...). A ``constant``
+    fill has the same value everywhere: each rank builds only its own part."""
 
     def create(*size: int, dtype=None, requires_grad: bool = False) -> torch.Tensor:
         shape, dt = _shape(size), to_dtype(dtype)
-        return _create(shape, lambda d: fill(shape, dtype=dt, device=d), requires_grad, name)
+        part = (lambda s, d: fill(s, dtype=dt, device=d)) if constant else None
+        return _create(shape, lambda d: fill(shape, dtype=dt, device=d), requires_grad, name, part)
 
     create.__name__ = create.__qualname__ = name.removeprefix("gt.")
     create.__doc__ = doc
@@ -147,9 +156,15 @@ randn = _factory(
     "Standard normal values; the same global values whatever the placement or world size.",
 )
 rand = _factory(torch.rand, "gt.rand", "Uniform [0, 1) values; placement-independent.")
-zeros = _factory(torch.zeros, "gt.zeros", "Zeros, placed by the active signal / auto-shard.")
-ones = _factory(torch.ones, "gt.ones", "Ones, placed by the active signal / auto-shard.")
-empty = _factory(torch.empty, "gt.empty", "Uninitialised memory, placed like any new tensor.")
+zeros = _factory(
+    torch.zeros, "gt.zeros", "Zeros, placed by the active signal / auto-shard.", constant=True
+)
+ones = _factory(
+    torch.ones, "gt.ones", "Ones, placed by the active signal / auto-shard.", constant=True
+)
+empty = _factory(
+    torch.empty, "gt.empty", "Uninitialised memory, placed like any new tensor.", constant=True
+)
 
 
 def full(size, fill_value, *, dtype=None, requires_grad: bool = False) -> torch.Tensor:
@@ -160,6 +175,7 @@ def full(size, fill_value, *, dtype=None, requires_grad: bool = False) -> torch.
         lambda d: torch.full(shape, fill_value, dtype=dt, device=d),
         requires_grad,
         "gt.full",
+        lambda s, d: torch.full(s, fill_value, dtype=dt, device=d),
     )
 
 

@@ -23,7 +23,7 @@ from spmdgt.runtime._state import get_runtime
 from spmdgt.tensor import _scope
 from spmdgt.tensor._meshes import mesh_ranks
 
-__all__ = ["Tensor", "global_value", "move", "place"]
+__all__ = ["Tensor", "global_value", "move", "place", "place_local"]
 
 _DisableSubclass = torch._C.DisableTorchFunctionSubclass
 _get_implicit = torch._C._get_dtensor_allow_implicit_replication
@@ -186,6 +186,23 @@ def place(full: torch.Tensor, target) -> torch.Tensor:
     placements = [Replicate() if isinstance(p, Partial) else p for p in target.placements]
     with _DisableSubclass():
         out = distribute_tensor(full, target.mesh, placements, src_data_rank=None)
+    out.__class__ = Tensor
+    return out
+
+
+def place_local(make, shape: tuple[int, ...], target) -> torch.Tensor:
+    """Lay out a value with no global content to slice (zeros, ones, full, empty) as
+    ``target`` says, building only this rank's part: ``make(local_shape)`` makes it."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    enable_implicit_replication()
+    placements = [Replicate() if isinstance(p, Partial) else p for p in target.placements]
+    local_shape, _ = compute_local_shape_and_global_offset(shape, target.mesh, placements)
+    stride = torch.empty(shape, device="meta").stride()
+    with _DisableSubclass():
+        out = DTensor.from_local(
+            make(local_shape), target.mesh, placements, shape=torch.Size(shape), stride=stride
+        )
     out.__class__ = Tensor
     return out
 

@@ -219,3 +219,83 @@ def test_signal_tensor_places_existing_tensor_differentiably(tmp_path):
     for ps, pc, is_dt, grad, ref in run_ranks(_signal_tensor, 2, tmp_path):
         assert is_dt and ps == (Shard(0),) and pc == (Shard(1),)
         torch.testing.assert_close(torch.tensor(grad), torch.tensor(ref))
+
+
+CONST_YAML = textwrap.dedent(
+    """
+    rows: {shard: {axis: 0}}
+    cols: {shard: {axis: 1}}
+    front: {shard: {axis: 0, workers: [0, 1]}}
+    back_copy: {shard: {axis: 0, workers: [1, 2], replicated: true}}
+    """
+)
+
+
+class _Allocations(torch.overrides.TorchFunctionMode):
+    """The shapes of the real (non-meta) constant fills run inside it."""
+
+    def __enter__(self):
+        self.shapes = []
+        super().__enter__()
+        return self.shapes
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        fills = (torch.zeros, torch.ones, torch.full, torch.empty)
+        if func in fills and str(kwargs.get("device")) != "meta":
+            self.shapes.append(tuple(args[0]))
+        return func(*args, **kwargs)
+
+
+def _constant_fills(rank, world, path):
+    import spmdgt as gt
+    from spmdgt.tensor._placement import creation_target
+    from spmdgt.tensor._tensor import place
+
+    gt.load_config(path)
+    out = []
+    # uneven, empty-shard (1 row over 3 ranks), sub-mesh member/non-member, replicated sub-mesh
+    for sig, shape in [
+        ("rows", (7, 3)),
+        ("rows", (1, 4)),
+        ("cols", (2, 5)),
+        ("front", (5, 2)),
+        ("back_copy", (3, 3)),
+    ]:
+        with gt.signal.context(sig):
+            target = creation_target(shape)
+            with _Allocations() as seen:
+                made_all = [
+                    gt.zeros(*shape),
+                    gt.ones(*shape, dtype="float64"),
+                    gt.full(shape, 2.5),
+                    gt.empty(*shape),
+                ]
+            local_shape = tuple(made_all[0].to_local().shape)
+            # no rank allocates the whole tensor when its part is smaller
+            assert all(s == local_shape for s in seen) and len(seen) == 4, (seen, shape)
+            refs = [
+                torch.zeros(shape),
+                torch.ones(shape, dtype=torch.float64),
+                torch.full(shape, 2.5),
+                None,
+            ]
+            for made, ref in zip(made_all, refs):
+                sliced = place(torch.zeros(shape, dtype=made.dtype), target)  # the old way
+                assert type(made) is gt.Tensor and made.placements == sliced.placements
+                assert made.shape == shape and made.stride() == sliced.stride()
+                assert made.to_local().shape == sliced.to_local().shape, (sig, shape)
+                if ref is not None:
+                    out.append((sig, made.numpy(), ref.numpy()))
+    return out
+
+
+def test_constant_fills_build_only_the_local_part(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(CONST_YAML)
+    # GT_CHECK_SHAPES=0: the shape check's own small buffers would count as allocations
+    env = {"GT_CHECK_SHAPES": "0"}
+    for rows in run_ranks(_constant_fills, 3, tmp_path, str(path), env=env):
+        assert len(rows) == 15
+        for sig, got, want in rows:
+            assert got.dtype == want.dtype and (got == want).all(), sig
