@@ -25,11 +25,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 def best_of(fn: Callable[[], None], iters: int, rounds: int) -> float:
     """Seconds per iteration: the best of ``rounds`` timings of ``iters`` calls."""
+    sync = torch.cuda.synchronize if torch.cuda.is_initialized() else (lambda: None)
     best = float("inf")
     for _ in range(rounds):
+        sync()
         t0 = time.perf_counter()
         for _ in range(iters):
             fn()
+        sync()  # CUDA work is asynchronous: time it to completion
         best = min(best, (time.perf_counter() - t0) / iters)
     return best
 
@@ -54,7 +57,7 @@ def small_op_loop(q: bool) -> None:
     import spmdgt as gt
 
     torch.manual_seed(0)
-    a, b, c0 = (torch.randn(64, 64) for _ in range(3))
+    a, b, c0 = (torch.randn(64, 64, device=gt.device()) for _ in range(3))
     gt.manual_seed(0)
     ga, gb, gc0 = (gt.randn(64, 64) for _ in range(3))
     n = 200
@@ -83,15 +86,20 @@ def small_op_loop(q: bool) -> None:
 def seed000_baseline(q: bool) -> None:
     import spmdgt as gt
 
+    dev = gt.device()
+    # On CUDA a world of one's tensors are plain CUDA tensors and .numpy() is torch's (it
+    # raises for device memory): both sides copy to the host first there.
+    host = (lambda t: t) if dev.type == "cpu" else (lambda t: t.cpu())
+
     def torch_iter():
-        x = torch.randn(1000, 1000)
+        x = torch.randn(1000, 1000, device=dev)
         y = x @ x
-        y.data.numpy()
+        host(y.data).numpy()
 
     def gt_iter():
         x = gt.randn(1000, 1000)
         y = x @ x
-        y.data.numpy()
+        host(y.data).numpy()
 
     r = pair(
         "seed 000: randn(1000,1000) @, .data.numpy()",
@@ -116,11 +124,13 @@ def mlp_step(q: bool) -> None:
             torch.nn.ReLU(),
             torch.nn.Linear(256, 10),
         )
+        m = m.to(gt.device())
         return m, torch.optim.AdamW(m.parameters(), lr=1e-3)
 
     tm, topt = build()
     gm, gopt = build()
-    tx, ty = torch.randn(64, 256), torch.randint(0, 10, (64,))
+    tx = torch.randn(64, 256, device=gt.device())
+    ty = torch.randint(0, 10, (64,), device=gt.device())
     gx, gy = gt.tensor(tx), gt.tensor(ty)
 
     def step(m, opt, x, y):
@@ -141,7 +151,8 @@ def mlp_step(q: bool) -> None:
 
 
 def _two_rank(rank: int, world: int, init: str, q: bool, out) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    # gloo ranks on the CPU, also on a GPU machine (a forked child must not touch CUDA)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), GT_DEVICE="cpu")
     torch.set_num_threads(1)
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -236,7 +247,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    print(f"torch {torch.__version__}, 1 thread per rank, {os.cpu_count()} CPUs")
+    import spmdgt as gt
+
+    where = torch.cuda.get_device_name() if gt.device().type == "cuda" else "CPU"
+    print(
+        f"torch {torch.__version__}, 1 thread per rank, {os.cpu_count()} CPUs, "
+        f"1-rank cases on {where}"
+    )
     print("(1 rank, no config: spmdgt tensors are plain torch tensors; 1-rank ratios are noise)\n")
     small_op_loop(args.quick)
     seed000_baseline(args.quick)

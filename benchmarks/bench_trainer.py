@@ -210,7 +210,11 @@ def _overhead_floor(args, ex) -> dict[str, dict[str, float]]:
 
 def _rank_main(rank, world, init_file, args, conn):
     os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world)
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        GT_DEVICE="cpu",  # gloo CPU ranks, on a GPU machine too
     )
     import torch
     import torch.distributed as dist

@@ -241,12 +241,18 @@ def run_pytorch(args: argparse.Namespace) -> dict:
     from torch.utils.data import DataLoader, DistributedSampler
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else None
+    if cuda:
+        torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("gloo")
+        dist.init_process_group("nccl" if cuda else "gloo")
     rank = dist.get_rank() if world > 1 else 0
     model, ds = build(args)
+    model = model.to(device) if cuda else model
     if world > 1:
-        model = nn.parallel.DistributedDataParallel(model)
+        model = nn.parallel.DistributedDataParallel(model, device_ids=[device] if cuda else None)
+    amp = torch.autocast("cuda" if cuda else "cpu", dtype=torch.bfloat16, enabled=args.amp)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     sampler = DistributedSampler(ds, num_replicas=world, rank=rank, seed=args.seed)
     loader = DataLoader(
@@ -257,7 +263,10 @@ def run_pytorch(args: argparse.Namespace) -> dict:
         sampler.set_epoch(epoch)
         t0 = time.perf_counter()
         for x, y in loader:
-            loss = lm_loss(model(x), y)
+            if cuda:
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            with amp:
+                loss = lm_loss(model(x), y)
             loss.backward()
             if args.max_grad_norm:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)

@@ -44,6 +44,7 @@ def _child(fn, rank, world, init_file, env, args, conn) -> None:
             LOCAL_RANK=str(rank),
             LOCAL_WORLD_SIZE=str(world),
             TORCHINDUCTOR_COMPILE_THREADS="1",
+            GT_DEVICE="cpu",  # gloo CPU ranks, also on a GPU machine (no CUDA after fork)
         )
         import torch
         import torch.distributed as dist

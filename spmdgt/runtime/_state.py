@@ -42,6 +42,19 @@ _owns_process_group = False
 _world_mesh = None
 
 
+def _want_cuda() -> bool:
+    """CUDA when there is one, unless ``GT_DEVICE=cpu`` keeps this process on the CPU (a GPU
+    machine running CPU ranks, or a forked child that must not touch its parent's CUDA)."""
+    choice = os.environ.get("GT_DEVICE", "").strip().lower()
+    if choice not in ("", "cpu", "cuda"):
+        raise ValueError(f"environment variable GT_DEVICE={choice!r}: expected 'cpu' or 'cuda'")
+    if choice == "cpu":
+        return False
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("GT_DEVICE=cuda, but torch sees no CUDA device")
+    return torch.cuda.is_available()
+
+
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
     if value is None or value == "":
@@ -68,15 +81,17 @@ def init(backend: str | None = None) -> Runtime:
     with _lock:
         if _runtime is not None:
             return _runtime
+        use_cuda = _want_cuda()
         if dist.is_available() and dist.is_initialized():
             rank, world = dist.get_rank(), dist.get_world_size()
-            local_rank = _env_int("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1))
+            gpus = torch.cuda.device_count() if use_cuda else 1
+            local_rank = _env_int("LOCAL_RANK", rank % max(gpus, 1))
             backend_used: str | None = dist.get_backend()
         else:
             rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
             local_rank = _env_int("LOCAL_RANK", 0)
             backend_used = None
-        if torch.cuda.is_available():
+        if use_cuda:
             device = torch.device("cuda", local_rank % torch.cuda.device_count())
             torch.cuda.set_device(device)
         else:

@@ -20,6 +20,22 @@ def test_bad_torchrun_environment_names_the_variable(monkeypatch):
     monkeypatch.setattr(state, "_runtime", None)
 
 
+def test_gt_device_picks_or_refuses_a_device(monkeypatch):
+    monkeypatch.setattr(state, "_runtime", None)
+    monkeypatch.setenv("GT_DEVICE", "cpu")
+    assert gt.init().device.type == "cpu"  # CPU even where a GPU is visible
+    monkeypatch.setattr(state, "_runtime", None)
+    monkeypatch.setenv("GT_DEVICE", "tpu")
+    with pytest.raises(ValueError, match="GT_DEVICE='tpu'"):
+        gt.init()
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(state, "_runtime", None)
+        monkeypatch.setenv("GT_DEVICE", "cuda")
+        with pytest.raises(RuntimeError, match="GT_DEVICE=cuda, but torch sees no CUDA"):
+            gt.init()
+    monkeypatch.setattr(state, "_runtime", None)
+
+
 def test_gpu_workers_reports_the_real_world():
     assert gt.gpu_workers(1) == 1
     with pytest.warns(UserWarning, match=r"torchrun --nproc_per_node=4"):

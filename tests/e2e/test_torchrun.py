@@ -17,7 +17,8 @@ EXAMPLE = ROOT / "examples" / "quickstart.py"
 
 
 def _run(cmd: list[str], **env: str) -> str:
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
+    # CPU ranks everywhere (2 gloo ranks; on a GPU machine too, so all runs draw alike)
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "GT_DEVICE": "cpu", **env}
     full_env.pop("GT_CONFIG", None)
     full_env.update(env)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=300)

@@ -36,7 +36,7 @@ def test_example_trainer_and_pytorch_agree_in_process():
 
 @pytest.mark.slow
 def test_example_under_torchrun_fsdp():
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", GT_DEVICE="cpu")
     cmd = [
         sys.executable,
         "-m",
