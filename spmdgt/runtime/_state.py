@@ -50,6 +50,11 @@ def _want_cuda() -> bool:
         raise ValueError(f"environment variable GT_DEVICE={choice!r}: expected 'cpu' or 'cuda'")
     if choice == "cpu":
         return False
+    # A child forked after its parent started CUDA cannot use CUDA (torch refuses): such a
+    # process (a DataLoader worker, a forked test rank) runs on the CPU instead of crashing.
+    bad_fork = getattr(torch.cuda, "_is_in_bad_fork", lambda: False)()
+    if choice == "" and bad_fork:
+        return False
     if choice == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("GT_DEVICE=cuda, but torch sees no CUDA device")
     return torch.cuda.is_available()

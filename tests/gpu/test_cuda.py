@@ -56,14 +56,20 @@ def test_trainer_fp32_on_cuda_matches_the_reference():
     assert s["memory_kind"] == "cuda_allocated" and s["peak_memory_allocated_gb"] > 0
 
 
-def test_fp16_amp_uses_a_grad_scaler():
+def _linear_dtypes(model) -> list:
+    # A Linear's output: autocast's lower precision on CUDA (LayerNorm, the model's last op,
+    # autocasts to fp32 on CUDA, unlike on the CPU).
     seen = []
+    model.down.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    return seen
 
+
+def test_fp16_amp_uses_a_grad_scaler():
     def loss_fn(out, y):
-        seen.append(out.dtype)
         return F.mse_loss(out.float(), y)
 
     model = make_model()
+    seen = _linear_dtypes(model)
     before = [p.detach().clone() for p in model.parameters()]
     t = DistributedTrainer(
         model, make_optimizer(model), loss_fn=loss_fn, use_amp=True, amp_dtype=torch.float16
@@ -71,7 +77,7 @@ def test_fp16_amp_uses_a_grad_scaler():
     s = t.train(_loader(), epochs=1)
     assert isinstance(t.scaler, torch.amp.GradScaler) and t.scaler.is_enabled()
     assert t.scaler.get_scale() > 0 and math.isfinite(s["final_loss"])
-    assert set(seen) == {torch.float16}  # LayerNorm output under fp16 autocast
+    assert set(seen) == {torch.float16}
     after = list(t.model.parameters())
     assert all(p.dtype == torch.float32 for p in after)  # fp32 master weights
     assert any(not torch.equal(a.cpu(), b) for a, b in zip(after, before))  # steps applied
@@ -80,13 +86,12 @@ def test_fp16_amp_uses_a_grad_scaler():
 def test_bf16_amp_on_cuda_needs_no_scaler():
     if not torch.cuda.is_bf16_supported():
         pytest.skip("this GPU has no bf16")
-    seen = []
 
     def loss_fn(out, y):
-        seen.append(out.dtype)
         return F.mse_loss(out.float(), y)
 
     model = make_model()
+    seen = _linear_dtypes(model)
     t = DistributedTrainer(model, make_optimizer(model), loss_fn=loss_fn, use_amp=True)
     s = t.train(_loader(), epochs=1, max_steps=3)
     assert seen == [torch.bfloat16] * 3 and t.scaler is None and math.isfinite(s["final_loss"])
