@@ -1,4 +1,4 @@
-"""Fork a fresh N-rank gloo group per test, on CPU, with a ``file://`` rendezvous.
+"""A fresh N-rank gloo group per test (forked; spawned once CUDA is up), ``file://`` rendezvous.
 
 ``run_ranks(fn, world_size, tmp_path, *args)`` forks ``world_size`` children; each joins the
 group, runs ``fn(rank, world_size, *args)`` and sends back its return value or traceback. A
@@ -15,7 +15,17 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-_CTX = mp.get_context("fork")
+
+def _context():
+    """Fork (~0.1 s a rank) unless this process has started CUDA: a forked child can then
+    neither use CUDA nor run code that merely asks it (AdamW's graph-capture check), so on a
+    GPU machine, once a test has touched the GPU, ranks are spawned (seconds each) instead.
+    ``GT_TEST_START=spawn`` forces spawning (to test that path on a CPU machine)."""
+    import torch
+
+    if os.environ.get("GT_TEST_START") == "spawn" or torch.cuda.is_initialized():
+        return mp.get_context("spawn")
+    return mp.get_context("fork")
 
 
 def reset_spmdgt() -> None:
@@ -76,12 +86,13 @@ def run_ranks(
     env: dict[str, str] | None = None,
     timeout: float = 120.0,
 ) -> list:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` forked ranks; return their results."""
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` new ranks; return their results."""
     init_file = Path(tmp_path) / f"rdzv-{os.getpid()}-{id(fn)}-{len(os.listdir(tmp_path))}"
     procs, conns = [], []
+    ctx = _context()
     for rank in range(world_size):
-        parent, child = _CTX.Pipe(duplex=False)
-        p = _CTX.Process(
+        parent, child = ctx.Pipe(duplex=False)
+        p = ctx.Process(
             target=_child,
             args=(fn, rank, world_size, str(init_file), env or {}, args, child),
             daemon=True,

@@ -22,3 +22,9 @@ def _cpu_unless_a_gpu_test(request, monkeypatch):
     if state._runtime is not None and state._runtime.device.type != "cpu":
         state.shutdown()  # a GPU test ran first in this process
     yield
+
+
+def pytest_collection_modifyitems(config, items):
+    # GPU tests last: once this process has run backward on CUDA, the autograd engine's device
+    # threads exist and forked ranks (tests/_dist.py) can no longer run backward.
+    items.sort(key=lambda item: _GPU_TESTS in Path(str(item.fspath)).parents)
