@@ -1,4 +1,4 @@
-"""A fresh N-rank gloo group per test (forked; spawned once CUDA is up), ``file://`` rendezvous.
+"""A fresh N-rank gloo group per test (forked; spawned where CUDA is), ``file://`` rendezvous.
 
 ``run_ranks(fn, world_size, tmp_path, *args)`` forks ``world_size`` children; each joins the
 group, runs ``fn(rank, world_size, *args)`` and sends back its return value or traceback. A
@@ -17,13 +17,14 @@ from pathlib import Path
 
 
 def _context():
-    """Fork (~0.1 s a rank) unless this process has started CUDA: a forked child can then
-    neither use CUDA nor run code that merely asks it (AdamW's graph-capture check), so on a
-    GPU machine, once a test has touched the GPU, ranks are spawned (seconds each) instead.
-    ``GT_TEST_START=spawn`` forces spawning (to test that path on a CPU machine)."""
+    """Fork (~0.1 s a rank) on a machine without CUDA; spawn (seconds a rank) where CUDA is
+    present. Once the test process has touched CUDA in any way (AdamW's step asks whether a
+    graph is being captured, which starts the CUDA runtime without ``torch.cuda`` knowing), a
+    forked child fails at its first CUDA call, and AdamW makes one on the CPU too. Seen on an
+    H200 machine; CI has no GPU and keeps forking. ``GT_TEST_START=spawn`` forces spawning."""
     import torch
 
-    if os.environ.get("GT_TEST_START") == "spawn" or torch.cuda.is_initialized():
+    if os.environ.get("GT_TEST_START") == "spawn" or torch.cuda.is_available():
         return mp.get_context("spawn")
     return mp.get_context("fork")
 
