@@ -6,7 +6,8 @@ Prints, side by side in one process, microseconds per op (best of ``repeats``) f
 plain torch; the interceptor imported but off (must equal plain: nothing is pushed); the
 instruction log on (``GT_INSTRUCTION_LOG``'s tool, default ``torch`` level); stats only;
 the log at ``aten`` level; the same at ``native`` level (the compiled RecordFunction observer,
-``_native``: what ``GT_INSTRUCTION_LOG`` uses when it builds; skipped if it cannot); and, for
+``_native``: what ``GT_INSTRUCTION_LOG`` uses when it builds, with its C++ op counters; skipped
+if it cannot), and with ``GT_STATS=1``'s hot paths and tape on top (Python); and, for
 reference, a bare ``TorchDispatchMode`` and a bare
 ``TorchFunctionMode`` that only call the op. The issue's bar: log on <= 2x plain.
 """
@@ -100,11 +101,11 @@ def main() -> None:
             lambda: interceptor.enable(instruction_log=log, stats=False, level="aten"),
             interceptor.disable,
         ),
-        "log only (native) = GT_INSTRUCTION_LOG": (
+        "log + counters (native) = GT_INSTRUCTION_LOG": (
             lambda: interceptor.enable(instruction_log=log, stats=False, level="native"),
             interceptor.disable,
         ),
-        "log + stats (native) = + GT_STATS=1": (
+        "+ hot paths, tape (native) = + GT_STATS=1": (
             lambda: interceptor.enable(instruction_log=log, stats=True, level="native"),
             interceptor.disable,
         ),

@@ -125,9 +125,20 @@ def enable(
         ic.origin_unix_ns = time.time_ns()
         ic.seq = 0
         ic.phase = "fwd"
+        ic.fresh = True
     ic.start(level)
-    if (stats or run_dir) and "stats" not in _tools:
-        size = tape_size or int(os.environ.get("GT_TAPE_SIZE", "1000") or 1000)
+    size = tape_size or int(os.environ.get("GT_TAPE_SIZE", "1000") or 1000)
+    if ic.level == "native":
+        # Counters cost nothing extra in C++: always on. Hot paths and the tape need every
+        # record in Python (~3x): only when stats are asked for (GT_STATS=1, GT_AUTO_COMPILE).
+        from spmdgt.interceptor._stats import NativeCounters
+
+        counters = _tools.get("stats")
+        if counters is None:
+            counters = _tools["stats"] = ic.add_sink(NativeCounters(ic._native))
+        if stats and getattr(counters, "events", True) is None:
+            counters.events = ic.add_sink(StatsSink(tape_size=size, hotpath=hotpath))
+    elif (stats or run_dir) and "stats" not in _tools:
         _tools["stats"] = ic.add_sink(StatsSink(tape_size=size, hotpath=hotpath))
     if instruction_log and "log" not in _tools:
         from spmdgt.interceptor._instruction_log import InstructionLogSink, header, rank_path
@@ -191,10 +202,11 @@ def maybe_enable_from_env() -> bool:
     log = env.get("GT_INSTRUCTION_LOG") or None
     run_dir = env.get("GT_RUN_DIR") or None
     debug_ops = _debuglog.INTERCEPTOR or _debuglog.SHARDING
-    # Pay for what is asked: the log alone is written in C++ (~1.5x on a 5 us op); counters,
-    # hot paths and the tape take every record into Python (~4x). top (GT_RUN_DIR), op debug
-    # lines and auto-compile read the counters, so they bring them along.
-    stats = bool(_truthy("GT_STATS") or run_dir or debug_ops or _truthy("GT_AUTO_COMPILE"))
+    # Pay for what is asked: the log is written and counted in C++ (~1.0-1.5x on a 5 us op);
+    # hot paths and the tape take every record into Python (~3x): GT_STATS, auto-compile and
+    # op debug lines ask for them. top (GT_RUN_DIR) reads counters: C++ ones with the log,
+    # else enable() adds Python ones.
+    stats = bool(_truthy("GT_STATS") or debug_ops or _truthy("GT_AUTO_COMPILE"))
     want = bool(log or stats or env.get("GT_INTERCEPT"))
     if want:
         # the log's default level is the compiled observer (falls back to torch in enable)

@@ -231,6 +231,7 @@ class Interceptor:
         self._lock = threading.RLock()
         self._froze_gc = False  # tick callbacks add/remove sinks
         self._native: Any = None  # the compiled observer while level == "native"
+        self.fresh = True  # the next start begins a session (native: counters from zero)
 
     # -- hot path ---------------------------------------------------------------------------
     def _record(self, func, t0: int, dur: int, level: int, ins: tuple, outs: tuple) -> None:
@@ -326,6 +327,9 @@ class Interceptor:
                 raise RuntimeError(f"native interceptor unavailable: {_native.error()}")
             self.level = level
             self._native = ext
+            if self.fresh:  # enable() began a session; a restart continues its numbering
+                ext.reset_counters()
+                self.fresh = False
             ext.start(env_rank()[0], self.origin_ns, True, 0)
             self._sync_keep()
             signal = _signal_provider()()

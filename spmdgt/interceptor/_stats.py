@@ -1,7 +1,9 @@
 """Counters over the op stream: GT's worker stats, hot-path detection, and the tape.
 
 ``StatsSink`` counts every event (by op and kind, time per kind, collectives and their bytes)
-and keeps the last ``tape_size`` events (the tape). ``HotPathDetector`` finds repeated op
+and keeps the last ``tape_size`` events (the tape). At the native level the counters are kept in
+C++ instead (``NativeCounters``, on whenever the observer is), and a ``StatsSink`` runs beside
+them only for hot paths and the tape. ``HotPathDetector`` finds repeated op
 sequences with GT's knobs (``GT_HOTPATH_WINDOW=20``, ``GT_HOTPATH_MIN_SEQ=3``,
 ``GT_HOTPATH_THRESHOLD=10``); the compile-and-batch pass will read the same detector.
 
@@ -21,7 +23,7 @@ from typing import Any
 
 from spmdgt.interceptor._events import OpEvent
 
-__all__ = ["HotPathDetector", "StatsSink"]
+__all__ = ["HotPathDetector", "NativeCounters", "StatsSink"]
 
 
 def _env_int(name: str, default: int) -> int:
@@ -153,23 +155,119 @@ class StatsSink:
 
     def snapshot(self, rank: int) -> dict[str, Any]:
         """GT's ``get_worker_stats`` entry for this rank, plus spmdgt's collective counters."""
-        hp = (
-            self.hotpath.summary()
-            if self.hotpath is not None
-            else HotPathDetector().summary() | {"total_instructions": self.total}
-        )
-        return {
-            "rank": rank,
-            "operations": {"total": self.total, "compiled": 0, "eager": self.total},
-            "hotpath": hp,
-            "compilation": {"cache_size": 0, "cache_hits": 0, "cache_misses": 0, "hit_rate": 0.0},
-            "collectives": {
-                "total": sum(self.collectives.values()),
-                "bytes": self.collective_bytes,
-                "time_s": self.collective_ns * 1e-9,
-                "by_op": dict(self.collectives),
-            },
-            "by_kind": dict(self.count_by_kind),
-            "time_s_by_kind": {k: v * 1e-9 for k, v in self.time_ns_by_kind.items()},
-            "top_ops": self.by_op.most_common(10),
+        return _entry(self, rank, self.hotpath, self.total)
+
+
+def _entry(c: Any, rank: int, hotpath: HotPathDetector | None, top_level: int) -> dict[str, Any]:
+    """A ``get_worker_stats`` entry from counters ``c`` (``StatsSink`` or ``NativeCounters``)."""
+    hp = (
+        hotpath.summary()
+        if hotpath is not None
+        else HotPathDetector().summary() | {"total_instructions": top_level}
+    )
+    return {
+        "rank": rank,
+        "operations": {"total": c.total, "compiled": 0, "eager": c.total},
+        "hotpath": hp,
+        "hotpath_enabled": hotpath is not None,
+        "compilation": {"cache_size": 0, "cache_hits": 0, "cache_misses": 0, "hit_rate": 0.0},
+        "collectives": {
+            "total": sum(c.collectives.values()),
+            "bytes": c.collective_bytes,
+            "time_s": c.collective_ns * 1e-9,
+            "by_op": dict(c.collectives),
+        },
+        "by_kind": dict(c.count_by_kind),
+        "time_s_by_kind": {k: v * 1e-9 for k, v in c.time_ns_by_kind.items()},
+        "top_ops": c.by_op.most_common(10),
+    }
+
+
+class NativeCounters:
+    """The same counters, kept in C++ by the native observer for every record (a few adds per
+    op, no Python), read when asked and re-read only when they have moved. Hot paths and the
+    tape need every record in Python: they come from an optional ``StatsSink`` (``events``)
+    beside it, attached with ``GT_STATS=1``.
+    """
+
+    native = True  # needs no Python events (see Interceptor._sync_keep)
+    _FIELDS = frozenset(
+        [
+            "total",
+            "busy_ns",
+            "first_ns",
+            "last_ns",
+            "by_op",
+            "count_by_kind",
+            "time_ns_by_kind",
+            "collectives",
+            "collective_bytes",
+            "collective_ns",
+            "top_level",
+        ]
+    )
+
+    def __init__(self, ext: Any, events: StatsSink | None = None) -> None:
+        self._ext = ext
+        self.events = events
+        self._c: dict[str, Any] = {}
+        self._seen = -1
+
+    def __getattr__(self, name: str) -> Any:
+        if name in NativeCounters._FIELDS:  # StatsSink's attribute names, read from C++
+            if self._ext.counts()[0] != self._seen:
+                self._read()
+            return self._c[name]
+        raise AttributeError(name)
+
+    @property
+    def tape(self) -> deque[OpEvent]:
+        return self.events.tape if self.events is not None else deque()
+
+    def _read(self) -> None:
+        total, busy, child_comm, first, last, _dropped, rows = self._ext.counters()
+        by_op: Counter[str] = Counter()
+        by_kind: Counter[str] = Counter()
+        time_by_kind: Counter[str] = Counter()
+        collectives: Counter[str] = Counter()
+        nbytes_total = comm_ns = top_level = 0
+        for op, kind, count, count0, dur, own0, nbytes in rows:
+            by_op[op] += count
+            by_kind[kind] += count
+            top_level += count0
+            if own0:
+                time_by_kind[kind] += own0
+            if kind == "comm":
+                collectives[op] += count
+                nbytes_total += nbytes
+            if kind in ("comm", "wait"):
+                comm_ns += dur
+        if child_comm:
+            time_by_kind["comm"] += child_comm
+        self._seen = total
+        self._c = {
+            "total": total,
+            "busy_ns": busy,
+            "first_ns": first if first >= 0 else None,
+            "last_ns": last,
+            "by_op": by_op,
+            "count_by_kind": by_kind,
+            "time_ns_by_kind": time_by_kind,
+            "collectives": collectives,
+            "collective_bytes": nbytes_total,
+            "collective_ns": comm_ns,
+            "top_level": top_level,
         }
+
+    def on_events(self, events: list[OpEvent]) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def snapshot(self, rank: int) -> dict[str, Any]:
+        hotpath = self.events.hotpath if self.events is not None else None
+        return _entry(self, rank, hotpath, self.top_level)

@@ -11,6 +11,7 @@ from spmdgt.interceptor import _control, _debuglog, _native
 from spmdgt.interceptor._instruction_log import COLUMNS
 from spmdgt.interceptor._logreader import read_log
 from spmdgt.interceptor._mode import get_interceptor
+from spmdgt.interceptor._stats import NativeCounters
 
 needs_native = pytest.mark.skipif(
     not _native.available(), reason=f"native observer unavailable: {_native.error()}"
@@ -146,14 +147,24 @@ def test_instruction_log_env_uses_native(tmp_path, monkeypatch):
     try:
         assert _control.maybe_enable_from_env()
         assert get_interceptor().level == "native"
-        assert _control.tool("stats") is None  # the log alone: no Python counters to pay for
+        counters = _control.tool("stats")
+        # the log alone: counters kept in C++, no Python events to pay for
+        assert isinstance(counters, NativeCounters) and counters.events is None
         _loop(2)
-        assert debug.get_worker_stats()[0]["stats_enabled"] is False
+        entry = debug.get_worker_stats()[0]
+        assert debug.get_tape() == []
     finally:
         interceptor.disable()
         get_interceptor().level = "torch"
-    ops = [r.op for r in read_log(path)]
+    recs = read_log(path)
+    ops = [r.op for r in recs]
     assert ops.count("aten.mul.Tensor") == 2 and ops.count("aten.add.Tensor") == 2
+    assert entry["stats_enabled"] is True and entry["hotpath_enabled"] is False
+    assert entry["operations"]["total"] == len(ops)  # the counters agree with the log
+    top = dict(entry["top_ops"])
+    assert top["aten.mul.Tensor"] == 2 and top["aten.add.Tensor"] == 2
+    # GT's "instructions": the top-level ops (torch.full's empty + fill_ are level 1)
+    assert entry["hotpath"]["total_instructions"] == sum(r.level == 0 for r in recs)
 
 
 @needs_native
@@ -198,7 +209,7 @@ def test_gt_stats_env_adds_counters_to_the_log(tmp_path, monkeypatch):
     finally:
         interceptor.disable()
         get_interceptor().level = "torch"
-    assert stats["stats_enabled"] is True
+    assert stats["stats_enabled"] is True and stats["hotpath_enabled"] is True
     top = dict(stats["top_ops"])
     assert top["aten.mul.Tensor"] == 3 and top["aten.add.Tensor"] == 3
 
@@ -252,6 +263,9 @@ def test_two_ranks_native_logs(tmp_path):
         assert lines[0].startswith(f"# spmdgt-instruction-log v1 rank={rank} world=2")
         recs = read_log(str(tmp_path / f"ops.rank{rank}.log"))
         assert {r.rank for r in recs} == {rank}
+        # get_worker_stats pauses the observer for its gather; numbering continues after it
+        assert sorted(r.seq for r in recs) == list(range(1, len(recs) + 1))
+        assert results[rank][3][rank]["operations"]["total"] == len(recs)
         comm = [r for r in recs if r.event == "COMM"]
         assert comm and all(r.nbytes > 0 and "c10d" in r.op for r in comm), comm
         # one record per collective: DTensor's functional collective, not also the c10d call
@@ -267,3 +281,26 @@ def test_two_ranks_native_logs(tmp_path):
         for k in (0, 1)
     ]
     assert ops[0] == ops[1]
+
+
+@needs_native
+def test_python_sinks_keep_up_in_a_long_loop(tmp_path):
+    # torch releases the GIL around each op; the observer takes it back on the rank's thread to
+    # hand records to Python every 4096 of them, so nothing is dropped past its 65536 buffer.
+    from spmdgt.interceptor import _native as native
+
+    n = 36_000  # 72,000 records
+    interceptor.enable(instruction_log=str(tmp_path / "long.log"), stats=True, level="native")
+    try:
+        _loop(n)
+        stats = debug.get_worker_stats()[0]
+        dropped = native.load().counts()[1]
+        top_level = _control.tool("stats").top_level  # level-0 records, counted in C++
+    finally:
+        interceptor.disable()
+        get_interceptor().level = "torch"
+    assert dropped == 0
+    # every top-level record reached the Python hot-path detector
+    assert stats["hotpath"]["total_instructions"] == top_level == 2 * n + 3
+    assert dict(stats["top_ops"])["aten.mul.Tensor"] == n
+    assert stats["hotpath"]["hot_instructions"] > 2 * n - 100  # the loop is one hot sequence

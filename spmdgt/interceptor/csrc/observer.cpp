@@ -21,6 +21,7 @@
 #include <deque>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -61,8 +62,19 @@ struct Ctx : at::ObserverContext {
   uint8_t phase;
   uint8_t nin;
   bool comm;
+  bool comm_or_wait;  // counted as communication time inside a parent op
   int32_t name;
   Spec in[kMaxSpecs];
+};
+
+// Per-op counters for get_worker_stats and top: kept here, under g_mu, for every record, so
+// they cost a few adds instead of a Python event per op. Reset only by reset_counters().
+struct NameStat {
+  int64_t count = 0;   // records, all levels
+  int64_t count0 = 0;  // level-0 records (called from Python / the autograd engine)
+  int64_t dur = 0;     // ns, all levels
+  int64_t own0 = 0;    // ns of level-0 records minus the collectives run inside them
+  int64_t bytes = 0;   // collective bytes
 };
 
 struct NameInfo {
@@ -72,6 +84,7 @@ struct NameInfo {
   std::string event; // OP / COMM / WAIT
   std::string kind;
   bool comm;
+  bool wait;
   bool backward;  // an autograd engine node (evaluate_function): phase bwd
 };
 
@@ -88,8 +101,14 @@ std::atomic<uint8_t> g_phase{0};  // 0 fwd, 1 bwd, 2 opt
 std::atomic<bool> g_enabled{false};
 uint64_t g_seq = 0;
 uint64_t g_total = 0;
+std::vector<NameStat> g_stats;  // by name id
+int64_t g_busy = 0;             // ns inside level-0 records
+int64_t g_child_comm = 0;       // ns of collectives inside level-0 records
+int64_t g_first = -1;           // first record's start, last record's end (ns)
+int64_t g_last = 0;
 int64_t g_origin = 0;
 int g_rank = 0;
+std::thread::id g_main_thread;  // the thread that started recording: the rank's own
 FILE* g_file = nullptr;
 std::string g_out;  // formatting buffer
 at::CallbackHandle g_handle = 0;
@@ -109,12 +128,14 @@ thread_local bool t_in_callback = false;
 
 thread_local int t_depth = 0;
 thread_local int t_comm_depth = 0;  // recorded collectives open on this thread
+thread_local int64_t t_child_comm = 0;  // ns of collectives inside the open level-0 op
 thread_local int t_bwd = 0;
 struct CacheSlot {
   const char* name = nullptr;
   const char* overload = nullptr;
   int32_t id = -1;
   bool comm = false;
+  bool wait = false;
   bool backward = false;
   const std::string* key = nullptr;  // the interned entry's key (deque element: stable)
 };
@@ -216,6 +237,7 @@ int32_t intern_locked(const char* name, const char* overload) {
   info.kind = kind;
   info.event = kind == "comm" ? "COMM" : (kind == "wait" ? "WAIT" : "OP");
   info.comm = kind == "comm";
+  info.wait = kind == "wait";
   int32_t id = static_cast<int32_t>(g_names.size());
   g_names.push_back(std::move(info));
   g_name_ids.emplace(std::move(key), id);
@@ -243,6 +265,7 @@ inline const CacheSlot& name_id(const at::RecordFunction& fn) {
   slot.overload = o;
   slot.id = id;
   slot.comm = g_names[id].comm;
+  slot.wait = g_names[id].wait;
   slot.backward = g_names[id].backward;
   slot.key = &g_names[id].key;
   return slot;
@@ -273,6 +296,7 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   ctx->level = static_cast<uint8_t>(t_depth > 0 ? 1 : 0);
   ++t_depth;
   ctx->comm = slot.comm;
+  ctx->comm_or_wait = slot.comm || slot.wait;
   if (slot.comm) ++t_comm_depth;
   ctx->phase = (t_bwd > 0 || slot.backward) ? 1 : g_phase.load(std::memory_order_relaxed);
   ctx->name = slot.id;
@@ -359,12 +383,32 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* c) {
     }
   }
   r.nout = no;
+  int64_t child = 0;  // collectives inside this level-0 op (per thread: no lock needed)
+  if (r.level == 0) {
+    child = t_child_comm;
+    t_child_comm = 0;
+  } else if (ctx->comm_or_wait) {
+    t_child_comm += r.dur;
+  }
   bool call = false;
   {
     std::lock_guard<std::mutex> g(g_mu);
     if (!g_enabled.load(std::memory_order_relaxed)) return;
     r.seq = ++g_seq;
     ++g_total;
+    if (static_cast<size_t>(r.name) >= g_stats.size()) g_stats.resize(r.name + 64);
+    NameStat& st = g_stats[r.name];
+    ++st.count;
+    st.dur += r.dur;
+    st.bytes += r.nbytes;
+    if (r.level == 0) {
+      ++st.count0;
+      st.own0 += r.dur - child;
+      g_child_comm += child;
+      g_busy += r.dur;
+    }
+    if (g_first < 0) g_first = r.t0;
+    if (r.t0 + r.dur > g_last) g_last = r.t0 + r.dur;
     g_buf.push_back(r);
     size_t pending = g_buf.size() + g_kept.size();
     if (g_buf.size() >= kFlushEvery) flush_locked();
@@ -373,9 +417,11 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* c) {
       g_next_tick = t1 + kTickNs;
     }
   }
-  // Python sinks run only on a thread that already holds the GIL (the rank's own thread): a
-  // backward worker never waits for the GIL here; its records wait for the next drain.
-  if (call && ctx->level == 0 && PyGILState_Check()) {
+  // Python sinks run on the rank's own thread, at a top-level op's end. torch's Python bindings
+  // release the GIL around each op, so that thread takes it back here (as torch's own Python
+  // hooks do); a backward worker never waits for the GIL: its records wait for the next drain.
+  bool own = PyGILState_Check() || std::this_thread::get_id() == g_main_thread;
+  if (call && ctx->level == 0 && own) {
     t_in_callback = true;
     try {
       py::gil_scoped_acquire gil;
@@ -497,10 +543,8 @@ void start(int rank, int64_t origin_ns, bool record_outputs, size_t keep, int no
   std::lock_guard<std::mutex> g(g_mu);
   if (g_enabled) throw std::runtime_error("native observer already started");
   g_rank = rank;
+  g_main_thread = std::this_thread::get_id();
   g_origin = origin_ns;
-  g_seq = 0;
-  g_total = 0;
-  g_dropped = 0;
   g_record_outputs = record_outputs;
   g_keep = keep > kKeepCap ? kKeepCap : keep;
   g_kept.clear();
@@ -553,6 +597,45 @@ void flush() {
   std::lock_guard<std::mutex> g(g_mu);
   flush_locked();
   if (g_file) std::fflush(g_file);
+}
+
+// A fresh session: instruction numbers and counters from zero (start() keeps them, so a pause
+// and restart continues the same numbering).
+void reset_counters() {
+  std::lock_guard<std::mutex> g(g_mu);
+  g_seq = 0;
+  g_total = 0;
+  g_dropped = 0;
+  g_stats.clear();
+  g_busy = g_child_comm = g_last = 0;
+  g_first = -1;
+}
+
+// (total, busy_ns, child_comm_ns, first_ns, last_ns, dropped,
+//  [(op, kind, count, count0, dur_ns, own0_ns, bytes), ...] for ops seen)
+py::tuple counters() {
+  std::vector<std::tuple<std::string, std::string, int64_t, int64_t, int64_t, int64_t, int64_t>>
+      rows;
+  uint64_t total, dropped;
+  int64_t busy, child, first, last;
+  {
+    std::lock_guard<std::mutex> g(g_mu);
+    total = g_total;
+    dropped = g_dropped;
+    busy = g_busy;
+    child = g_child_comm;
+    first = g_first;
+    last = g_last;
+    for (size_t i = 0; i < g_stats.size() && i < g_names.size(); ++i) {
+      const NameStat& st = g_stats[i];
+      if (st.count == 0) continue;
+      rows.emplace_back(g_names[i].op, g_names[i].kind, st.count, st.count0, st.dur, st.own0,
+                        st.bytes);
+    }
+  }
+  py::list out;
+  for (auto& r : rows) out.append(py::cast(r));
+  return py::make_tuple(total, busy, child, first, last, dropped, out);
 }
 
 void stop() {
@@ -625,6 +708,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("start", &start, py::arg("rank"), py::arg("origin_ns"), py::arg("record_outputs") = true,
         py::arg("keep") = 0, py::arg("noop") = 0);
   m.def("stop", &stop);
+  m.def("reset_counters", &reset_counters);
+  m.def("counters", &counters);
   m.def("flush", &flush);
   m.def("drain", &drain);
   m.def("open_log", &open_log);
