@@ -101,11 +101,11 @@ def main() -> None:
             lambda: interceptor.enable(instruction_log=log, stats=False, level="aten"),
             interceptor.disable,
         ),
-        "log + counters (native) = GT_INSTRUCTION_LOG": (
+        "log+counters (native) = GT_INSTRUCTION_LOG": (
             lambda: interceptor.enable(instruction_log=log, stats=False, level="native"),
             interceptor.disable,
         ),
-        "+ hot paths, tape (native) = + GT_STATS=1": (
+        "+ hot paths, tape (native) = GT_STATS=1": (
             lambda: interceptor.enable(instruction_log=log, stats=True, level="native"),
             interceptor.disable,
         ),
@@ -119,6 +119,8 @@ def main() -> None:
         cases = {k: v for k, v in cases.items() if "native" not in k}
     best = {k: float("inf") for k in cases}
     for _ in range(args.repeats):  # interleaved so drift hits every case alike
+        # untimed: the first case of a round ran ~25% slow (after the last case's teardown)
+        _time(args.iters, *cases["plain torch"])
         for name, (setup, teardown) in cases.items():
             best[name] = min(best[name], _time(args.iters, setup, teardown))
         assert torch._C._len_torch_function_stack() == 0
