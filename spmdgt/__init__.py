@@ -28,6 +28,7 @@ from spmdgt.config import (
 )
 from spmdgt.runtime import (
     barrier,
+    connect,
     device,
     device_mesh,
     gpu_workers,
@@ -74,6 +75,7 @@ __all__ = [
     "bfloat16",
     "bool_",
     "cat",
+    "connect",
     "debug",
     "device",
     "device_mesh",

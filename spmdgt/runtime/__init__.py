@@ -17,6 +17,7 @@ from spmdgt.runtime._state import Runtime, get_runtime, init, shutdown, world_me
 __all__ = [
     "Runtime",
     "barrier",
+    "connect",
     "device",
     "device_mesh",
     "gpu_workers",
@@ -86,3 +87,20 @@ def gpu_workers(n: int) -> int:
             stacklevel=2,
         )
     return world
+
+
+def connect(address: str | None = None) -> Runtime:
+    """GT's ``gt.connect("host:port")`` attached a client to a running dispatcher. spmdgt has
+    none: every rank runs the program and joins its peers through torchrun's rendezvous
+    (``--rdzv-endpoint host:port`` across machines). So this sets up this rank as ``gt.init()``
+    does and warns that ``address`` is not used; the program runs either way."""
+    import warnings
+
+    if address is not None:
+        warnings.warn(
+            f"gt.connect({address!r}): spmdgt has no dispatcher to connect to; ranks meet "
+            "through torchrun (torchrun --nnodes=N --rdzv-endpoint=HOST:PORT ... for many "
+            "machines)",
+            stacklevel=2,
+        )
+    return init()

@@ -42,6 +42,12 @@ def test_gpu_workers_reports_the_real_world():
         assert gt.gpu_workers(4) == 1
 
 
+def test_connect_has_no_dispatcher_but_runs():
+    assert gt.connect() is gt.init()  # GT's attach call: the rank as gt.init() sets it up
+    with pytest.warns(UserWarning, match=r"no dispatcher.*torchrun"):
+        assert gt.connect("localhost:9000").world_size == 1
+
+
 def _child_world(conn) -> None:
     conn.send((state._runtime is None, gt.world_size()))
 
