@@ -1,8 +1,10 @@
 """Creation ops: ``gt.randn/zeros/ones/...``, ``gt.tensor``, ``gt.from_numpy``, ``gt.cat``.
 
-Every rank builds the same global value (same program, same seed) and keeps only its slice,
+Every rank draws the same global value (same program, same seed) and keeps only its slice,
 so the numbers never depend on the placement or the world size: removing the YAML changes
-where values live, never what they are. A world of one returns plain torch tensors.
+where values live, never what they are. Constant fills build only the rank's part, CPU random
+fills draw in blocks (``_draw``), so no rank holds the whole tensor there. A world of one
+returns plain torch tensors.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch.distributed as dist
 
 from spmdgt.interceptor import _debuglog
 from spmdgt.runtime._state import get_runtime
-from spmdgt.tensor import _scope
+from spmdgt.tensor import _draw, _scope
 from spmdgt.tensor._dtypes import to_dtype
 from spmdgt.tensor._placement import creation_target, signal_target
 
@@ -110,11 +112,12 @@ def _create(
     make: Callable[[torch.device], torch.Tensor],
     requires_grad: bool,
     what: str,
-    make_part: Callable[[tuple[int, ...], torch.device], torch.Tensor] | None = None,
+    make_part: Callable[..., torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
-    """Make a tensor of ``shape`` where the scope says: ``make(device)`` builds the global
-    value; ``make_part(local_shape, device)``, for values with nothing to slice (a constant
-    fill), builds just this rank's part, so no rank holds the whole tensor."""
+    """Make a tensor of ``shape`` where the scope says. ``make(device)`` builds the global
+    value; ``make_part(target, device)``, when given, returns a builder of this rank's part
+    alone (``(local_shape, offset) -> tensor``, see ``place_local``), or None where it cannot
+    (then ``make`` runs and each rank keeps its slice)."""
     rt = get_runtime()
     target = creation_target(shape)
     if target is None:
@@ -123,10 +126,8 @@ def _create(
         from spmdgt.tensor._tensor import place, place_local
 
         check_same_shape(shape, what)
-        if make_part is not None:
-            t = place_local(lambda s: make_part(s, rt.device), shape, target)
-        else:
-            t = place(make(rt.device), target)
+        part = make_part(target, rt.device) if make_part is not None else None
+        t = place_local(part, shape, target) if part is not None else place(make(rt.device), target)
         if _debuglog.TENSOR:
             _note_placement(what, shape, target)
     if requires_grad:
@@ -137,12 +138,20 @@ def _create(
 
 
 def _factory(fill: Callable[..., torch.Tensor], name: str, doc: str, *, constant: bool = False):
-    """A GT creation op over ``fill`` (``torch.randn``, ``torch.zeros``...). A ``constant``
-    fill has the same value everywhere: each rank builds only its own part."""
+    """A GT creation op over ``fill`` (``torch.randn``, ``torch.zeros``...). Each rank builds
+    only its own part: a ``constant`` fill directly, a random one (CPU) by drawing in blocks."""
 
     def create(*size: int, dtype=None, requires_grad: bool = False) -> torch.Tensor:
         shape, dt = _shape(size), to_dtype(dtype)
-        part = (lambda s, d: fill(s, dtype=dt, device=d)) if constant else None
+
+        def part(target, device):
+            if constant:
+                return lambda s, _: fill(s, dtype=dt, device=device)
+            if _draw.drawable(fill, shape, dt, device, target):
+                dim = target.placements[0].dim
+                return lambda s, off: _draw.draw_part(fill, shape, dt, s, off, dim)
+            return None
+
         return _create(shape, lambda d: fill(shape, dtype=dt, device=d), requires_grad, name, part)
 
     create.__name__ = create.__qualname__ = name.removeprefix("gt.")
@@ -175,7 +184,7 @@ def full(size, fill_value, *, dtype=None, requires_grad: bool = False) -> torch.
         lambda d: torch.full(shape, fill_value, dtype=dt, device=d),
         requires_grad,
         "gt.full",
-        lambda s, d: torch.full(s, fill_value, dtype=dt, device=d),
+        lambda target, d: lambda s, _: torch.full(s, fill_value, dtype=dt, device=d),
     )
 
 

@@ -191,17 +191,22 @@ def place(full: torch.Tensor, target) -> torch.Tensor:
 
 
 def place_local(make, shape: tuple[int, ...], target) -> torch.Tensor:
-    """Lay out a value with no global content to slice (zeros, ones, full, empty) as
-    ``target`` says, building only this rank's part: ``make(local_shape)`` makes it."""
+    """Lay out ``shape`` as ``target`` says from this rank's part alone, which
+    ``make(local_shape, global_offset)`` builds (``global_offset`` is empty on a rank outside
+    the mesh): no rank holds the whole tensor, no communication."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     enable_implicit_replication()
     placements = [Replicate() if isinstance(p, Partial) else p for p in target.placements]
-    local_shape, _ = compute_local_shape_and_global_offset(shape, target.mesh, placements)
+    local_shape, offset = compute_local_shape_and_global_offset(shape, target.mesh, placements)
     stride = torch.empty(shape, device="meta").stride()
     with _DisableSubclass():
         out = DTensor.from_local(
-            make(local_shape), target.mesh, placements, shape=torch.Size(shape), stride=stride
+            make(tuple(local_shape), tuple(offset)),
+            target.mesh,
+            placements,
+            shape=torch.Size(shape),
+            stride=stride,
         )
     out.__class__ = Tensor
     return out

@@ -1,0 +1,100 @@
+"""Draw this rank's slice of ``torch.randn(shape)`` / ``torch.rand(shape)`` on the CPU without
+ever holding the whole tensor, and leave the generator exactly where one full call leaves it.
+
+Every rank still draws every number (that keeps the generators of all ranks in step and makes
+the values independent of placement and world size), but in blocks: it keeps the part of each
+block that falls in its slice and drops the rest, so memory is the slice plus one block.
+
+Why blocks reproduce one call: torch's CPU kernels draw sequentially. ``rand`` fills element by
+element; ``randn`` (``normal_fill``) fills uniforms in order, turns each aligned group of 16
+into normals, and, when the size is not a multiple of 16, redraws the last 16 elements. So
+blocks that start at multiples of 16, with a last block of at least 16 that ends the tensor,
+draw the same numbers in the same order as one call. ``tests/core/test_draw.py``
+checks this against one call for every dtype and layout used, generator state included;
+CUDA's Philox generator has no such property, so CUDA (and anything else) draws in full.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["BLOCK", "MIN_NUMEL", "drawable", "draw_part"]
+
+BLOCK = 1 << 20  # elements per block (4 MB of fp32); a multiple of 16
+MIN_NUMEL = 1 << 22  # below this a full draw is cheap enough (16 MB of fp32)
+_SEQUENTIAL = (torch.randn, torch.rand)
+_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def drawable(fill: Callable, shape: tuple[int, ...], dtype, device: torch.device, target) -> bool:
+    """Whether ``fill(shape)`` can be drawn in blocks for ``target`` (one Shard on a 1-D mesh)."""
+    from torch.distributed.tensor import Shard
+
+    return (
+        fill in _SEQUENTIAL
+        and device.type == "cpu"
+        and (dtype or torch.get_default_dtype()) in _DTYPES
+        and math.prod(shape) >= max(MIN_NUMEL, 16)
+        and len(target.placements) == 1
+        and isinstance(target.placements[0], Shard)
+    )
+
+
+def draw_part(
+    fill: Callable,
+    shape: tuple[int, ...],
+    dtype,
+    local_shape: tuple[int, ...],
+    offset: tuple[int, ...],
+    dim: int,
+) -> torch.Tensor:
+    """This rank's part (``local_shape`` at ``offset``, split along ``dim``) of ``fill(shape)``.
+
+    ``offset`` is empty for a rank outside the mesh: it draws and keeps nothing.
+    """
+    n = math.prod(shape)
+    length = shape[dim]
+    inner = math.prod(shape[dim + 1 :])
+    row = length * inner  # elements of one index of the dims before ``dim``
+    local = torch.empty(local_shape, dtype=dtype)
+    mine = bool(offset) and local.numel() > 0
+    lo = offset[dim] * inner if mine else 0
+    hi = lo + local_shape[dim] * inner if mine else 0
+    out = local.view(-1, hi - lo) if mine else None  # one row per index before ``dim``
+    whole_rows = row < BLOCK // 16
+
+    def keep(block: torch.Tensor, start: int) -> None:
+        # copy the parts of block [start, start + len) that fall in this rank's columns
+        end = start + block.numel()
+        first, last = start // row, (end - 1) // row
+        if whole_rows:  # blocks hold whole rows (see _blocks): one strided copy
+            out[first : last + 1] = block.view(last - first + 1, row)[:, lo:hi]
+            return
+        for r in range(first, last + 1):  # long rows: at most 17 per block
+            a, b = max(start, r * row + lo), min(end, r * row + hi)
+            if a < b:
+                out[r, a - r * row - lo : b - r * row - lo] = block[a - start : b - start]
+
+    for start, size in _blocks(n, row):
+        block = fill(size, dtype=dtype)
+        if mine:
+            keep(block, start)
+    return local
+
+
+def _blocks(n: int, row: int) -> list[tuple[int, int]]:
+    """(start, size) of the draws: starts at multiples of 16, the last at least 16 long; whole
+    rows per block when rows are short (so a block is one strided copy), at most ``BLOCK``."""
+    if row < BLOCK // 16:
+        per = 16 // math.gcd(row, 16)  # rows per block: a multiple of this is a multiple of 16
+        step = BLOCK // row // per * per * row
+    else:
+        step = BLOCK
+    out = [(s, min(step, n - s)) for s in range(0, n, step)]
+    if len(out) > 1 and out[-1][1] < 16:  # torch redraws the last 16: keep them in one call
+        (s0, z0), (_, z1) = out[-2], out.pop()
+        out[-1] = (s0, z0 + z1)
+    return out

@@ -1,0 +1,92 @@
+"""Random creation drawn in blocks: the same numbers as one torch call, the generator left where
+one call leaves it, and no rank holding the whole tensor (``spmdgt/tensor/_draw.py``)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from spmdgt.tensor import _draw
+from tests._dist import run_ranks
+
+
+def _slices(length: int, world: int) -> list[tuple[int, int]]:
+    """(offset, size) per rank by the torch.chunk rule DTensor's Shard uses (empty at the end)."""
+    size = -(-length // world)
+    return [
+        (min(r * size, length), max(0, min(length, (r + 1) * size) - r * size))
+        for r in range(world)
+    ]
+
+
+@pytest.mark.parametrize("fill", [torch.randn, torch.rand])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize(
+    "shape, dim",
+    [((1003,), 0), ((37, 29), 0), ((37, 29), 1), ((200, 3), 1), ((100, 2), 1), ((9, 3, 5), 2)],
+)
+def test_blocks_draw_what_one_call_draws(monkeypatch, fill, dtype, shape, dim):
+    monkeypatch.setattr(_draw, "BLOCK", 64)  # many blocks; rows of 2-3 take the strided path
+    torch.manual_seed(7)
+    ref = fill(shape, dtype=dtype)
+    after = torch.rand(4)
+    for world in (1, 2, 3, 4):
+        for off, size in _slices(shape[dim], world):
+            local_shape = (*shape[:dim], size, *shape[dim + 1 :])
+            offset = tuple(off if d == dim else 0 for d in range(len(shape)))
+            torch.manual_seed(7)
+            part = _draw.draw_part(fill, shape, dtype, local_shape, offset, dim)
+            assert torch.equal(part, ref.narrow(dim, off, size)), (world, off, size)
+            assert torch.equal(torch.rand(4), after)  # the generator moved as far as one call
+    torch.manual_seed(7)  # a rank outside the mesh keeps nothing but still draws everything
+    assert _draw.draw_part(fill, shape, dtype, (0,), (), dim).numel() == 0
+    assert torch.equal(torch.rand(4), after)
+
+
+class _RandomDraws(torch.overrides.TorchFunctionMode):
+    def __enter__(self):
+        self.sizes = []
+        super().__enter__()
+        return self.sizes
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.randn, torch.rand):
+            a = args[0]
+            self.sizes.append(math.prod(a) if isinstance(a, (tuple, list, torch.Size)) else a)
+        return func(*args, **(kwargs or {}))
+
+
+def _sharded_random(rank, world):
+    import spmdgt as gt
+    from spmdgt.tensor import _draw as draw
+
+    draw.MIN_NUMEL, draw.BLOCK = 0, 64  # the block path at test sizes
+    gt.register_config("rows", gt.SignalConfig(shard=gt.ShardConfig(axis=0)))
+    gt.register_config("cols", gt.SignalConfig(shard=gt.ShardConfig(axis=1)))
+    gt.register_config("pair", gt.SignalConfig(shard=gt.ShardConfig(axis=0, workers=[1, 2])))
+    out = []
+    for sig, shape, fill in [
+        ("rows", (41, 7), gt.randn),
+        ("cols", (13, 35), gt.rand),
+        ("pair", (30, 5), gt.randn),
+    ]:
+        gt.manual_seed(3)
+        with gt.signal.context(sig), _RandomDraws() as sizes:
+            x = fill(*shape, requires_grad=True)
+        after = torch.rand(3)  # every rank's generator where one full call leaves it
+        assert type(x) is gt.Tensor and max(sizes) < math.prod(shape), sizes
+        (x * x).sum().backward()
+        out.append((sig, shape, x.numpy(), x.grad.numpy(), after))
+    return out
+
+
+def test_sharded_random_creation_matches_one_process(tmp_path):
+    for rows in run_ranks(_sharded_random, 3, tmp_path):
+        for sig, shape, value, grad, after in rows:
+            torch.manual_seed(3)
+            ref = (torch.randn if sig != "cols" else torch.rand)(shape)
+            assert torch.equal(torch.from_numpy(value), ref), sig
+            assert torch.equal(torch.from_numpy(grad), 2 * ref), sig
+            assert torch.equal(after, torch.rand(3)), sig
