@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from spmdgt.tensor import _draw
+from tests._calls import CreationShapes
 from tests._dist import run_ranks
 
 
@@ -45,19 +46,6 @@ def test_blocks_draw_what_one_call_draws(monkeypatch, fill, dtype, shape, dim):
     assert torch.equal(torch.rand(4), after)
 
 
-class _RandomDraws(torch.overrides.TorchFunctionMode):
-    def __enter__(self):
-        self.sizes = []
-        super().__enter__()
-        return self.sizes
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in (torch.randn, torch.rand):
-            a = args[0]
-            self.sizes.append(math.prod(a) if isinstance(a, (tuple, list, torch.Size)) else a)
-        return func(*args, **(kwargs or {}))
-
-
 def _sharded_random(rank, world):
     import spmdgt as gt
     from spmdgt.tensor import _draw as draw
@@ -73,10 +61,10 @@ def _sharded_random(rank, world):
         ("pair", (30, 5), gt.randn),
     ]:
         gt.manual_seed(3)
-        with gt.signal.context(sig), _RandomDraws() as sizes:
+        with gt.signal.context(sig), CreationShapes(torch.randn, torch.rand) as shapes:
             x = fill(*shape, requires_grad=True)
         after = torch.rand(3)  # every rank's generator where one full call leaves it
-        assert type(x) is gt.Tensor and max(sizes) < math.prod(shape), sizes
+        assert type(x) is gt.Tensor and max(map(math.prod, shapes)) < math.prod(shape), shapes
         (x * x).sum().backward()
         out.append((sig, shape, x.numpy(), x.grad.numpy(), after))
     return out

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from tests._calls import CreationShapes
 from tests._dist import run_ranks
 
 PIPELINE_YAML = textwrap.dedent(
@@ -231,22 +232,6 @@ CONST_YAML = textwrap.dedent(
 )
 
 
-class _Allocations(torch.overrides.TorchFunctionMode):
-    """The shapes of the real (non-meta) constant fills run inside it."""
-
-    def __enter__(self):
-        self.shapes = []
-        super().__enter__()
-        return self.shapes
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        fills = (torch.zeros, torch.ones, torch.full, torch.empty)
-        if func in fills and str(kwargs.get("device")) != "meta":
-            self.shapes.append(tuple(args[0]))
-        return func(*args, **kwargs)
-
-
 def _constant_fills(rank, world, path):
     import spmdgt as gt
     from spmdgt.tensor._placement import creation_target
@@ -264,7 +249,8 @@ def _constant_fills(rank, world, path):
     ]:
         with gt.signal.context(sig):
             target = creation_target(shape)
-            with _Allocations() as seen:
+            fills = (torch.zeros, torch.ones, torch.full, torch.empty)
+            with CreationShapes(*fills) as seen:
                 made_all = [
                     gt.zeros(*shape),
                     gt.ones(*shape, dtype="float64"),
