@@ -40,7 +40,9 @@ from spmdgt.runtime import (
     shutdown,
     world_size,
 )
+from spmdgt.runtime._seed import agree_at_import
 from spmdgt.tensor import (
+    _gtcompat,
     arange,
     cat,
     empty,
@@ -136,3 +138,5 @@ def _boot_tools() -> None:
 
 
 _boot_tools()
+_gtcompat.install()  # GT spellings torch lacks (x.transpose() reverses the dims)
+agree_at_import()  # under torchrun: every rank's default generators start alike

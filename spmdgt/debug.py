@@ -14,6 +14,7 @@ registers its counters with ``set_compilation_stats_provider``.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -58,6 +59,10 @@ def _local_stats() -> dict[str, Any]:
     # Counters run only when asked (GT_STATS=1, gt.debug.enable(stats=True), top, debug lines):
     # say so rather than let zeros pass for a quiet rank.
     entry["stats_enabled"] = st is not None
+    # Exact fallbacks (spmdgt.tensor._fallback); the module is loaded only once a sharded
+    # tensor exists, so a world of one reads an empty dict without importing DTensor.
+    fallback = sys.modules.get("spmdgt.tensor._fallback")
+    entry["fallbacks"] = dict(fallback.counts) if fallback is not None else {}
     if _compilation_provider is not None:
         c = dict(_compilation_provider())
         compiled = int(c.pop("compiled", 0))
@@ -73,8 +78,9 @@ def _local_stats() -> dict[str, Any]:
     return entry
 
 
-def get_worker_stats() -> list[dict[str, Any]]:
-    """One stats dict per rank (index = rank), with GT's fields plus collective counters.
+def get_worker_stats() -> dict[int, dict[str, Any]]:
+    """One stats dict per rank, keyed by rank as GT's was (``stats[0]``), with GT's fields plus
+    collective counters and ``fallbacks`` (ops spmdgt ran on gathered global values, by op).
 
     Collective when the world has more than one rank: every rank must call it, in the same order
     relative to other collectives (it does an object all-gather), or the job hangs.
@@ -96,8 +102,8 @@ def get_worker_stats() -> list[dict[str, Any]]:
         finally:
             if was:
                 ic.start(ic.level)
-        return out
-    return [entry]
+        return dict(enumerate(out))
+    return {0: entry}
 
 
 def print_worker_stats() -> None:
@@ -110,13 +116,13 @@ def print_worker_stats() -> None:
     print(format_worker_stats(stats))
 
 
-def format_worker_stats(stats: list[dict[str, Any]]) -> str:
+def format_worker_stats(stats: dict[int, dict[str, Any]]) -> str:
     """The table ``print_worker_stats`` prints."""
     lines = [
         f"{'rank':>4} {'ops':>9} {'compiled':>8} {'hot':>9} {'seqs':>6} {'hotseq':>6} "
         f"{'colls':>6} {'coll MB':>9} {'coll s':>8} {'hit%':>5}"
     ]
-    for s in stats:
+    for s in stats.values():
         op, hp, c, cm = s["operations"], s["hotpath"], s["collectives"], s["compilation"]
         lines.append(
             f"{s['rank']:>4} {op['total']:>9} {op['compiled']:>8} {hp['hot_instructions']:>9} "
@@ -125,7 +131,7 @@ def format_worker_stats(stats: list[dict[str, Any]]) -> str:
         )
         for seq in hp["top_sequences"][:3]:
             lines.append(f"       hot x{seq['count']}: {' '.join(seq['ops'])}")
-    if stats and stats[0].get("interceptor") == "off":
+    if stats and next(iter(stats.values())).get("interceptor") == "off":
         lines.append("(interceptor off: enable it with gt.debug.enable() or a GT_* variable)")
     return "\n".join(lines)
 

@@ -62,9 +62,13 @@ def _child(fn, rank, world, init_file, env, args, conn) -> None:
 
         torch.set_num_threads(1)
         reset_spmdgt()
+        torch.seed()  # a fresh process: torch seeds each one at random, as torchrun's are
         dist.init_process_group(
             "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world
         )
+        import spmdgt
+
+        spmdgt.init()  # what `import spmdgt` under torchrun gives: the ranks' generators agree
         try:
             result = fn(rank, world, *args)
         finally:

@@ -79,6 +79,8 @@ def init(backend: str | None = None) -> Runtime:
 
     Under torchrun (WORLD_SIZE > 1) this joins the process group with ``backend`` (default: NCCL
     when CUDA is present, else gloo). A process group the user created first is adopted as is.
+    Every rank then takes rank 0's default generator states (``_seed``), so values that are
+    meant to be replicated are: a collective, as joining the group is.
     """
     global _runtime, _owns_process_group
     if _runtime is not None:
@@ -107,6 +109,10 @@ def init(backend: str | None = None) -> Runtime:
             dist.init_process_group(backend=backend_used, **kwargs)
             _owns_process_group = True
         _runtime = Runtime(rank, world, local_rank, device, backend_used)
+        if world > 1:
+            from spmdgt.runtime._seed import agree_at_init
+
+            agree_at_init(device)  # every rank draws what rank 0 would: replicated values agree
         return _runtime
 
 

@@ -232,12 +232,13 @@ def _global_value(t: torch.Tensor) -> torch.Tensor:
     return global_value(t)
 
 
-def from_numpy(array: np.ndarray) -> torch.Tensor:
-    """A tensor from a numpy array (shares memory when it stays a plain CPU tensor)."""
+def from_numpy(array: np.ndarray, *, requires_grad: bool = False) -> torch.Tensor:
+    """A tensor from a numpy array (shares memory when it stays a plain CPU tensor, as
+    ``torch.from_numpy`` does); ``requires_grad`` as GT's ``gt.from_numpy(a, requires_grad=)``."""
     if not isinstance(array, np.ndarray):
         raise TypeError(f"gt.from_numpy expects a numpy.ndarray, got {type(array).__name__}")
     base = torch.from_numpy(array)
-    return _create(tuple(base.shape), lambda d: base.to(d), False, "gt.from_numpy")
+    return _create(tuple(base.shape), lambda d: base.to(d), requires_grad, "gt.from_numpy")
 
 
 def cat(tensors: Sequence[torch.Tensor], axis: int = 0, *, dim: int | None = None):

@@ -33,9 +33,14 @@ def _clamp(workers: list[int], signal: str | None) -> tuple[int, ...]:
 
 
 def mesh_for(workers: list[int] | None, signal: str | None = None):
-    """The 1-D mesh over ``workers`` (all ranks when None); ranks past the world are dropped."""
+    """The 1-D mesh over ``workers`` (all ranks when None); ranks past the world are dropped.
+
+    The mesh lists the workers in rank order, whatever order the YAML lists them in: c10d
+    orders a group's members by rank, and DTensor's collectives lay shards out in group order,
+    so a mesh ``[1, 0]`` would gather its shards swapped (a silent permutation of the value).
+    Shard ``i`` lives on the ``i``-th smallest listed rank."""
     world = get_runtime().world_size
-    ranks = tuple(range(world)) if workers is None else _clamp(workers, signal)
+    ranks = tuple(range(world)) if workers is None else tuple(sorted(_clamp(workers, signal)))
     if ranks == tuple(range(world)):
         return world_mesh()
     mesh = _cache.get(ranks)

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_ten
 
 from spmdgt.interceptor import _debuglog
 from spmdgt.runtime._state import get_runtime
-from spmdgt.tensor import _scope
+from spmdgt.tensor import _fallback, _optable, _scope
 from spmdgt.tensor._meshes import mesh_ranks
 
 __all__ = ["Tensor", "global_value", "move", "place", "place_local"]
@@ -78,41 +78,38 @@ class Tensor(DTensor):
                     plain = True
         else:
             kwargs = {}
+        implicit = _get_implicit()
+        active = _optable.active[0]
+        _set_implicit(True)  # plain tensors are replicated values: only inside our calls
+        _optable.active[0] = True
         try:
             if mesh is not None and (many or _scope._stack):
                 args, kwargs = _align_meshes(args, kwargs)
             if plain and mesh is not None and torch.is_grad_enabled():
                 args, kwargs = _lift_grad_plain(mesh, args, kwargs)
-            try:
-                out = _call(func, args, kwargs, plain)
-            except (RuntimeError, NotImplementedError) as e:
-                # DTensor has no rule for this op on this layout (e.g. reshaping an unevenly
-                # sharded dim). Replicating the inputs is always correct: do that, say so.
-                if not _is_propagation_error(e):
-                    raise
-                _fallback_note(func, e)
-                out = _call(func, *_map_tensors(_replicate, args, kwargs), plain)
+            out = _run(func, args, kwargs)
         finally:
+            _optable.active[0] = active
+            _set_implicit(implicit)
             for a in swapped:
                 a.__class__ = Tensor
-        if type(out) is DTensor:
-            out.__class__ = Tensor
-        elif isinstance(out, (tuple, list)):
-            for o in out:
-                if type(o) is DTensor:
-                    o.__class__ = Tensor
-        return out
+        return _retag(out)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         # Reached by ops the autograd engine runs on saved gt.Tensors (backward): take
-        # DTensor's C++ fast path as the forward does.
+        # DTensor's C++ fast path as the forward does, and keep what comes out (gradients) a
+        # gt.Tensor, so ``.grad`` and ``torch.autograd.grad`` answer ``.numpy()``.
         swapped = _swap_to_base(args, kwargs)
+        implicit = _get_implicit()
+        _set_implicit(True)
         try:
-            return func(*args, **(kwargs or {}))
+            out = func(*args, **(kwargs or {}))
         finally:
+            _set_implicit(implicit)
             for a in swapped:
                 a.__class__ = Tensor
+        return _retag(out)
 
     # -- GT's contract: the global value, on every rank ------------------------------------
     def numpy(self, *, force: bool = False):
@@ -182,7 +179,6 @@ def place(full: torch.Tensor, target) -> torch.Tensor:
     communication: each rank keeps its slice. ``target`` None means a plain tensor."""
     if target is None:
         return full
-    enable_implicit_replication()
     placements = [Replicate() if isinstance(p, Partial) else p for p in target.placements]
     with _DisableSubclass():
         out = distribute_tensor(full, target.mesh, placements, src_data_rank=None)
@@ -196,7 +192,6 @@ def place_local(make, shape: tuple[int, ...], target) -> torch.Tensor:
     the mesh): no rank holds the whole tensor, no communication."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    enable_implicit_replication()
     placements = [Replicate() if isinstance(p, Partial) else p for p in target.placements]
     local_shape, offset = compute_local_shape_and_global_offset(shape, target.mesh, placements)
     stride = torch.empty(shape, device="meta").stride()
@@ -288,9 +283,24 @@ def _align_meshes(args, kwargs):
     return _map_tensors(fix, args, kwargs)
 
 
+class _LiftToSubmesh(torch.autograd.Function):
+    """A plain (world-replicated) tensor entering an op on a sub-mesh: Replicate there; its
+    gradient is gathered from the mesh's ranks to every rank, so the plain tensor's ``.grad``
+    is the same full value everywhere (ranks outside the mesh hold no part of it)."""
+
+    @staticmethod
+    def forward(ctx, a, mesh):
+        return DTensor.from_local(a.detach(), mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return global_value(grad), None
+
+
 def _lift_grad_plain(mesh, args, kwargs):
     """Plain tensors that need gradients enter as Replicate DTensors through ``from_local``,
     whose backward all-reduces partial gradients, so they get plain, correct ``.grad``."""
+    world = mesh.size() == get_runtime().world_size
 
     def lift(a):
         if not isinstance(a, torch.Tensor) or isinstance(a, DTensor) or not a.requires_grad:
@@ -298,7 +308,10 @@ def _lift_grad_plain(mesh, args, kwargs):
         if not a.dim():
             return a
         # A plain DTensor: it lives for this one call (outputs are re-tagged).
-        return DTensor.from_local(a, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        if world:
+            return DTensor.from_local(a, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        with _DisableSubclass():
+            return _LiftToSubmesh.apply(a, mesh)
 
     return _map_tensors(lift, args, kwargs)
 
@@ -338,52 +351,58 @@ def _swap_to_base(args, kwargs) -> list:
     return swapped
 
 
-def _call(func, args, kwargs, plain):
-    if plain and not _get_implicit():
-        enable_implicit_replication()
-    return func(*args, **kwargs)
-
-
-def enable_implicit_replication() -> None:
-    """Let plain tensors mix with DTensors as replicated values, for the whole process.
-
-    That is spmdgt's contract (a plain tensor is the same value on every rank), and it must
-    hold in backward too, where the autograd engine mixes saved plain tensors (targets, masks)
-    with sharded gradients outside any call of ours. DTensor leaves it off by default because
-    a plain tensor *could* differ per rank; spmdgt programs keep per-rank data in gt tensors.
-    """
-    _set_implicit(True)
-
-
-_PROPAGATION_ERRORS = (
-    "Sharding propagation failed",
-    "does not have a sharding strategy",
-    "Please redistribute",
-)
-
-
-def _is_propagation_error(e: BaseException) -> bool:
-    text = str(e)
-    return any(m in text for m in _PROPAGATION_ERRORS)
-
-
-def _replicate(a):
-    if isinstance(a, DTensor) and not all(isinstance(p, Replicate) for p in a.placements):
-        with _DisableSubclass():
-            out = a.redistribute(a.device_mesh, [Replicate()] * a.device_mesh.ndim)
+def _retag(out):
+    """Hand out sharded results as ``gt.Tensor`` (one level deep: tuples of outputs)."""
+    if type(out) is DTensor:
         out.__class__ = Tensor
+    elif isinstance(out, (tuple, list)):
+        for o in out:
+            if type(o) is DTensor:
+                o.__class__ = Tensor
+    return out
+
+
+def _run(func, args, kwargs):
+    """Run ``func`` the way ``_optable.route`` says: DTensor's path, or an exact fallback."""
+    r = _optable.route(func)
+    if kwargs.get("out") is not None:
+        return _fallback.run_inplace(func, args, kwargs, "out= on a sharded operand")
+    if r is _optable.DTENSOR:
+        return _dtensor(func, args, kwargs)
+    if r is _optable.VIEW:
+        out = _dtensor(func, args, kwargs)
+        src = args[0] if args else None
+        if isinstance(src, DTensor) and out is not src:
+            _fallback.tag_views(func, args, kwargs, out, src)
         return out
-    return a
+    if r is _optable.INPLACE:
+        self = args[0] if args else None
+        if isinstance(self, DTensor):
+            if getattr(self, "_gt_view", None) is not None:
+                out = _fallback.write_through(func, args, kwargs, self)
+                if out is not NotImplemented:
+                    return out
+            if _optable.is_pointwise_inplace(func):
+                return _dtensor(func, args, kwargs, inplace=True)
+        return _fallback.run_inplace(func, args, kwargs, "in-place op outside the pointwise table")
+    if r is _optable.GLOBAL:
+        return _fallback.run_global(func, args, kwargs, "data-dependent shape or random op")
+    # EMPTY_SENSITIVE
+    if any(isinstance(a, DTensor) and _optable.has_empty_shard(a) for a in args):
+        return _fallback.run_global(func, args, kwargs, "reduction over an empty shard")
+    return _dtensor(func, args, kwargs)
 
 
-_noted: set[str] = set()
+def _dtensor(func, args, kwargs, inplace: bool = False):
+    """DTensor's path; where its sharding propagation has no rule for this layout (decided
+    from metadata, on every rank alike, before any data moves), the exact fallback."""
+    try:
+        return func(*args, **kwargs)
+    except _optable.NoRule as e:
+        why = f"no DTensor rule for {e.op} on this layout"
+        if inplace:
+            return _fallback.run_inplace(func, args, kwargs, why)
+        return _fallback.run_global(func, args, kwargs, why)
 
 
-def _fallback_note(func, e: BaseException) -> None:
-    from spmdgt.interceptor import _debuglog
-
-    name = getattr(func, "__name__", str(func))
-    if _debuglog.SHARDING and name not in _noted:
-        _noted.add(name)
-        first = str(e).strip().splitlines()[0]
-        _debuglog.debug("sharding", f"{name}: no rule for this layout ({first}); inputs replicated")
+_optable.install_propagation_hook()

@@ -43,7 +43,7 @@ def test_stats_count_exactly_the_ops_run():
     finally:
         interceptor.disable()
     assert torch.allclose(c, torch.full((5, 7), 0.5 * (2.0**n - 1)))
-    (s,) = stats
+    (s,) = stats.values()
     assert s["operations"] == {"total": 2 * n, "compiled": 0, "eager": 2 * n}
     assert s["by_kind"] == {"elementwise": 2 * n}
     assert dict(s["top_ops"]) == {"mul": n, "add": n}

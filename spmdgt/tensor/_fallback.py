@@ -1,0 +1,281 @@
+"""Exact fallbacks: run an op as one process would, on the global values, on every rank.
+
+Used where DTensor has no rule for an op on a layout, where the output shape depends on the
+data, for random ops, for in-place ops outside DTensor's pointwise table, and for writes
+through views that DTensor had to copy (``_optable`` decides which). Each fallback:
+
+1. gathers every sharded argument's global value on every rank (differentiably: the gradient
+   goes back to the argument's own layout);
+2. runs the plain torch op on those values: the same computation, numbers and errors as one
+   process, on every rank alike (the ranks' generators agree, so random ops draw alike too);
+3. lays the outputs out again (an output shaped like the first sharded argument takes its
+   placement; any other is replicated), or, for a mutation, writes each rank's part of the
+   new value back into the tensor that was mutated.
+
+Cost: an all-gather of each sharded argument (and a broadcast on a sub-mesh) plus the op on
+the full size. ``gt.debug.get_worker_stats()`` counts fallbacks; a warning says once per op
+when one moves a whole tensor (``GT_DEBUG_DISPATCHER=1`` prints every one).
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate
+
+from spmdgt.interceptor import _debuglog
+
+__all__ = ["counts", "run_global", "run_inplace", "tag_views", "write_through"]
+
+_DisableSubclass = torch._C.DisableTorchFunctionSubclass
+
+# op name -> number of fallbacks on this rank (read by gt.debug.get_worker_stats)
+counts: dict[str, int] = {}
+_warned: set[str] = set()
+
+
+def _op_name(func) -> str:
+    from spmdgt.tensor._optable import _name
+
+    return _name(func) or str(func)
+
+
+def _note(func, why: str) -> None:
+    name = _op_name(func)
+    counts[name] = counts.get(name, 0) + 1
+    if _debuglog.SHARDING:
+        _debuglog.debug("sharding", f"{name}: {why}; computed on global values")
+    elif name not in _warned:
+        _warned.add(name)
+        warnings.warn(
+            f"spmdgt: {name} on a sharded tensor ran on the gathered global value ({why}); "
+            "exact, but it moves whole tensors. GT_DEBUG_DISPATCHER=1 prints each such op",
+            stacklevel=4,
+        )
+
+
+def _target(mesh, placements):
+    from spmdgt.tensor._placement import Target
+
+    return Target(mesh, tuple(Replicate() if isinstance(p, Partial) else p for p in placements))
+
+
+def _gather(a):
+    """The global value of DTensor ``a`` on every rank, as a plain tensor (differentiable)."""
+    from spmdgt.tensor._tensor import _Move
+
+    with _DisableSubclass():
+        return _Move.apply(a, None)
+
+
+def _scatter(full: torch.Tensor, target):
+    """Lay out ``full`` (the same on every rank) as ``target`` (differentiable); None: plain."""
+    if target is None:
+        return full
+    from spmdgt.tensor._tensor import _Move
+
+    with _DisableSubclass():
+        out = _Move.apply(full, target)
+    return out
+
+
+def _map(fn, obj):
+    """Apply ``fn`` to the tensors in ``obj``, through lists, tuples and dicts."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, (list, tuple)):
+        mapped = [_map(fn, o) for o in obj]
+        if hasattr(obj, "_fields") or type(obj).__module__ == "torch.return_types":
+            return type(obj)(mapped)
+        return type(obj)(mapped)
+    if isinstance(obj, dict):
+        return {k: _map(fn, v) for k, v in obj.items()}
+    return obj
+
+
+def _first_dtensor(args, kwargs):
+    found = []
+
+    def see(a):
+        if isinstance(a, DTensor) and not found:
+            found.append(a)
+        return a
+
+    _map(see, (args, kwargs))
+    return found[0] if found else None
+
+
+def _layout_outputs(out, like):
+    """Outputs shaped like ``like`` take its placement; the rest are replicated on its mesh
+    (still ``gt.Tensor``s, as every op on one returns: ``.numpy()`` answers on them)."""
+    mesh = like.device_mesh
+    replicated = _target(mesh, [Replicate()] * mesh.ndim)
+    same = _target(mesh, like.placements)
+
+    def lay(o):
+        if not isinstance(o, torch.Tensor) or isinstance(o, DTensor):
+            return o
+        if (
+            o.shape == like.shape
+            and o.dim()
+            and not all(isinstance(p, Replicate) for p in same.placements)
+        ):
+            return _scatter(o, same)
+        return _scatter(o, replicated)
+
+    return _map(lay, out)
+
+
+def run_global(func, args, kwargs, why: str):
+    """``func`` on the global values of its arguments; outputs laid out again."""
+    like = _first_dtensor(args, kwargs)
+    _note(func, why)
+    full_args, full_kwargs = _map(
+        lambda a: _gather(a) if isinstance(a, DTensor) else a, (args, kwargs)
+    )
+    with _DisableSubclass():
+        out = func(*full_args, **full_kwargs)
+    return _layout_outputs(out, like) if like is not None else out
+
+
+def _check_leaf(t: torch.Tensor, name: str) -> None:
+    if torch.is_grad_enabled() and t.requires_grad and t.is_leaf:
+        raise RuntimeError(
+            f"{name}: a leaf Variable that requires grad is being used in an in-place operation."
+        )
+
+
+def _write_back(dst: DTensor, full: torch.Tensor, name: str) -> None:
+    """Write global value ``full`` into sharded ``dst``: each rank copies its own part."""
+    if tuple(full.shape) != tuple(dst.shape):
+        raise RuntimeError(
+            f"{name}: the result has shape {tuple(full.shape)} but the sharded tensor written "
+            f"to has shape {tuple(dst.shape)}; a sharded tensor cannot be resized in place "
+            "(pass an out= of the result's shape, or use the out-of-place op)"
+        )
+    new = _scatter(full.to(dst.dtype), _target(dst.device_mesh, dst.placements))
+    with _DisableSubclass():
+        if any(isinstance(p, Partial) for p in dst.placements):
+            dst._spec = new._spec
+        dst.copy_(new)
+
+
+def run_inplace(func, args, kwargs, why: str):
+    """A mutation (in-place op, ``__setitem__`` or ``out=``) computed on global values, then
+    written back into each rank's shard of every sharded tensor it mutates."""
+    name = _op_name(func)
+    out_arg = kwargs.get("out") if kwargs else None
+    if out_arg is not None:
+        targets = list(out_arg) if isinstance(out_arg, (list, tuple)) else [out_arg]
+    else:
+        targets = [args[0]]
+    for t in targets:
+        if isinstance(t, torch.Tensor):
+            _check_leaf(t, name)
+    _note(func, why)
+    fulls: dict[int, torch.Tensor] = {}
+
+    def full_of(a):
+        if not isinstance(a, DTensor):
+            return a
+        f = fulls.get(id(a))
+        if f is None:
+            f = _gather(a)
+            if any(a is t for t in targets):
+                # the op mutates it: a copy, so the gathered value saved for backward stays
+                f = f.clone()
+            fulls[id(a)] = f
+        return f
+
+    full_args, full_kwargs = _map(full_of, (args, kwargs))
+    with _DisableSubclass():
+        res = func(*full_args, **full_kwargs)
+    for t in targets:
+        if isinstance(t, DTensor):
+            _write_back(t, fulls[id(t)], name)
+    back = {id(fulls[id(t)]): t for t in targets if isinstance(t, DTensor)}
+    return _map(lambda r: back.get(id(r), r), res)
+
+
+# -- views that DTensor had to copy ---------------------------------------------------------
+
+
+def _root(t: torch.Tensor) -> torch.Tensor:
+    return t._base if t._base is not None else t
+
+
+def tag_views(func, args, kwargs, out, src) -> None:
+    """After view op ``func`` on sharded ``src``: tag each output that does not share ``src``'s
+    local memory (DTensor redistributed to make it, so it is a copy) with how to rebuild it
+    from the base, so an in-place op on it can write through, as on a torch view."""
+    if any(isinstance(a, DTensor) for a in args[1:]) or any(
+        isinstance(v, DTensor) for v in (kwargs or {}).values()
+    ):
+        return  # tensor indices: advanced indexing, a copy in torch too
+    parent = getattr(src, "_gt_view", None)
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    src_root = _root(src._local_tensor)
+    rest, kw = args[1:], dict(kwargs or {})
+    for i, o in enumerate(outs):
+        if not isinstance(o, DTensor):
+            continue
+        if parent is None and _root(o._local_tensor) is src_root:
+            continue  # a real view of the shard: writes reach the base already
+
+        def replay(full, _i=i, _many=o is not out):
+            v = func(full, *rest, **kw)
+            return v[_i] if _many else v
+
+        if parent is not None:
+            base_ref, inner = parent
+
+            def replay(full, _outer=replay, _inner=inner):
+                return _outer(_inner(full))
+
+            o._gt_view = (base_ref, replay)
+        else:
+            o._gt_view = (weakref.ref(src), replay)
+
+
+def write_through(func, args, kwargs, view: DTensor):
+    """An in-place op on a tagged view: apply it to the base's global value through the same
+    view, as torch would, write the base back, and refresh the view. Returns NotImplemented
+    when torch's own op would not be a view either (advanced indexing): then the op acts on
+    the copy alone, as in torch."""
+    name = _op_name(func)
+    base_ref, replay = view._gt_view
+    base = base_ref()
+    if base is None:
+        raise RuntimeError(
+            f"{name}: in-place write through a view of a sharded tensor whose base is gone; "
+            "write to the base tensor directly (base[index] = value)"
+        )
+    needs_grad = torch.is_grad_enabled() and (
+        base.requires_grad
+        or view.requires_grad
+        or any(isinstance(a, torch.Tensor) and a.requires_grad for a in args[1:])
+    )
+    if needs_grad:
+        raise RuntimeError(
+            f"{name}: an in-place write through a view of a sharded tensor that requires grad "
+            "is not supported (DTensor made the view a copy); write to the base with "
+            "base[index] = value, or build the new value out of place (torch.where, index_put)"
+        )
+    with torch.no_grad():
+        full_base = _gather(base).clone()
+        with _DisableSubclass():
+            full_view = replay(full_base)
+        if _root(full_view) is not _root(full_base):
+            return NotImplemented
+        _note(func, "write through a view that DTensor had to copy")
+        rest, kw = _map(
+            lambda a: _gather(a) if isinstance(a, DTensor) else a, (args[1:], kwargs or {})
+        )
+        with _DisableSubclass():
+            func(full_view, *rest, **kw)
+            new_view = replay(full_base)
+        _write_back(base, full_base, name)
+        _write_back(view, new_view.contiguous(), name)
+    return None if _op_name(func) == "__setitem__" else view
