@@ -112,8 +112,32 @@ def init(backend: str | None = None) -> Runtime:
         if world > 1:
             from spmdgt.runtime._seed import agree_at_init
 
+            _per_rank_compile_cache(rank)
             agree_at_init(device)  # every rank draws what rank 0 would: replicated values agree
         return _runtime
+
+
+def _per_rank_compile_cache(rank: int) -> None:
+    """Give each rank its own inductor cache folder (``TORCHINDUCTOR_CACHE_DIR``/rank<r>).
+
+    A compiled graph over sharded tensors runs on each rank's local shard, whose shape differs
+    between ranks when a size does not divide evenly; torch's compile caches key such graphs
+    by the global shapes, so a rank could load another rank's kernel and fail its shape check
+    (seen with inductor on 5 rows over 2 ranks). Set here, before anything compiles."""
+    import tempfile
+
+    base = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if base is None:
+        try:
+            import getpass
+
+            user = getpass.getuser()
+        except (KeyError, OSError):
+            user = f"uid_{os.getuid()}"
+        base = os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")
+    leaf = f"rank{rank}"
+    if os.path.basename(os.path.normpath(base)) != leaf:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, leaf)
 
 
 def get_runtime() -> Runtime:

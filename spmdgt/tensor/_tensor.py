@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_ten
 
 from spmdgt.interceptor import _debuglog
 from spmdgt.runtime._state import get_runtime
-from spmdgt.tensor import _fallback, _optable, _scope
+from spmdgt.tensor import _dynamo, _fallback, _optable, _scope
 from spmdgt.tensor._meshes import mesh_ranks
 
 __all__ = ["Tensor", "global_value", "move", "place", "place_local"]
@@ -110,6 +110,13 @@ class Tensor(DTensor):
             for a in swapped:
                 a.__class__ = Tensor
         return _retag(out)
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, flatten_spec, outer_size, outer_stride):
+        # torch.compile rebuilds tensors from their parts: keep them gt.Tensors (see _dynamo)
+        out = DTensor.__tensor_unflatten__(inner_tensors, flatten_spec, outer_size, outer_stride)
+        out.__class__ = Tensor
+        return out
 
     # -- GT's contract: the global value, on every rank ------------------------------------
     def numpy(self, *, force: bool = False):
@@ -406,3 +413,4 @@ def _dtensor(func, args, kwargs, inplace: bool = False):
 
 
 _optable.install_propagation_hook()
+_dynamo.install(Tensor)
