@@ -19,6 +19,7 @@ when one moves a whole tensor (``GT_DEBUG_DISPATCHER=1`` prints every one).
 
 from __future__ import annotations
 
+import sys
 import warnings
 import weakref
 
@@ -42,17 +43,41 @@ def _op_name(func) -> str:
     return _name(func) or str(func)
 
 
-def _note(func, why: str) -> None:
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the user's line (first frame outside
+    spmdgt and torch)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if not (name.startswith(("spmdgt.", "torch.")) or name in ("spmdgt", "torch")):
+            return level
+        frame, level = frame.f_back, level + 1
+    return 2
+
+
+def _note(func, why: str, args, kwargs) -> None:
+    """Count a fallback; warn once per op when it moved a sharded tensor whole."""
     name = _op_name(func)
     counts[name] = counts.get(name, 0) + 1
     if _debuglog.SHARDING:
         _debuglog.debug("sharding", f"{name}: {why}; computed on global values")
-    elif name not in _warned:
+        return
+    if name in _warned:
+        return
+    moved = []
+
+    def see(a):
+        if isinstance(a, DTensor) and not all(isinstance(p, Replicate) for p in a.placements):
+            moved.append(a)
+        return a
+
+    _map(see, (args, kwargs))
+    if moved:
         _warned.add(name)
         warnings.warn(
             f"spmdgt: {name} on a sharded tensor ran on the gathered global value ({why}); "
             "exact, but it moves whole tensors. GT_DEBUG_DISPATCHER=1 prints each such op",
-            stacklevel=4,
+            stacklevel=_user_stacklevel(),
         )
 
 
@@ -131,7 +156,7 @@ def _layout_outputs(out, like):
 def run_global(func, args, kwargs, why: str):
     """``func`` on the global values of its arguments; outputs laid out again."""
     like = _first_dtensor(args, kwargs)
-    _note(func, why)
+    _note(func, why, args, kwargs)
     full_args, full_kwargs = _map(
         lambda a: _gather(a) if isinstance(a, DTensor) else a, (args, kwargs)
     )
@@ -174,7 +199,7 @@ def run_inplace(func, args, kwargs, why: str):
     for t in targets:
         if isinstance(t, torch.Tensor):
             _check_leaf(t, name)
-    _note(func, why)
+    _note(func, why, args, kwargs)
     fulls: dict[int, torch.Tensor] = {}
 
     def full_of(a):
@@ -269,7 +294,7 @@ def write_through(func, args, kwargs, view: DTensor):
             full_view = replay(full_base)
         if _root(full_view) is not _root(full_base):
             return NotImplemented
-        _note(func, "write through a view that DTensor had to copy")
+        _note(func, "write through a view that DTensor had to copy", (base,), None)
         rest, kw = _map(
             lambda a: _gather(a) if isinstance(a, DTensor) else a, (args[1:], kwargs or {})
         )

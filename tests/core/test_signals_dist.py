@@ -79,6 +79,42 @@ def test_pipeline_stages_move_values_forward_and_backward(tmp_path):
         assert (r["y_local"][0] > 0) == (rank >= 2)
 
 
+def _pipeline_modules(rank, world, path, bias):
+    import spmdgt as gt
+
+    gt.load_config(path)
+    gt.manual_seed(0)
+    l1, l2 = torch.nn.Linear(4, 6, bias=bias), torch.nn.Linear(6, 2, bias=bias)
+    with gt.signal.context("stage_1"):
+        x = gt.randn(7, 4)
+        h = torch.relu(l1(x))
+    with gt.signal.context("stage_2"):
+        loss = (l2(h) ** 2).mean()
+    loss.backward()
+    torch.manual_seed(0)
+    r1, r2 = torch.nn.Linear(4, 6, bias=bias), torch.nn.Linear(6, 2, bias=bias)
+    rloss = (r2(torch.relu(r1(torch.randn(7, 4)))) ** 2).mean()
+    rloss.backward()
+    grads = [
+        (type(p.grad) is torch.Tensor, p.grad.numpy(), q.grad.numpy())
+        for p, q in zip([*l1.parameters(), *l2.parameters()], [*r1.parameters(), *r2.parameters()])
+    ]
+    return loss.item(), rloss.item(), grads
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_pipeline_with_plain_modules_matches_one_process(tmp_path, bias):
+    path = tmp_path / "pipe.yaml"
+    path.write_text(PIPELINE_YAML)
+    for loss, ref, grads in run_ranks(_pipeline_modules, 4, tmp_path, str(path), bias):
+        assert loss == pytest.approx(ref, rel=1e-5)
+        assert len(grads) == (4 if bias else 2)
+        for plain, g, rg in grads:
+            # plain parameters keep plain, full gradients on every rank, stage or not
+            assert plain and g.shape == rg.shape
+            torch.testing.assert_close(torch.tensor(g), torch.tensor(rg), rtol=1e-5, atol=1e-6)
+
+
 def _workers_and_unknown(rank, world):
     import warnings
 
