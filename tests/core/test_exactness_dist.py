@@ -263,8 +263,9 @@ def test_gradients_and_optimizer_state_are_gt_tensors(tmp_path, world):
 
 
 def _fallback_policy(rank, world):
-    import spmdgt as gt
     from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+    import spmdgt as gt
 
     _start(gt)
     with gt.signal.context("rows"):
