@@ -60,3 +60,31 @@ def test_quickstart_same_numbers_on_one_and_two_ranks():
         for g, r in zip(got, ref):
             # Sharded sums add in a different order: fp32 agreement to ~1e-6 relative.
             assert abs(g - r) <= 1e-5 * max(1.0, abs(r)), (g, r, out)
+
+
+def test_ranks_agree_on_replicated_values_with_no_seed_call():
+    out = _run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            "--standalone",
+            str(Path(__file__).with_name("_no_seed.py")),
+        ]
+    )
+    lines = sorted(ln for ln in out.splitlines() if ln.startswith("rank "))
+    assert [ln.split(":")[0] for ln in lines] == ["rank 0", "rank 1"]
+    assert lines[0].split(":")[1] == lines[1].split(":")[1], lines  # same weights, same draws
+    again = _run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            "--standalone",
+            str(Path(__file__).with_name("_no_seed.py")),
+        ]
+    )
+    # torchrun's fresh run id makes each launch draw anew, as torch's own per-process seeding
+    assert sorted(ln for ln in again.splitlines() if ln.startswith("rank ")) != lines
