@@ -254,14 +254,16 @@ def tag_views(func, args, kwargs, out, src) -> None:
             return v[_i] if _many else v
 
         if parent is not None:
-            base_ref, inner = parent
+            base_ref, inner, _ = parent
 
             def replay(full, _outer=replay, _inner=inner):
                 return _outer(_inner(full))
 
-            o._gt_view = (base_ref, replay)
+            base = base_ref()
         else:
-            o._gt_view = (weakref.ref(src), replay)
+            base_ref, base = weakref.ref(src), src
+        # the base's version now: a later write to the base makes this copy stale (refresh)
+        o._gt_view = (base_ref, replay, base._version if base is not None else -1)
 
 
 def write_through(func, args, kwargs, view: DTensor):
@@ -270,7 +272,7 @@ def write_through(func, args, kwargs, view: DTensor):
     when torch's own op would not be a view either (advanced indexing): then the op acts on
     the copy alone, as in torch."""
     name = _op_name(func)
-    base_ref, replay = view._gt_view
+    base_ref, replay, _ = view._gt_view
     base = base_ref()
     if base is None:
         raise RuntimeError(
@@ -303,4 +305,24 @@ def write_through(func, args, kwargs, view: DTensor):
             new_view = replay(full_base)
         _write_back(base, full_base, name)
         _write_back(view, new_view.contiguous(), name)
+    view._gt_view = (base_ref, replay, base._version)
     return None if _op_name(func) == "__setitem__" else view
+
+
+def refresh(view: DTensor) -> None:
+    """Bring a tagged view up to date if its base was written since (a torch view would show
+    the write at once). Versions advance alike on every rank, so all refresh together."""
+    base_ref, replay, version = view._gt_view
+    base = base_ref()
+    if base is None or base._version == version:
+        return
+    with torch.no_grad():
+        full = _gather(base)
+        with _DisableSubclass():
+            new_view = replay(full)
+        if tuple(new_view.shape) == tuple(view.shape):
+            new = _scatter(
+                new_view.contiguous().to(view.dtype), _target(view.device_mesh, view.placements)
+            )
+            view._local_tensor.copy_(new._local_tensor)
+    view._gt_view = (base_ref, replay, base._version)

@@ -33,18 +33,24 @@ _set_implicit = torch._C._set_dtensor_allow_implicit_replication
 class Tensor(DTensor):
     """A sharded spmdgt tensor (a ``DTensor`` subclass); see the module docstring."""
 
+    # (base weakref, replay, base version) on a view DTensor had to copy (see _fallback)
+    _gt_view = None
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         # The per-op path: one pass over the arguments (one list level deep, for torch.cat)
         # notes meshes and plain tensors and turns our tensors into plain DTensors for the
         # call, so DTensor's C++ fast path dispatches them; then the classes are restored.
         swapped = []
+        views = None
         plain = False
         mesh = None
         many = False
         for a in args:
             if isinstance(a, DTensor):
                 if type(a) is Tensor:
+                    if a._gt_view is not None:  # a copy DTensor made for a view: fresh?
+                        views = [a] if views is None else [*views, a]
                     a.__class__ = DTensor
                     swapped.append(a)
                 m = a._spec.mesh
@@ -83,6 +89,9 @@ class Tensor(DTensor):
         _set_implicit(True)  # plain tensors are replicated values: only inside our calls
         _optable.active[0] = True
         try:
+            if views is not None:
+                for v in views:
+                    _fallback.refresh(v)
             if mesh is not None and (many or _scope._stack):
                 args, kwargs = _align_meshes(args, kwargs)
             if plain and mesh is not None and torch.is_grad_enabled():
@@ -167,6 +176,8 @@ def global_value(t: torch.Tensor) -> torch.Tensor:
     """
     if not isinstance(t, DTensor):
         return t.detach()
+    if getattr(t, "_gt_view", None) is not None:
+        _fallback.refresh(t)
     with _DisableSubclass(), torch.no_grad():
         mesh = t.device_mesh
         rt = get_runtime()

@@ -103,6 +103,33 @@ def _reads(rank, world):
     return [(g.detach().numpy(), w.detach().numpy()) for g, w in zip(got, want)]
 
 
+def _stale_views(rank, world, signal):
+    import spmdgt as gt
+
+    _start(gt)
+    with gt.signal.context(signal):
+        x = gt.tensor(_base())
+    r = _base()
+    out = []
+    for t in (x, r):  # the same program on a sharded and a plain tensor
+        v, w = t[0], t[:, 1]
+        t.mul_(2)
+        first = (v + 1).clone(), w.clone()
+        t[0] = 7.0
+        second = v.clone(), w.sum()
+        v.add_(1)
+        out.append([a.numpy() for a in (*first, *second, t)])
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("signal", ["rows", "cols"])
+def test_views_see_writes_to_their_base_and_back(tmp_path, world, signal):
+    for sharded, plain in run_ranks(_stale_views, world, tmp_path, signal):
+        for got, ref in zip(sharded, plain):
+            np.testing.assert_array_equal(got, ref)
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_data_dependent_reads_forward_and_backward(tmp_path, world):
     for got in run_ranks(_reads, world, tmp_path):
