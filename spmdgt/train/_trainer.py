@@ -44,7 +44,6 @@ __all__ = ["DistributedTrainer", "build_scheduler"]
 
 # Steps between loss reductions when nobody reads per-step losses: bounds the 0-d loss tensors
 # kept on the device while avoiding a collective per step.
-_FLUSH_EVERY = 256
 
 
 def build_scheduler(
@@ -354,10 +353,10 @@ class DistributedTrainer:
         params = [p for p in self.model.parameters() if p.requires_grad]
         checked_batch = self.strategy != "placements"
         # Losses stay on the device until a flush all-reduces them in one collective: every
-        # log_every steps when someone reads them per step (TensorBoard, progress bar), else
-        # every _FLUSH_EVERY steps (bounded memory) and at the end. Same steps on every rank.
-        per_step_reader = metrics.writer is not None or bar.active
-        flush_every = self.log_every if per_step_reader else max(self.log_every, _FLUSH_EVERY)
+        # log_every steps and at the end. A collective's schedule must be the same on every
+        # rank, so it never depends on who logs (a TensorBoard writer, a terminal's progress
+        # bar: rank 0 only); deciding by those once hung rank 1 against rank 0's flushes.
+        flush_every = self.log_every
         windows: list[tuple[int, float, float]] = []  # (step, start, end): placements' comm
         sink, own_interceptor = self._attach_comm_sink(profile)
         val_loss = None

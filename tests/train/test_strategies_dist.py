@@ -163,3 +163,36 @@ def test_fsdp_accumulation_skips_reduce_scatter(tmp_path):
     rs = "c10d._reduce_scatter_base_"
     assert one[3][rs] == four[3][rs] == 3 * STEPS
     assert four[3]["c10d._allgather_base_"] > one[3]["c10d._allgather_base_"]
+
+
+def _logging_on_rank0_only(rank, world, strategy, logdir):
+    hidden = TP_HIDDEN if strategy == "placements" else HIDDEN
+    model = make_model(hidden=hidden)
+    trainer = DistributedTrainer(
+        model,
+        make_optimizer(model),
+        strategy=strategy,
+        loss_fn=F.mse_loss,
+        max_grad_norm=CLIP,
+        config=TrainConfig(
+            strategy=strategy, placements=TP_PLAN if strategy == "placements" else {}
+        ),
+        logdir=logdir if rank == 0 else None,  # the usual pattern: only rank 0 writes
+        log_every=2,  # fewer than the 6 steps: several flushes, each a collective
+    )
+    shard = strategy != "placements"
+    loader = OptimizedDataLoader.create(
+        make_dataset(), GLOBAL_BATCH // (world if shard else 1), shuffle=False, shard=shard
+    )
+    summary = trainer.train(loader, epochs=1)
+    return full_state(trainer.model), trainer.last_stats.global_losses, summary, {}
+
+
+def test_logdir_on_rank0_only_does_not_change_the_collectives(tmp_path):
+    # Once, rank 0 flushed losses every log_every steps and rank 1 every 256: a hang (or a gloo
+    # size mismatch). Every strategy, more steps than log_every, TensorBoard on rank 0 only.
+    for strategy in ("ddp", "fsdp", "placements"):
+        logdir = str(tmp_path / strategy)
+        out = run_ranks(_logging_on_rank0_only, 2, tmp_path, strategy, logdir, timeout=90)
+        _check(out, strategy, 1)
+        assert any(p.name.startswith("events") for p in (tmp_path / strategy).rglob("*"))
