@@ -20,29 +20,50 @@ route              why
                    or the op draws random numbers (``dropout``, ``bernoulli``...): run on the
                    global values on every rank, which is exactly one process's computation
                    (the ranks' generators agree, see ``runtime/_seed``).
-``EMPTY_SENSITIVE`` reductions whose kernels reject an empty input (``max``, ``argmin``...):
-                   global values when some rank's shard is empty, DTensor's path otherwise.
+``EMPTY_SENSITIVE`` reductions whose kernels reject an empty input (``max``, ``argmin``,
+                   ``norm``...): global values when some rank's shard is empty (a rank
+                   outside a sub-mesh holds an empty one too), DTensor's path otherwise.
+                   ``amax/amin/max/min`` also when a gradient is needed: torch splits it
+                   evenly among tied maxima, which one shard cannot see.
+``BATCH_ONLY``     convolutions and adaptive pooling: DTensor's path for an input sharded
+                   evenly on the batch dim (or replicated), global values otherwise.
+``IRREGULAR``      DTensor's rules for these assume even shards on every rank (seen giving
+                   wrong values or shapes by the parity sweep: losses whose mean averages
+                   per-rank means, ``*_copy`` views): global values when
+                   a shard is uneven or empty or the mesh is a sub-mesh.
 =================  ==========================================================================
+
+After DTensor's path, an output left ``Partial("avg")`` from unevenly sharded inputs is an
+average of per-rank averages, wrong unless every rank averaged as many elements: such an op is
+recomputed on global values (``partial_avg_from_uneven``).
 """
 
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor, Partial, Shard
 
 __all__ = [
     "DTENSOR",
     "EMPTY_SENSITIVE",
     "GLOBAL",
+    "BATCH_ONLY",
+    "IRREGULAR",
     "INPLACE",
+    "TIES",
     "NoRule",
     "VIEW",
     "has_empty_shard",
+    "check_supported",
+    "is_irregular",
+    "ties_matter",
+    "partial_avg_from_uneven",
     "install_propagation_hook",
     "is_pointwise_inplace",
     "route",
 ]
 
-DTENSOR, VIEW, INPLACE, GLOBAL, EMPTY_SENSITIVE = range(5)
+DTENSOR, VIEW, INPLACE, GLOBAL, EMPTY_SENSITIVE, IRREGULAR, TIES, BATCH_ONLY = range(8)
 
 # Output shape depends on the values: DTensor cannot say it without running the op.
 _DATA_DEPENDENT = frozenset(
@@ -59,6 +80,16 @@ _DATA_DEPENDENT = frozenset(
         "histc",
         "histogram",
         "repeat_interleave",
+        "quantile",  # DTensor gives a scalar q's result shape (1,) instead of ()
+        "nanquantile",
+        # host reads through torch.Tensor.item(x): the global value, never a rank's shard
+        "item",
+        "tolist",
+        # DTensor's path gives other values (parity sweep) whatever the layout: attention's
+        # packed projections, eig's gauge check in backward, ldl_solve's right-hand side
+        "multi_head_attention_forward",
+        "linalg_eig",
+        "linalg_ldl_solve",
     }
 )
 
@@ -115,8 +146,60 @@ _EMPTY_SENSITIVE = frozenset(
         "var",
         "std_mean",
         "var_mean",
-        "quantile",
-        "nanquantile",
+    }
+)
+
+# Tied maxima share the gradient evenly in torch; a shard sees only its own ties (the
+# infinity norms are maxima too).
+_NORMS = frozenset({"norm", "linalg_norm", "linalg_vector_norm"})
+_TIES = frozenset({"max", "min", "amax", "amin"}) | _NORMS
+
+# DTensor's rules here hold for a batch-sharded input only (parity sweep: a channel-sharded
+# convolution comes out with the wrong number of channels, pooling's backward is wrong).
+_BATCH_ONLY = frozenset(
+    {
+        "conv1d",
+        "conv2d",
+        "conv3d",
+        "conv_transpose1d",
+        "conv_transpose2d",
+        "conv_transpose3d",
+        "convolution",
+        "adaptive_avg_pool1d",
+        "adaptive_avg_pool2d",
+        "adaptive_avg_pool3d",
+        "adaptive_max_pool1d",
+        "adaptive_max_pool2d",
+        "adaptive_max_pool3d",
+        "adaptive_max_pool1d_with_indices",
+        "adaptive_max_pool2d_with_indices",
+        "adaptive_max_pool3d_with_indices",
+    }
+)
+
+# DTensor's rules assume even shards here (parity sweep: wrong values or shapes otherwise).
+_IRREGULAR = frozenset(
+    {
+        "mse_loss",
+        "l1_loss",
+        "smooth_l1_loss",
+        "huber_loss",
+        "soft_margin_loss",
+        "binary_cross_entropy",
+        "binary_cross_entropy_with_logits",
+        "cosine_embedding_loss",
+        "gaussian_nll_loss",
+        "poisson_nll_loss",
+        "kl_div",
+        "margin_ranking_loss",
+        "hinge_embedding_loss",
+        "multilabel_soft_margin_loss",
+        "multilabel_margin_loss",
+        "multi_margin_loss",
+        "triplet_margin_loss",
+        "triplet_margin_with_distance_loss",
+        "nll_loss",
+        "cross_entropy",
     }
 )
 
@@ -213,8 +296,16 @@ def _classify(func) -> int:
         return INPLACE  # random in-place ops too: not in the pointwise table, so exact
     if name in _RANDOM or name in _DATA_DEPENDENT:
         return GLOBAL
+    if name.startswith("fft_") or name == "chalf":  # complex results: gradients diverged
+        return GLOBAL
+    if name in _TIES:
+        return TIES
     if name in _EMPTY_SENSITIVE:
         return EMPTY_SENSITIVE
+    if name in _IRREGULAR or name.endswith("_copy"):  # squeeze_copy & co: even shards only
+        return IRREGULAR
+    if name in _BATCH_ONLY:
+        return BATCH_ONLY
     if name in _VIEWS:
         return VIEW
     return DTENSOR
@@ -251,18 +342,87 @@ def is_pointwise_inplace(func) -> bool:
 
 
 def has_empty_shard(a) -> bool:
-    """True when some rank's shard of DTensor ``a`` is empty (torch.chunk rule), decided from
-    the global shape and placements alone, so every rank answers alike."""
-    from torch.distributed.tensor import Shard
-
+    """True when some rank holds none of DTensor ``a``: a shard left empty by the torch.chunk
+    rule, or a rank outside ``a``'s (sub-)mesh. Decided from global metadata alone, so every
+    rank answers alike."""
     spec = a._spec
+    mesh = spec.mesh
+    if mesh.size() != _world_size():
+        return True
     shape = spec.shape
     for i, p in enumerate(spec.placements):
         if isinstance(p, Shard):
-            n, m = shape[p.dim], spec.mesh.size(i)
+            n, m = shape[p.dim], mesh.size(i)
             if n < m or -(-n // m) * (m - 1) >= n:
                 return True
     return False
+
+
+def is_irregular(a) -> bool:
+    """True when DTensor ``a`` is unevenly sharded, has an empty shard, or lives on a
+    sub-mesh: the layouts DTensor's rules for ``IRREGULAR`` ops get wrong."""
+    if has_empty_shard(a):
+        return True
+    spec = a._spec
+    for i, p in enumerate(spec.placements):
+        if isinstance(p, Shard) and spec.shape[p.dim] % spec.mesh.size(i):
+            return True
+    return False
+
+
+def check_supported(func, args) -> None:
+    """Raise, on every rank, for what cannot be exact: complex32 on a sub-mesh. torch lacks
+    most complex32 kernels, and DTensor runs no kernel on ranks outside a sub-mesh, so such an
+    error would reach the mesh's ranks only while the others wait in the next collective."""
+    if _name(func) != "chalf":
+        return
+    for a in args:
+        if isinstance(a, DTensor) and a._spec.mesh.size() != _world_size():
+            raise NotImplementedError(
+                "chalf: complex32 values on a sub-mesh are not supported (torch lacks most "
+                "complex32 kernels, and ranks outside the mesh would not see their errors); "
+                "use .to(torch.complex64)"
+            )
+
+
+def ties_matter(func, args, kwargs) -> bool:
+    """For a ``TIES`` op: is it a maximum (always for max/min/amax/amin; for a norm, only the
+    infinity norms)?"""
+    if _name(func) not in _NORMS:
+        return True
+    p = kwargs.get("p", kwargs.get("ord", args[1] if len(args) > 1 else None))
+    return isinstance(p, (int, float)) and abs(p) == float("inf")
+
+
+def batch_sharded_evenly(a) -> bool:
+    """True when DTensor ``a`` is replicated or sharded evenly on dim 0 only, over the world."""
+    if is_irregular(a):
+        return False
+    return all(not isinstance(p, Shard) or p.dim == 0 for p in a._spec.placements)
+
+
+def _avg_partial(o) -> bool:
+    if type(o) is not DTensor:
+        return False
+    return any(type(p) is Partial and p.reduce_op == "avg" for p in o._spec.placements)
+
+
+def partial_avg_from_uneven(out, args) -> bool:
+    """True when DTensor's result ``out`` is ``Partial("avg")`` while a sharded input is
+    uneven: an average of per-rank averages over different counts (DTensor's decomposed
+    losses do this), which is not the global mean."""
+    if type(out) is DTensor:
+        if not _avg_partial(out):
+            return False
+    elif not (isinstance(out, (tuple, list)) and any(_avg_partial(o) for o in out)):
+        return False
+    return any(isinstance(a, DTensor) and is_irregular(a) for a in args)
+
+
+def _world_size() -> int:
+    from spmdgt.runtime._state import get_runtime
+
+    return get_runtime().world_size
 
 
 class NoRule(RuntimeError):

@@ -185,10 +185,11 @@ def global_value(t: torch.Tensor) -> torch.Tensor:
             return t.full_tensor()
         members = mesh_ranks(mesh)
         if rt.rank in members:
-            value = t.full_tensor().contiguous()
+            value = t.full_tensor().resolve_conj().resolve_neg().contiguous()
         else:
             value = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-        dist.broadcast(value, src=members[0])
+        # gloo broadcasts no complex dtype (a receiver waits forever): send the real view
+        dist.broadcast(torch.view_as_real(value) if value.is_complex() else value, members[0])
         return value
 
 
@@ -231,12 +232,17 @@ class _Move(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, target):
         ctx.source = (x.device_mesh, x.placements) if isinstance(x, DTensor) else None
+        # an undefined gradient stays undefined (torch leaves .grad None there, not zeros);
+        # it is undefined on every rank alike, so no rank skips the collective alone
+        ctx.set_materialize_grads(False)
         return place(global_value(x), target)
 
     @staticmethod
     def backward(ctx, grad):
         from spmdgt.tensor._placement import Target
 
+        if grad is None:
+            return None, None
         full = global_value(grad)
         if ctx.source is None:
             return full, None
@@ -404,10 +410,28 @@ def _run(func, args, kwargs):
                 return _dtensor(func, args, kwargs, inplace=True)
         return _fallback.run_inplace(func, args, kwargs, "in-place op outside the pointwise table")
     if r is _optable.GLOBAL:
+        _optable.check_supported(func, args)
+        if kwargs.get("inplace") is True:  # F.dropout(x, inplace=True): a mutation of x
+            return _fallback.run_inplace(func, args, kwargs, "random op in place")
         return _fallback.run_global(func, args, kwargs, "data-dependent shape or random op")
-    # EMPTY_SENSITIVE
-    if any(isinstance(a, DTensor) and _optable.has_empty_shard(a) for a in args):
+    if r is _optable.IRREGULAR:
+        if any(isinstance(a, DTensor) and _optable.is_irregular(a) for a in args):
+            return _fallback.run_global(func, args, kwargs, "DTensor's rule needs even shards")
+        return _dtensor(func, args, kwargs)
+    if r is _optable.BATCH_ONLY:
+        if any(isinstance(a, DTensor) and not _optable.batch_sharded_evenly(a) for a in args):
+            return _fallback.run_global(func, args, kwargs, "DTensor's rule needs batch shards")
+        return _dtensor(func, args, kwargs)
+    empty = any(isinstance(a, DTensor) and _optable.has_empty_shard(a) for a in args)
+    if empty:
         return _fallback.run_global(func, args, kwargs, "reduction over an empty shard")
+    if (
+        r is _optable.TIES
+        and torch.is_grad_enabled()
+        and any(isinstance(a, DTensor) and a.requires_grad for a in args)
+        and _optable.ties_matter(func, args, kwargs)
+    ):
+        return _fallback.run_global(func, args, kwargs, "gradient shared among tied values")
     return _dtensor(func, args, kwargs)
 
 
@@ -415,12 +439,15 @@ def _dtensor(func, args, kwargs, inplace: bool = False):
     """DTensor's path; where its sharding propagation has no rule for this layout (decided
     from metadata, on every rank alike, before any data moves), the exact fallback."""
     try:
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
     except _optable.NoRule as e:
         why = f"no DTensor rule for {e.op} on this layout"
         if inplace:
             return _fallback.run_inplace(func, args, kwargs, why)
         return _fallback.run_global(func, args, kwargs, why)
+    if not inplace and _optable.partial_avg_from_uneven(out, args):
+        return _fallback.run_global(func, args, kwargs, "an average of uneven shards' averages")
+    return out
 
 
 _optable.install_propagation_hook()
