@@ -89,10 +89,10 @@ def _target(mesh, placements):
 
 def _gather(a):
     """The global value of DTensor ``a`` on every rank, as a plain tensor (differentiable)."""
-    from spmdgt.tensor._tensor import _Move
+    from spmdgt.tensor._tensor import _Gather
 
     with _DisableSubclass():
-        return _Move.apply(a, None)
+        return _Gather.apply(a, None)
 
 
 def _scatter(full: torch.Tensor, target):

@@ -33,15 +33,14 @@ route              why
                    a shard is uneven or empty or the mesh is a sub-mesh.
 =================  ==========================================================================
 
-After DTensor's path, an output left ``Partial("avg")`` from unevenly sharded inputs is an
-average of per-rank averages, wrong unless every rank averaged as many elements: such an op is
-recomputed on global values (``partial_avg_from_uneven``).
+Every decision reads the op and the inputs' global metadata before DTensor runs: never the
+output's placements, which a rank outside a sub-mesh may see otherwise than its members.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor, Partial, Shard
+from torch.distributed.tensor import DTensor, Shard
 
 __all__ = [
     "DTENSOR",
@@ -57,7 +56,6 @@ __all__ = [
     "check_supported",
     "is_irregular",
     "ties_matter",
-    "partial_avg_from_uneven",
     "install_propagation_hook",
     "is_pointwise_inplace",
     "route",
@@ -399,24 +397,6 @@ def batch_sharded_evenly(a) -> bool:
     if is_irregular(a):
         return False
     return all(not isinstance(p, Shard) or p.dim == 0 for p in a._spec.placements)
-
-
-def _avg_partial(o) -> bool:
-    if type(o) is not DTensor:
-        return False
-    return any(type(p) is Partial and p.reduce_op == "avg" for p in o._spec.placements)
-
-
-def partial_avg_from_uneven(out, args) -> bool:
-    """True when DTensor's result ``out`` is ``Partial("avg")`` while a sharded input is
-    uneven: an average of per-rank averages over different counts (DTensor's decomposed
-    losses do this), which is not the global mean."""
-    if type(out) is DTensor:
-        if not _avg_partial(out):
-            return False
-    elif not (isinstance(out, (tuple, list)) and any(_avg_partial(o) for o in out)):
-        return False
-    return any(isinstance(a, DTensor) and is_irregular(a) for a in args)
 
 
 def _world_size() -> int:

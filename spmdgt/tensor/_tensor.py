@@ -232,9 +232,6 @@ class _Move(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, target):
         ctx.source = (x.device_mesh, x.placements) if isinstance(x, DTensor) else None
-        # an undefined gradient stays undefined (torch leaves .grad None there, not zeros);
-        # it is undefined on every rank alike, so no rank skips the collective alone
-        ctx.set_materialize_grads(False)
         return place(global_value(x), target)
 
     @staticmethod
@@ -247,6 +244,19 @@ class _Move(torch.autograd.Function):
         if ctx.source is None:
             return full, None
         return place(full, Target(*ctx.source)), None
+
+
+class _Gather(_Move):
+    """``_Move`` to a plain global value, for the exact fallback: the plain op after it runs
+    alike on every rank, so a gradient it leaves undefined (``norm(p=0)``) is undefined on
+    every rank, and stays so (torch leaves ``.grad`` None there, not zeros). ``_Move`` itself
+    materialises: after DTensor ops, ranks outside a sub-mesh can see an undefined gradient
+    where members see a tensor, and every rank must join the collective."""
+
+    @staticmethod
+    def forward(ctx, x, target):
+        ctx.set_materialize_grads(False)
+        return _Move.forward(ctx, x, target)
 
 
 def move(x: torch.Tensor, target) -> torch.Tensor:
@@ -445,8 +455,6 @@ def _dtensor(func, args, kwargs, inplace: bool = False):
         if inplace:
             return _fallback.run_inplace(func, args, kwargs, why)
         return _fallback.run_global(func, args, kwargs, why)
-    if not inplace and _optable.partial_avg_from_uneven(out, args):
-        return _fallback.run_global(func, args, kwargs, "an average of uneven shards' averages")
     return out
 
 
