@@ -84,9 +84,13 @@ class Tensor(DTensor):
                     plain = True
         else:
             kwargs = {}
+        route = _routes.get(func)
+        if route is None:
+            route = _optable.route(func)
         implicit = _get_implicit()
         active = _optable.active[0]
-        _set_implicit(True)  # plain tensors are replicated values: only inside our calls
+        if not implicit:
+            _set_implicit(True)  # plain tensors are replicated values: only inside our calls
         _optable.active[0] = True
         try:
             if views is not None:
@@ -96,13 +100,26 @@ class Tensor(DTensor):
                 args, kwargs = _align_meshes(args, kwargs)
             if plain and mesh is not None and torch.is_grad_enabled():
                 args, kwargs = _lift_grad_plain(mesh, args, kwargs)
-            out = _run(func, args, kwargs)
+            if route == 0 and "out" not in kwargs:  # DTENSOR, the common case: inlined
+                try:
+                    out = func(*args, **kwargs)
+                except _optable.NoRule as e:
+                    out = _fallback.run_global(func, args, kwargs, _no_rule(e))
+            else:
+                out = _run(func, args, kwargs, route)
         finally:
             _optable.active[0] = active
-            _set_implicit(implicit)
+            if not implicit:
+                _set_implicit(False)
             for a in swapped:
                 a.__class__ = Tensor
-        return _retag(out)
+        if type(out) is DTensor:
+            out.__class__ = Tensor
+        elif isinstance(out, (tuple, list)):
+            for o in out:
+                if type(o) is DTensor:
+                    o.__class__ = Tensor
+        return out
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -396,9 +413,9 @@ def _retag(out):
     return out
 
 
-def _run(func, args, kwargs):
-    """Run ``func`` the way ``_optable.route`` says: DTensor's path, or an exact fallback."""
-    r = _optable.route(func)
+def _run(func, args, kwargs, r):
+    """Run ``func`` the way its route ``r`` (``_optable.route``) says: DTensor's path, or an
+    exact fallback."""
     if kwargs.get("out") is not None:
         return _fallback.run_inplace(func, args, kwargs, "out= on a sharded operand")
     if r is _optable.DTENSOR:
@@ -445,18 +462,24 @@ def _run(func, args, kwargs):
     return _dtensor(func, args, kwargs)
 
 
+def _no_rule(e) -> str:
+    return f"no DTensor rule for {e.op} on this layout"
+
+
 def _dtensor(func, args, kwargs, inplace: bool = False):
     """DTensor's path; where its sharding propagation has no rule for this layout (decided
     from metadata, on every rank alike, before any data moves), the exact fallback."""
     try:
         out = func(*args, **kwargs)
     except _optable.NoRule as e:
-        why = f"no DTensor rule for {e.op} on this layout"
+        why = _no_rule(e)
         if inplace:
             return _fallback.run_inplace(func, args, kwargs, why)
         return _fallback.run_global(func, args, kwargs, why)
     return out
 
 
+_routes = _optable._routes  # read on every op: one dict lookup
+assert _optable.DTENSOR == 0
 _optable.install_propagation_hook()
 _dynamo.install(Tensor)
