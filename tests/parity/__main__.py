@@ -1,0 +1,76 @@
+"""``python -m tests.parity``: run the parity sweep (all of it, a seeded sample, or some ops),
+print failing rows and the per-outcome counts, compare with the ledger, optionally update it.
+
+Exit status 1 when a row fails (differs, disagree, hang, crash) or regresses from ``equal``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from tests.parity import ledger, sweep
+from tests.parity.layouts import PLACEMENTS
+from tests.parity.prepare import RowKey
+
+
+def _csv(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m tests.parity", description=__doc__)
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--all", action="store_true", help="every row (the default)")
+    what.add_argument("--sample", type=int, metavar="N", help="N rows drawn with --seed")
+    p.add_argument("--seed", type=int, default=0, help="seed of --sample (default 0)")
+    p.add_argument("--ops", type=_csv, help="comma-separated op names (OpInfo full names)")
+    p.add_argument("--variants", type=_csv, default=list(sweep.VARIANTS))
+    p.add_argument("--placements", type=_csv, default=list(PLACEMENTS))
+    p.add_argument("--worlds", type=lambda s: [int(w) for w in _csv(s)], default=[2, 3])
+    p.add_argument("--timeout", type=float, default=20.0, help="seconds a case may take")
+    p.add_argument("--update-ledger", action="store_true", help="write the rows run")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--list-excluded", action="store_true", help="print the ops left out")
+    return p
+
+
+def _line(key: RowKey, outcome: str, reason: str) -> str:
+    where = f"{key.op} {key.variant} {key.placement} w{key.world}"
+    return f"  {outcome:8} {where}: {reason}" if reason else f"  {outcome:8} {where}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    if args.list_excluded:
+        for name, why in sweep.excluded():
+            print(f"{name:45} {why}")
+        return 0
+    rows = sweep.pick_rows(
+        args.ops, args.sample, args.seed, args.variants, args.placements, args.worlds
+    )
+    result = sweep.run_sweep(rows, timeout=args.timeout, progress=not args.quiet)
+    before = ledger.read()
+    cmp = ledger.compare(result.rows, before)
+    for title, keys in (("failures", cmp.failures), ("regressions from equal", cmp.regressions)):
+        if keys:
+            print(f"{title}:")
+            for k in keys:
+                print(_line(k, *result.rows[k]))
+    if cmp.improvements:
+        print("improvements (now equal):")
+        for k in cmp.improvements:
+            print(_line(k, before[k][0] + " -> equal", ""))
+    if cmp.new and before:
+        print(f"{len(cmp.new)} rows are not in the ledger yet")
+    print(sweep.summary(result))
+    if args.update_ledger:
+        ledger.write(result.rows)
+        print(f"ledger: {len(result.rows)} rows written to {ledger.LEDGER}")
+    return 0 if cmp.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
