@@ -27,6 +27,9 @@ route              why
                    evenly among tied maxima, which one shard cannot see.
 ``BATCH_ONLY``     convolutions and adaptive pooling: DTensor's path for an input sharded
                    evenly on the batch dim (or replicated), global values otherwise.
+``AUTOGRAD``       ``backward()`` / ``torch.autograd.grad``: run as they are. A backward op
+                   with no rule for its layout takes the exact fallback at the aten level
+                   (``gt.Tensor.__torch_dispatch__``), never the whole backward again.
 ``IRREGULAR``      DTensor's rules for these assume even shards on every rank (seen giving
                    wrong values or shapes by the parity sweep: losses whose mean averages
                    per-rank means, ``*_copy`` views): global values when
@@ -46,6 +49,7 @@ __all__ = [
     "DTENSOR",
     "EMPTY_SENSITIVE",
     "GLOBAL",
+    "AUTOGRAD",
     "BATCH_ONLY",
     "IRREGULAR",
     "INPLACE",
@@ -61,7 +65,7 @@ __all__ = [
     "route",
 ]
 
-DTENSOR, VIEW, INPLACE, GLOBAL, EMPTY_SENSITIVE, IRREGULAR, TIES, BATCH_ONLY = range(8)
+DTENSOR, VIEW, INPLACE, GLOBAL, EMPTY_SENSITIVE, IRREGULAR, TIES, BATCH_ONLY, AUTOGRAD = range(9)
 
 # Output shape depends on the values: DTensor cannot say it without running the op.
 _DATA_DEPENDENT = frozenset(
@@ -288,6 +292,8 @@ def _name(func) -> str:
 
 def _classify(func) -> int:
     name = _name(func)
+    if name in ("backward", "grad"):  # the engine: its ops take their own fallbacks
+        return AUTOGRAD
     if name in _INPLACE_DUNDERS or (
         name.endswith("_") and not name.endswith("__") and name not in _NOT_MUTATING
     ):

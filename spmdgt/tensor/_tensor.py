@@ -59,7 +59,7 @@ class Tensor(DTensor):
                 elif m is not mesh:
                     many = True
             elif isinstance(a, torch.Tensor):
-                if a.dim():
+                if a.dim() or a.requires_grad:  # a 0-d one is a scalar unless it learns
                     plain = True
             elif type(a) is list or type(a) is tuple:
                 for b in a:
@@ -72,7 +72,7 @@ class Tensor(DTensor):
                             mesh = m
                         elif m is not mesh:
                             many = True
-                    elif isinstance(b, torch.Tensor) and b.dim():
+                    elif isinstance(b, torch.Tensor) and (b.dim() or b.requires_grad):
                         plain = True
         if kwargs:
             for a in kwargs.values():
@@ -80,7 +80,7 @@ class Tensor(DTensor):
                     if type(a) is Tensor:
                         a.__class__ = DTensor
                         swapped.append(a)
-                elif isinstance(a, torch.Tensor) and a.dim():
+                elif isinstance(a, torch.Tensor) and (a.dim() or a.requires_grad):
                     plain = True
         else:
             kwargs = {}
@@ -127,11 +127,20 @@ class Tensor(DTensor):
         # DTensor's C++ fast path as the forward does, and keep what comes out (gradients) a
         # gt.Tensor, so ``.grad`` and ``torch.autograd.grad`` answer ``.numpy()``.
         swapped = _swap_to_base(args, kwargs)
+        kwargs = kwargs or {}
         implicit = _get_implicit()
+        active = _optable.active[0]
         _set_implicit(True)
+        _optable.active[0] = True
         try:
-            out = func(*args, **(kwargs or {}))
+            out = func(*args, **kwargs)
+        except _optable.NoRule as e:  # e.g. aten.hardtanh_backward on this layout
+            if func._schema.is_mutable:
+                out = _fallback.run_inplace(func, args, kwargs, _no_rule(e))
+            else:
+                out = _fallback.run_global(func, args, kwargs, _no_rule(e))
         finally:
+            _optable.active[0] = active
             _set_implicit(implicit)
             for a in swapped:
                 a.__class__ = Tensor
@@ -334,10 +343,12 @@ def _align_meshes(args, kwargs):
     return _map_tensors(fix, args, kwargs)
 
 
-class _LiftToSubmesh(torch.autograd.Function):
-    """A plain (world-replicated) tensor entering an op on a sub-mesh: Replicate there; its
-    gradient is gathered from the mesh's ranks to every rank, so the plain tensor's ``.grad``
-    is the same full value everywhere (ranks outside the mesh hold no part of it)."""
+class _Lift(torch.autograd.Function):
+    """A plain (world-replicated) tensor entering an op as Replicate on ``mesh``; its gradient
+    is gathered to every rank, so the plain tensor's ``.grad`` is the same full value
+    everywhere: on a sub-mesh (ranks outside it hold no part of it), and for 0-d tensors,
+    whose gradient a backward formula may hand back plain (``from_local``'s backward
+    expects a DTensor there)."""
 
     @staticmethod
     def forward(ctx, a, mesh):
@@ -356,13 +367,11 @@ def _lift_grad_plain(mesh, args, kwargs):
     def lift(a):
         if not isinstance(a, torch.Tensor) or isinstance(a, DTensor) or not a.requires_grad:
             return a
-        if not a.dim():
-            return a
         # A plain DTensor: it lives for this one call (outputs are re-tagged).
-        if world:
+        if world and a.dim():
             return DTensor.from_local(a, mesh, [Replicate()] * mesh.ndim, run_check=False)
         with _DisableSubclass():
-            return _LiftToSubmesh.apply(a, mesh)
+            return _Lift.apply(a, mesh)
 
     return _map_tensors(lift, args, kwargs)
 
@@ -416,6 +425,8 @@ def _retag(out):
 def _run(func, args, kwargs, r):
     """Run ``func`` the way its route ``r`` (``_optable.route``) says: DTensor's path, or an
     exact fallback."""
+    if r is _optable.AUTOGRAD:
+        return func(*args, **kwargs)
     if kwargs.get("out") is not None:
         return _fallback.run_inplace(func, args, kwargs, "out= on a sharded operand")
     if r is _optable.DTENSOR:

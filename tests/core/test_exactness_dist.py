@@ -370,3 +370,24 @@ def test_gt_spellings_on_plain_and_sharded_tensors(tmp_path, world):
         for got in out:  # plain, then sharded
             for value, want in zip(got, ref):
                 np.testing.assert_allclose(value, want, rtol=1e-6)
+
+
+def _plain_scalar_parameter(rank, world):
+    import spmdgt as gt
+
+    _start(gt)
+    s = torch.tensor(2.0, requires_grad=True)  # a plain 0-d parameter (a learned scale)
+    with gt.signal.context("rows"):
+        x = gt.tensor(_base(), requires_grad=True)
+    torch.nn.functional.relu6(x * s + s).sum().backward()
+    rs = torch.tensor(2.0, requires_grad=True)
+    rx = _base().requires_grad_(True)
+    torch.nn.functional.relu6(rx * rs + rs).sum().backward()  # relu6's backward has no DTensor rule
+    return type(s.grad) is torch.Tensor, s.grad.item(), rs.grad.item(), x.grad.numpy(), rx.grad
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_plain_scalar_parameter_gets_a_plain_exact_gradient(tmp_path, world):
+    for plain, g, ref, gx, rgx in run_ranks(_plain_scalar_parameter, world, tmp_path):
+        assert plain and g == pytest.approx(ref, rel=1e-6)
+        np.testing.assert_array_equal(gx, rgx.numpy())
