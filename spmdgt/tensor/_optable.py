@@ -423,15 +423,16 @@ class NoRule(RuntimeError):
         self.op = op
 
 
-# Set while spmdgt's own __torch_function__ runs an op: only then does a propagation failure
-# become NoRule. DTensor used directly (the trainer's FSDP/TP tensors) is left as DTensor has it.
-active = [False]
 _installed = [False]
 
 
 def install_propagation_hook() -> None:
     """Wrap DTensor's sharding-propagation entry (called from its C++ dispatcher on a cache
-    miss) so that, inside spmdgt's calls, a failure to find a rule raises ``NoRule``."""
+    miss) so that, inside spmdgt's calls, a failure to find a rule raises ``NoRule``.
+
+    "Inside spmdgt's calls" is read off DTensor's implicit-replication flag, which spmdgt sets
+    for exactly the length of its calls (it is off by default, so DTensor used directly, the
+    trainer's FSDP/TP tensors, keeps DTensor's own errors): one flag, no second state."""
     if _installed[0]:
         return
     from torch.distributed.tensor import DTensor
@@ -445,7 +446,7 @@ def install_propagation_hook() -> None:
         except NoRule:
             raise
         except Exception as e:
-            if active[0]:
+            if torch._C._get_dtensor_allow_implicit_replication():
                 raise NoRule(op_call, e) from e
             raise
 

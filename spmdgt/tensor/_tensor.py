@@ -88,10 +88,10 @@ class Tensor(DTensor):
         if route is None:
             route = _optable.route(func)
         implicit = _get_implicit()
-        active = _optable.active[0]
         if not implicit:
-            _set_implicit(True)  # plain tensors are replicated values: only inside our calls
-        _optable.active[0] = True
+            # plain tensors are replicated values, only inside our calls; the flag also tells
+            # the propagation hook (_optable) that a missing rule means the exact fallback
+            _set_implicit(True)
         try:
             if views is not None:
                 for v in views:
@@ -108,7 +108,6 @@ class Tensor(DTensor):
             else:
                 out = _run(func, args, kwargs, route)
         finally:
-            _optable.active[0] = active
             if not implicit:
                 _set_implicit(False)
             for a in swapped:
@@ -129,9 +128,7 @@ class Tensor(DTensor):
         swapped = _swap_to_base(args, kwargs)
         kwargs = kwargs or {}
         implicit = _get_implicit()
-        active = _optable.active[0]
         _set_implicit(True)
-        _optable.active[0] = True
         try:
             out = func(*args, **kwargs)
         except _optable.NoRule as e:  # e.g. aten.hardtanh_backward on this layout
@@ -140,7 +137,6 @@ class Tensor(DTensor):
             else:
                 out = _fallback.run_global(func, args, kwargs, _no_rule(e))
         finally:
-            _optable.active[0] = active
             _set_implicit(implicit)
             for a in swapped:
                 a.__class__ = Tensor
