@@ -46,17 +46,24 @@ def reset_spmdgt() -> None:
     clear_config()
 
 
+def rank_env(rank: int, world: int) -> dict[str, str]:
+    """The environment a forked test rank runs with: torchrun's variables, one inductor
+    compile thread (a cold compile in a forked child can hang otherwise), and CPU gloo ranks,
+    also on a GPU machine (a forked child cannot use its parent's CUDA)."""
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world),
+        "TORCHINDUCTOR_COMPILE_THREADS": "1",
+        "GT_DEVICE": "cpu",
+    }
+
+
 def _child(fn, rank, world, init_file, env, args, conn) -> None:
     try:
         os.environ.update(env)
-        os.environ.update(
-            RANK=str(rank),
-            WORLD_SIZE=str(world),
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE=str(world),
-            TORCHINDUCTOR_COMPILE_THREADS="1",
-            GT_DEVICE="cpu",  # gloo CPU ranks, also on a GPU machine (no CUDA after fork)
-        )
+        os.environ.update(rank_env(rank, world))
         import torch
         import torch.distributed as dist
 

@@ -7,6 +7,7 @@ until something (a 1-rank DeviceMesh, say) asks for one, and then it uses an in-
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 from dataclasses import dataclass
@@ -108,6 +109,7 @@ def init(backend: str | None = None) -> Runtime:
             kwargs = {"device_id": device} if device.type == "cuda" else {}
             dist.init_process_group(backend=backend_used, **kwargs)
             _owns_process_group = True
+            atexit.register(_destroy_at_exit)
         _runtime = Runtime(rank, world, local_rank, device, backend_used)
         if world > 1:
             from spmdgt.runtime._seed import agree_at_init
@@ -165,6 +167,14 @@ def world_mesh():
                 _runtime = Runtime(rt.rank, rt.world_size, rt.local_rank, rt.device, backend)
             _world_mesh = DeviceMesh(rt.device_type, list(range(rt.world_size)))
     return _world_mesh
+
+
+def _destroy_at_exit() -> None:
+    # Each rank tears its own group down (no collective) before the interpreter's own
+    # teardown: left to static destructors, a gloo rank whose peer exited first aborted with
+    # "terminate called without an active exception" (SIGABRT) after a clean run.
+    if _owns_process_group and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _forget_after_fork() -> None:

@@ -31,18 +31,9 @@ def _numbers(out: str) -> list[float]:
     return [float(x) for x in re.findall(r"-?\d+\.\d+", "\n".join(lines))]
 
 
-def _torchrun(**env: str) -> str:
-    return _run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node=2",
-            "--standalone",
-            str(EXAMPLE),
-        ],
-        **env,
-    )
+def _torchrun(script: Path = EXAMPLE, **env: str) -> str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone"]
+    return _run([*cmd, str(script)], **env)
 
 
 def test_quickstart_same_numbers_on_one_and_two_ranks():
@@ -63,28 +54,11 @@ def test_quickstart_same_numbers_on_one_and_two_ranks():
 
 
 def test_ranks_agree_on_replicated_values_with_no_seed_call():
-    out = _run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node=2",
-            "--standalone",
-            str(Path(__file__).with_name("_no_seed.py")),
-        ]
-    )
+    script = Path(__file__).with_name("_no_seed.py")
+    out = _torchrun(script)
     lines = sorted(ln for ln in out.splitlines() if ln.startswith("rank "))
     assert [ln.split(":")[0] for ln in lines] == ["rank 0", "rank 1"]
     assert lines[0].split(":")[1] == lines[1].split(":")[1], lines  # same weights, same draws
-    again = _run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node=2",
-            "--standalone",
-            str(Path(__file__).with_name("_no_seed.py")),
-        ]
-    )
+    again = _torchrun(script)
     # torchrun's fresh run id makes each launch draw anew, as torch's own per-process seeding
     assert sorted(ln for ln in again.splitlines() if ln.startswith("rank ")) != lines

@@ -86,14 +86,9 @@ def _rank_main(rank, world, init_file, conn, cases, log_path, gloo_timeout) -> N
     faulthandler.enable(file=log, all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=log, all_threads=True)
     try:
-        os.environ.update(
-            RANK=str(rank),
-            WORLD_SIZE=str(world),
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE=str(world),
-            TORCHINDUCTOR_COMPILE_THREADS="1",
-            GT_DEVICE="cpu",
-        )
+        from tests._dist import rank_env, reset_spmdgt
+
+        os.environ.update(rank_env(rank, world))
         import warnings
 
         import torch
@@ -101,7 +96,6 @@ def _rank_main(rank, world, init_file, conn, cases, log_path, gloo_timeout) -> N
 
         from spmdgt.tensor._meshes import mesh_for
         from spmdgt.tensor._tensor import global_value
-        from tests._dist import reset_spmdgt
         from tests.parity.layouts import PLACEMENTS, rank_layout, sub_mesh_ranks
 
         warnings.simplefilter("ignore")
