@@ -110,11 +110,8 @@ def _map(fn, obj):
     """Apply ``fn`` to the tensors in ``obj``, through lists, tuples and dicts."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
-    if isinstance(obj, (list, tuple)):
-        mapped = [_map(fn, o) for o in obj]
-        if hasattr(obj, "_fields") or type(obj).__module__ == "torch.return_types":
-            return type(obj)(mapped)
-        return type(obj)(mapped)
+    if isinstance(obj, (list, tuple)):  # torch.return_types too: they take one sequence
+        return type(obj)([_map(fn, o) for o in obj])
     if isinstance(obj, dict):
         return {k: _map(fn, v) for k, v in obj.items()}
     return obj
