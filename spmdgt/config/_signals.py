@@ -78,7 +78,10 @@ class SignalConfig:
     """Signal whose placement the gradients of tensors made in this scope take."""
     compile: bool = False
     """The scope is a compile boundary for the compile-and-batch pass."""
-    name: str = field(default="", compare=False)
+    name: str = field(default="", compare=False, init=False)
+    """The signal's name, set when it is registered (not a YAML key)."""
+    file: str | None = field(default=None, compare=False, init=False)
+    """The YAML file it came from, for errors found later (an axis out of range)."""
 
 
 _registry: dict[str, SignalConfig] = {}
@@ -105,9 +108,8 @@ def parse_config(data: dict, file: str | None = None) -> dict[str, SignalConfig]
         cfg = from_dict(
             SignalConfig, body, file=file, section=name, aliases={"backward": "backward_signal"}
         )
-        if "name" in body:
-            raise ConfigError("unknown key 'name'", file=file, section=name, key="name")
         cfg.name = name
+        cfg.file = file
         out[name] = cfg
     for name, cfg in out.items():
         if cfg.backward_signal is not None and cfg.backward_signal not in out:

@@ -21,6 +21,25 @@ __all__ = ["from_dict", "load_mapping"]
 T = TypeVar("T")
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key given twice in one mapping is an error (the
+    safe loader keeps the last one silently: a signal defined twice would lose the first)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"duplicate key {key!r} (first on line {seen[key]})",
+                    key_node.start_mark,
+                )
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_mapping(source: str | os.PathLike, *, what: str = "config") -> tuple[dict, str]:
     """Read a YAML file into a dict; return it with the name to quote in errors.
 
@@ -32,8 +51,13 @@ def load_mapping(source: str | os.PathLike, *, what: str = "config") -> tuple[di
             text = f.read()
     except OSError as e:
         raise ConfigError(f"cannot read {what} file: {e.strerror}", file=path) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"{what} file is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})",
+            file=path,
+        ) from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = mark.line + 1 if mark is not None else None

@@ -51,6 +51,7 @@ def signal_target(cfg: SignalConfig, shape: Sequence[int]) -> Target | None:
         raise ConfigError(
             f"axis {shard.axis} is out of range for a tensor of shape {tuple(shape)} "
             f"({len(shape)} dims); use an axis below {len(shape)} or replicated: true",
+            file=cfg.file,
             section=cfg.name,
             key="shard.axis",
             value=shard.axis,
@@ -60,10 +61,18 @@ def signal_target(cfg: SignalConfig, shape: Sequence[int]) -> Target | None:
     return Target(mesh, (Shard(shard.axis),), cfg.name)
 
 
+def _signals_loaded() -> bool:
+    from spmdgt.config import _signals
+
+    return _signals._env_loaded
+
+
 def creation_target(shape: Sequence[int]) -> Target | None:
     """Placement for a tensor being created now, on this rank, in the current scope."""
     world = get_runtime().world_size
     if world == 1:
+        if not _signals_loaded():
+            lookup("")  # GT_CONFIG is read and validated in a world of one too
         return None
     name = _scope.current()
     if name is not None:

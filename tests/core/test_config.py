@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import textwrap
 
 import pytest
@@ -98,6 +99,11 @@ def test_gt_config_env_var_is_read(tmp_path, monkeypatch):
         ("sig: [1, 2]\n", "signal 'sig': expected a mapping, got list [1, 2]"),
         ("- a\n- b\n", "signals.yaml: top level must be a mapping of names, got list"),
         ("sig:\n  shard: {axis: 0\n", "signals.yaml:3: malformed YAML"),
+        (
+            "a:\n  shard: {axis: 0}\nb: {}\na:\n  shard: {axis: 1}\n",
+            "signals.yaml:4: malformed YAML: duplicate key 'a' (first on line 1)",
+        ),
+        ("sig:\n  name: x\n", "signal 'sig', key 'name': unknown key(s) 'name'; known keys: "),
     ],
 )
 def test_bad_yaml_names_file_signal_key_and_value(tmp_path, yaml_text, expected):
@@ -107,6 +113,36 @@ def test_bad_yaml_names_file_signal_key_and_value(tmp_path, yaml_text, expected)
     assert expected in str(info.value)
     assert isinstance(info.value, ValueError)
     assert gt.get_config() == {}  # a bad file registers nothing
+
+
+def test_unknown_key_message_lists_only_yaml_keys(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        gt.load_config(_write(tmp_path, "sig:\n  nam: x\n"))
+    assert str(info.value).endswith("known keys: backward, compile, shard")
+
+
+def test_non_utf8_file_is_a_config_error(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("sig:\n  shard: {axis: 0}  # caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"latin1\.yaml: signal config file is not UTF-8"):
+        gt.load_config(path)
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("sig:\n  shard: {axis: 0\n", "malformed YAML"),
+        ("sig:\n  shard: {axs: 0}\n", "unknown key(s) 'axs'"),
+        (None, "cannot read signal config file"),
+    ],
+)
+def test_gt_config_is_validated_in_a_world_of_one(tmp_path, monkeypatch, text, expected):
+    # "try it with python first" must show the mistakes torchrun would
+    path = _write(tmp_path, text) if text is not None else tmp_path / "missing.yaml"
+    monkeypatch.setenv("GT_CONFIG", str(path))
+    clear_config()
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        gt.randn(3)
 
 
 def test_missing_file_is_a_config_error(tmp_path):

@@ -216,19 +216,22 @@ def test_ranks_disagreeing_on_a_shape_get_one_clear_error(tmp_path):
     assert "timed out" not in text
 
 
-def _bad_axis(rank, world):
+def _bad_axis(rank, world, path):
     import spmdgt as gt
 
-    gt.register_config("s", gt.SignalConfig(shard=gt.ShardConfig(axis=2)))
+    gt.load_config(path)
     with gt.signal.context("s"):
         gt.randn(3, 4)
 
 
-def test_axis_out_of_range_for_tensor_names_signal_and_shape(tmp_path):
+def test_axis_out_of_range_for_tensor_names_file_signal_and_shape(tmp_path):
+    path = tmp_path / "axes.yaml"
+    path.write_text("s:\n  shard: {axis: 2}\n")
     with pytest.raises(AssertionError) as info:
-        run_ranks(_bad_axis, 2, tmp_path, timeout=60)
-    assert "signal 's', key 'shard.axis': axis 2 is out of range for a tensor of shape (3, 4)" in (
-        str(info.value)
+        run_ranks(_bad_axis, 2, tmp_path, str(path), timeout=60)
+    assert (
+        f"{path}, signal 's', key 'shard.axis': axis 2 is out of range for a tensor of shape (3, 4)"
+        in str(info.value)
     )
 
 
