@@ -44,7 +44,9 @@ class CountC10d(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _train(rank, world, strategy, accum, count_comms=False, profile_dir=None):
+def _train(
+    rank, world, strategy, accum, count_comms=False, profile_dir=None, logdir=None, log_every=10
+):
     hidden = TP_HIDDEN if strategy == "placements" else HIDDEN
     model = make_model(hidden=hidden)
     cfg = TrainConfig(
@@ -61,6 +63,8 @@ def _train(rank, world, strategy, accum, count_comms=False, profile_dir=None):
         max_grad_norm=CLIP,
         gradient_accumulation_steps=accum,
         config=cfg,
+        logdir=logdir,
+        log_every=log_every,
     )
     shard = strategy != "placements"  # tensor parallel: every rank sees the whole batch
     per_rank = GLOBAL_BATCH // (world if shard else 1) // accum
@@ -166,26 +170,8 @@ def test_fsdp_accumulation_skips_reduce_scatter(tmp_path):
 
 
 def _logging_on_rank0_only(rank, world, strategy, logdir):
-    hidden = TP_HIDDEN if strategy == "placements" else HIDDEN
-    model = make_model(hidden=hidden)
-    trainer = DistributedTrainer(
-        model,
-        make_optimizer(model),
-        strategy=strategy,
-        loss_fn=F.mse_loss,
-        max_grad_norm=CLIP,
-        config=TrainConfig(
-            strategy=strategy, placements=TP_PLAN if strategy == "placements" else {}
-        ),
-        logdir=logdir if rank == 0 else None,  # the usual pattern: only rank 0 writes
-        log_every=2,  # fewer than the 6 steps: several flushes, each a collective
-    )
-    shard = strategy != "placements"
-    loader = OptimizedDataLoader.create(
-        make_dataset(), GLOBAL_BATCH // (world if shard else 1), shuffle=False, shard=shard
-    )
-    summary = trainer.train(loader, epochs=1)
-    return full_state(trainer.model), trainer.last_stats.global_losses, summary, {}
+    # the usual pattern: only rank 0 writes; log_every below the 6 steps: several flushes
+    return _train(rank, world, strategy, 1, logdir=logdir if rank == 0 else None, log_every=2)
 
 
 def test_logdir_on_rank0_only_does_not_change_the_collectives(tmp_path):
