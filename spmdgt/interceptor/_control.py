@@ -10,7 +10,10 @@ Environment variables (all per rank; every rank of a job sees the same ones):
     GT_INSTRUCTION_LOG=path   instruction log (``path``, or ``path`` with ``.rank<r>`` when world>1)
     GT_VERBOSE, GT_DEBUG_CLIENT/DISPATCHER/WORKER/COMPILE=1   status/debug lines (``_debuglog``);
                               DISPATCHER also prints every collective, WORKER every op
-    GT_RUN_DIR=dir            publish status for ``scripts.top``, accept ``scripts.trace`` requests
+    GT_RUN_DIR=dir            publish status for ``scripts.top``, accept ``scripts.trace`` requests;
+                              enough on its own (counters are attached for it, no hot paths)
+    GT_TRACE_DIR=dir          besides the run dir, the one folder trace requests may write into
+                              (read when the job starts; see ``_publish``)
     GT_PROFILE=logdir         torch.profiler + TensorBoard for the whole run (short runs only;
                               ``spmdgt.debug.profile`` records a window)
     GT_INTERCEPT=torch|aten|native   interception level (default torch; aten: every ATen op,
@@ -98,6 +101,7 @@ def enable(
     debug_ops: bool = False,
     level: str | None = None,
     tape_size: int | None = None,
+    trace_dir: str | None = None,
 ) -> None:
     """Turn the interceptor on with the given tools (tools already on stay on).
 
@@ -105,7 +109,8 @@ def enable(
     ``stats``: counters, tape and hot paths for ``get_worker_stats``/``get_tape``; ``debug_ops``:
     print ops per ``GT_DEBUG_WORKER``/``GT_DEBUG_DISPATCHER``; ``level``: "torch" (default,
     cheap), "aten" (every ATen op) or "native" (compiled observer; falls back to "torch" with a
-    verbose line when it cannot be built).
+    verbose line when it cannot be built); ``trace_dir``: besides ``run_dir``, the folder trace
+    requests may write into (default ``GT_TRACE_DIR``; a request naming any other is ignored).
     """
     from spmdgt.interceptor._mode import env_rank, get_interceptor
     from spmdgt.interceptor._stats import StatsSink
@@ -160,7 +165,7 @@ def enable(
     if run_dir and "publisher" not in _tools:
         from spmdgt.interceptor._publish import RunDirPublisher
 
-        pub = RunDirPublisher(ic, _tools["stats"], run_dir, rank, world)
+        pub = RunDirPublisher(ic, _tools["stats"], run_dir, rank, world, trace_dir=trace_dir)
         ic._tick_callbacks.append(pub.tick)
         _tools["publisher"] = pub
         _debuglog.verbose(f"publishing to run dir {run_dir}")
@@ -205,13 +210,21 @@ def maybe_enable_from_env() -> bool:
     # Pay for what is asked: the log is written and counted in C++ (~1.0-1.5x on a 5 us op);
     # hot paths and the tape take every record into Python (~3x): GT_STATS, auto-compile and
     # op debug lines ask for them. top (GT_RUN_DIR) reads counters: C++ ones with the log,
-    # else enable() adds Python ones.
+    # else enable() adds Python ones; GT_RUN_DIR alone is enough to publish (the documented
+    # top/trace recipe sets nothing else), and then pays for counters only, not hot paths.
     stats = bool(_truthy("GT_STATS") or debug_ops or _truthy("GT_AUTO_COMPILE"))
-    want = bool(log or stats or env.get("GT_INTERCEPT"))
+    want = bool(log or stats or run_dir or env.get("GT_INTERCEPT"))
     if want:
         # the log's default level is the compiled observer (falls back to torch in enable)
         level = None if env.get("GT_INTERCEPT") or not log or _falsy("GT_NATIVE") else "native"
-        enable(instruction_log=log, run_dir=run_dir, debug_ops=debug_ops, stats=stats, level=level)
+        enable(
+            instruction_log=log,
+            run_dir=run_dir,
+            debug_ops=debug_ops,
+            stats=stats,
+            hotpath=stats,
+            level=level,
+        )
     if env.get("GT_PROFILE"):
         from spmdgt.interceptor._profile import profile
 

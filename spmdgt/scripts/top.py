@@ -8,17 +8,21 @@ Reads the ``rank<r>.json`` status files ranks rewrite about once a second (``_pu
 can start before the job (it waits) or after it. Columns: ops/s and busy% over the rank's last
 interval; the share of wall time in each op kind; collectives/s and bytes so far; ``age``, the
 seconds since the rank last published (a rank stuck in one long op or a hang shows here).
+
+A status file that is not one (half-written, binary, a JSON list, a NaN count) is left out and
+counted: ``--once`` says so in one line on stderr, the live view in the frame's last line. While
+no rank has published, the frame names the folder it waits on (absolute path).
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
-import json
 import os
 import sys
 import time
 from collections.abc import Sequence
+
+from spmdgt.interceptor._logreader import Skipped, read_statuses
 
 __all__ = ["load_statuses", "main", "render"]
 
@@ -27,16 +31,10 @@ _SHORT = {"matmul": "mm", "elementwise": "elem", "reduce": "red", "memory": "mem
           "backward": "bwd", "comm": "comm"}  # fmt: skip
 
 
-def load_statuses(run_dir: str) -> list[dict]:
-    """Every rank's latest status, by rank (unreadable or half-written files skipped)."""
-    out = []
-    for path in glob.glob(os.path.join(run_dir, "rank*.json")):
-        try:
-            with open(path) as f:
-                out.append(json.load(f))
-        except (OSError, ValueError):
-            continue
-    return sorted(out, key=lambda s: s.get("rank", 0))
+def load_statuses(run_dir: str, skipped: Skipped | None = None) -> list[dict]:
+    """Every rank's latest status, by rank; files that are not a status are counted in
+    ``skipped`` and left out (see ``_logreader.read_statuses``)."""
+    return read_statuses(run_dir, skipped)
 
 
 def _bytes(n: float) -> str:
@@ -47,8 +45,18 @@ def _bytes(n: float) -> str:
     return f"{n:.1f}GB"
 
 
-def render(statuses: list[dict], now: float | None = None, width: int = 110) -> str:
-    """One frame of the view as text (no terminal control codes)."""
+def render(
+    statuses: list[dict],
+    now: float | None = None,
+    width: int = 110,
+    run_dir: str | None = None,
+    skipped: Skipped | None = None,
+) -> str:
+    """One frame of the view as text (no terminal control codes).
+
+    ``run_dir`` is named (absolute) while no rank has published; ``skipped``, when it counted
+    something, adds its one-line summary at the bottom.
+    """
     now = time.time() if now is None else now
     head = (
         f"{'rank':>4} {'ops/s':>9} {'busy%':>6} "
@@ -57,7 +65,11 @@ def render(statuses: list[dict], now: float | None = None, width: int = 110) -> 
     )
     lines = [f"spmdgt top  {time.strftime('%H:%M:%S', time.localtime(now))}", head]
     if not statuses:
-        lines.append("  (waiting for ranks: start the job with GT_RUN_DIR set to this folder)")
+        where = f" {os.path.abspath(run_dir)}" if run_dir is not None else ""
+        lines.append(
+            f"  (waiting for ranks to publish in{where}: start the job with GT_RUN_DIR set to "
+            "this folder)"
+        )
     for s in statuses:
         shares = s.get("time_share", {})
         age = now - s.get("updated_unix", now)
@@ -72,21 +84,31 @@ def render(statuses: list[dict], now: float | None = None, width: int = 110) -> 
     total = sum(s.get("ops_per_s", 0) for s in statuses)
     if statuses:
         lines.append(f"total {total:.0f} ops/s over {len(statuses)} rank(s)")
-    return "\n".join(line[:width] for line in lines)
+    out = [line[:width] for line in lines]
+    if not statuses:  # the folder's path is the point of this line: never cut it
+        out[-1] = lines[-1]
+    if skipped:
+        out.append(skipped.summary("top"))
+    return "\n".join(out)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run top: live frames until Ctrl-C, or one frame with ``--once``."""
     ap = argparse.ArgumentParser(description="Live per-rank view of a running spmdgt job.")
     ap.add_argument("--run-dir", default=os.environ.get("GT_RUN_DIR", ".gt_run"))
     ap.add_argument("--once", action="store_true", help="print one frame and exit")
     ap.add_argument("--interval", type=float, default=1.0)
     args = ap.parse_args(argv)
     if args.once:
-        print(render(load_statuses(args.run_dir)))
+        skipped = Skipped()
+        print(render(load_statuses(args.run_dir, skipped), run_dir=args.run_dir))
+        skipped.report("top")
         return 0
     try:
         while True:
-            frame = render(load_statuses(args.run_dir))
+            skipped = Skipped()
+            statuses = load_statuses(args.run_dir, skipped)
+            frame = render(statuses, run_dir=args.run_dir, skipped=skipped)
             sys.stdout.write("\x1b[H\x1b[2J" + frame + "\n")  # home + clear: plain ANSI
             sys.stdout.flush()
             time.sleep(args.interval)

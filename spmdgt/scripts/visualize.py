@@ -8,16 +8,21 @@ red and drawn on top, so communication stands out; gaps are idle time. Ranks are
 wall clock recorded in each file's header. ``--chrome`` also writes the Chrome/Perfetto trace
 JSON (one process per rank, one thread per level) that opens in ui.perfetto.dev, chrome://tracing
 and TensorBoard's trace viewer.
+
+Lines it cannot read (a truncated last line, binary bytes, an unknown kind, a NaN duration) and
+files it cannot open are left out and counted in one line on stderr; the rest is drawn. With
+nothing left to draw it says so and exits 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from spmdgt.interceptor._logreader import LogRecord, read_logs
+from spmdgt.interceptor._logreader import LogRecord, Skipped, read_logs
 
 __all__ = ["KIND_COLORS", "chrome_trace", "draw_timeline", "main"]
 
@@ -106,7 +111,10 @@ def draw_timeline(records: Sequence[LogRecord], output: str, title: str | None =
     ax.invert_yaxis()
     ax.set_xlabel("time (ms)")
     ax.set_xlim(0, (t1 - t0) * 1e3)
-    kinds = sorted({r.kind for r in records}, key=list(KIND_COLORS).index)
+    order = list(KIND_COLORS)
+    kinds = sorted(
+        {r.kind for r in records}, key=lambda k: (order.index(k) if k in order else len(order), k)
+    )
     ax.legend(
         handles=[Patch(color=KIND_COLORS.get(k, "#7f7f7f"), label=k) for k in kinds],
         loc="upper center",
@@ -122,6 +130,7 @@ def draw_timeline(records: Sequence[LogRecord], output: str, title: str | None =
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Draw the timeline (and the Chrome JSON); 1 when there is nothing to draw."""
     ap = argparse.ArgumentParser(description="Draw a per-rank op timeline from spmdgt traces.")
     ap.add_argument("files", nargs="+", help="trace/instruction-log files or folders")
     ap.add_argument("--output", "-o", default="timeline.png", help="PNG to write")
@@ -129,9 +138,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--level", type=int, choices=(0, 1), help="only ops of this level")
     ap.add_argument("--title")
     args = ap.parse_args(argv)
-    records = read_logs(args.files)
+    skipped = Skipped()
+    records = read_logs(args.files, skipped)
+    skipped.report("visualize")
     if args.level is not None:
         records = [r for r in records if r.level == args.level]
+    if not records:
+        print("visualize: no ops to draw (empty trace, or nothing readable)", file=sys.stderr)
+        return 1
     draw_timeline(records, args.output, args.title)
     print(f"wrote {args.output}: {len(records)} ops, ranks {sorted({r.rank for r in records})}")
     if args.chrome:
