@@ -4,6 +4,11 @@
 group, runs ``fn(rank, world_size, *args)`` and sends back its return value or traceback. A
 failure on any rank fails the test with that rank's traceback; a rank that hangs is killed at
 ``timeout`` seconds and named, so a broken collective never hangs the suite.
+
+Ranks are daemonic by default (``multiprocessing`` kills them if the test process dies), and a
+daemonic process may not start children: ``OptimizedDataLoader`` then picks 0 workers, the same
+on every machine. ``daemon=False`` starts ranks as torchrun does, able to run DataLoader
+workers; every rank still alive when ``run_ranks`` returns or raises is killed either way.
 """
 
 from __future__ import annotations
@@ -97,17 +102,31 @@ def run_ranks(
     *args,
     env: dict[str, str] | None = None,
     timeout: float = 120.0,
+    daemon: bool = True,
 ) -> list:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` new ranks; return their results."""
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` new ranks; return their results.
+
+    ``daemon=False`` starts non-daemonic ranks (they may start DataLoader workers)."""
+    procs: list = []
+    try:
+        return _run(fn, world_size, tmp_path, args, env, timeout, daemon, procs)
+    finally:
+        for p in procs:  # a rank left running (an error here, a timeout, ^C): never orphaned
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+
+
+def _run(fn, world_size, tmp_path, args, env, timeout, daemon, procs) -> list:
     init_file = Path(tmp_path) / f"rdzv-{os.getpid()}-{id(fn)}-{len(os.listdir(tmp_path))}"
-    procs, conns = [], []
+    conns = []
     ctx = _context()
     for rank in range(world_size):
         parent, child = ctx.Pipe(duplex=False)
         p = ctx.Process(
             target=_child,
             args=(fn, rank, world_size, str(init_file), env or {}, args, child),
-            daemon=True,
+            daemon=daemon,
         )
         p.start()
         child.close()

@@ -9,6 +9,7 @@ calls it with the same arguments; under plain ``python`` the sampler covers the 
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 from collections.abc import Iterator
 
@@ -41,6 +42,7 @@ class ResumableDistributedSampler(DistributedSampler):
 
 
 def _default_workers() -> int:
+    """Worker processes for this rank: its share of the usable cores minus one, at most 8."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
@@ -48,6 +50,46 @@ def _default_workers() -> int:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
     # Leave one core per rank for the training process itself; cap at 8 (more rarely helps).
     return max(0, min(8, cpus // max(local_world, 1) - 1))
+
+
+def _in_daemonic_process() -> bool:
+    """Whether this process is a daemonic ``multiprocessing`` child, which may not start
+    children of its own (``multiprocessing`` refuses: "daemonic processes are not allowed to
+    have children"), so a ``DataLoader`` with workers would fail at its first batch."""
+    return bool(multiprocessing.current_process().daemon)
+
+
+def _choose_workers(num_workers: int | None) -> int:
+    """``num_workers`` as asked, or the machine's default; 0 where workers cannot start.
+
+    The default drops to 0 in a daemonic process (a ``multiprocessing`` child started with
+    ``daemon=True``: test harnesses, pools) with a ``GT_VERBOSE`` line; an explicit request for
+    workers there is an error now rather than a failure at the first batch. Worker count never
+    leads to a collective: it changes who reads the samples, not which ones or in what order.
+    """
+    daemonic = _in_daemonic_process()
+    if num_workers is not None:
+        if num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        if num_workers > 0 and daemonic:
+            raise ValueError(
+                f"num_workers={num_workers}, but this process "
+                f"({multiprocessing.current_process().name}) is a daemonic multiprocessing "
+                "child, and daemonic processes may not start the DataLoader's worker "
+                "processes; pass num_workers=0, or start this process with daemon=False"
+            )
+        return num_workers
+    workers = _default_workers()
+    if workers and daemonic:
+        from spmdgt.interceptor import verbose
+
+        verbose(
+            f"OptimizedDataLoader: 0 workers instead of {workers}: this process "
+            f"({multiprocessing.current_process().name}) is daemonic and may not start "
+            "worker processes"
+        )
+        return 0
+    return workers
 
 
 class OptimizedDataLoader:
@@ -72,8 +114,8 @@ class OptimizedDataLoader:
 
         ``shard=False`` gives every rank the full dataset in the same order (what tensor-
         parallel placements need). ``num_workers`` defaults to the cores per local rank minus
-        one (0 on a 1-2 core machine: worker processes would only steal the trainer's cores);
-        ``pin_memory`` to whether CUDA is in use; ``prefetch_factor`` to 2 with workers.
+        one (0 on a 1-2 core machine: worker processes would only steal the trainer's cores;
+        0 in a daemonic process, which may not start workers); ``pin_memory`` to whether CUDA is in use; ``prefetch_factor`` to 2 with workers.
         ``drop_last`` drops the sampler's tail so every rank gets equally many samples and
         the loader's last short batch.
         """
@@ -89,7 +131,7 @@ class OptimizedDataLoader:
             seed=seed,
             drop_last=drop_last,
         )
-        workers = _default_workers() if num_workers is None else num_workers
+        workers = _choose_workers(num_workers)
         pin = (rt.device.type == "cuda") if pin_memory is None else pin_memory
         kwargs = {}
         if workers > 0:
