@@ -115,7 +115,8 @@ class OptimizedDataLoader:
         ``shard=False`` gives every rank the full dataset in the same order (what tensor-
         parallel placements need). ``num_workers`` defaults to the cores per local rank minus
         one (0 on a 1-2 core machine: worker processes would only steal the trainer's cores;
-        0 in a daemonic process, which may not start workers); ``pin_memory`` to whether CUDA is in use; ``prefetch_factor`` to 2 with workers.
+        0 in a daemonic process, which may not start workers); ``pin_memory`` to whether
+        CUDA is in use; ``prefetch_factor`` to 2 with workers.
         ``drop_last`` drops the sampler's tail so every rank gets equally many samples and
         the loader's last short batch.
         """
