@@ -275,15 +275,16 @@ def _finite(v: Any) -> bool:
 
 
 def _short_text(v: Any) -> bool:
-    return isinstance(v, str) and len(v) <= 64 and v.isprintable()
+    return isinstance(v, str) and len(v) <= 256 and v.isprintable()
 
 
 def check_status(s: Any) -> str | None:
     """Why ``s`` is not a status ``top`` can show (None when it is one).
 
-    A status is a JSON object with a non-negative integer ``rank``; every number it has is
-    finite; ``time_share`` maps kinds to finite numbers; ``phase``/``level``/``host`` are short
-    printable text (no terminal control codes reach the screen).
+    A status is a JSON object with a non-negative integer ``rank`` (and ``world``, if given, a
+    positive integer); every number it has is finite; ``time_share`` maps kinds to finite
+    numbers; ``phase``/``level``/``host`` are short printable text (no terminal control codes
+    reach the screen).
     """
     if not isinstance(s, dict):
         return f"holds a JSON {type(s).__name__}, not an object"
@@ -293,6 +294,9 @@ def check_status(s: Any) -> str | None:
     for key in _STATUS_NUMBERS:
         if key in s and not _finite(s[key]):
             return f"{key} {s[key]!r} is not a finite number"
+    world = s.get("world", 1)
+    if not (isinstance(world, int) and 1 <= world <= 1 << 20):
+        return f"world {world!r} is not a world size"
     shares = s.get("time_share", {})
     if not isinstance(shares, dict) or not all(
         _short_text(k) and _finite(v) for k, v in shares.items()

@@ -117,7 +117,9 @@ def _rejections(run_dir: str, trace_id: str) -> list[str]:
         t = s.get("trace")
         if not (isinstance(t, dict) and t.get("state") == "rejected" and t.get("id") == trace_id):
             return []
-        reasons.append(f"rank {s['rank']}: {t.get('detail')}")
+        detail = t.get("detail")
+        shown = detail if isinstance(detail, str) and detail.isprintable() else repr(detail)
+        reasons.append(f"rank {s['rank']}: {shown[:300]}")
     return reasons
 
 
