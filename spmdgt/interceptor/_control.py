@@ -118,7 +118,9 @@ def enable(
     global _atexit_registered
     ic = get_interceptor()
     rank, world = env_rank()
-    level = level or os.environ.get("GT_INTERCEPT") or ic.level or "torch"
+    # a running session keeps its level; a new one starts at the default, whatever an earlier
+    # session used (a forked test rank inherited "aten" from its parent's last test this way)
+    level = level or os.environ.get("GT_INTERCEPT") or (ic.level if ic.active else "torch")
     if level == "native" and (not ic.active or ic.level != "native"):
         from spmdgt.interceptor import _native
 
