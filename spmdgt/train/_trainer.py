@@ -26,7 +26,13 @@ from torch import nn
 
 from spmdgt import interceptor, runtime
 from spmdgt.config import ConfigError
-from spmdgt.train._checkpoint import find_latest, load_checkpoint, save_checkpoint
+from spmdgt.train._checkpoint import (
+    find_latest,
+    load_checkpoint,
+    on_rank0,
+    resolve_checkpoint,
+    save_checkpoint,
+)
 from spmdgt.train._comm import InterceptorCollectiveSink
 from spmdgt.train._config import STRATEGIES, SchedulerConfig, TrainConfig, load_train_config
 from spmdgt.train._data import ResumableDistributedSampler
@@ -301,10 +307,10 @@ class DistributedTrainer:
     def load_checkpoint(self, path: str | os.PathLike) -> None:
         """Restore model, optimizer, scheduler, scaler, RNG and data position from ``path``.
 
-        ``path`` is one ``step_<n>`` checkpoint or a checkpoint directory (its newest)."""
-        found = find_latest(path) if not os.path.isfile(os.path.join(path, ".metadata")) else path
-        if found is None:
-            raise FileNotFoundError(f"no complete checkpoint under {path}")
+        ``path`` is one ``step_<n>`` checkpoint or a checkpoint directory (its newest, as its
+        ``latest`` names it, confined to the directory). Collective: rank 0 resolves the path
+        and every rank loads that one, or raises rank 0's error."""
+        found = on_rank0(lambda: resolve_checkpoint(path))
         extra = load_checkpoint(found, self.model, self.optimizer)
         self.global_step = extra["step"]
         self._epoch = extra["epoch"]
@@ -335,7 +341,8 @@ class DistributedTrainer:
         profile = cfg.profile if profile is None else profile
         ck = cfg.checkpoint
         if ck.dir and ck.resume and self._resumed_from is None:
-            found = find_latest(ck.dir)
+            # Rank 0 reads the directory for everyone: whether to load is a collective decision.
+            found = on_rank0(lambda: find_latest(ck.dir))
             if found is not None:
                 self.load_checkpoint(found)
                 runtime.print0(f"resumed from {found} at step {self.global_step}")
