@@ -310,3 +310,16 @@ def test_gt_run_dir_alone_publishes_a_status(tmp_path):
     assert status["rank"] == 0 and status["world"] == 1
     assert status["ops_total"] >= 6  # 3 x (mul, add), counted by the attached stats
     assert status["trace_dirs"] == [str(run.resolve())]
+
+
+def test_a_new_session_starts_at_the_default_level():
+    """A forked test rank (or a later ``enable()``) must not inherit an earlier session's level:
+    with ``aten`` left behind, the two-rank tools test recorded ATen ops at level 0."""
+    interceptor.disable()
+    interceptor.enable(stats=True, level="aten")
+    interceptor.disable()
+    try:
+        interceptor.enable(stats=True)
+        assert mode.get_interceptor().level == "torch"
+    finally:
+        interceptor.disable()
