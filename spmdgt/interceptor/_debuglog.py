@@ -15,8 +15,10 @@ module-level flag so a disabled component costs one global read::
     if _debuglog.SHARDING:
         _debuglog.debug("sharding", f"redistribute {src} -> {dst}")
 
-``debug`` checks the flag itself too, so unguarded calls are correct, just not free. Nothing here
-imports torch: ``maybe_enable_from_env`` runs at ``import spmdgt``.
+``debug`` checks the flag itself too, so unguarded calls are correct, just not free. ``notice``
+prints whatever the flags say, in the same format: for the few things a user must hear about
+unasked (a ~1 min native build, a log rotated or a profile capped at its size limit). Nothing
+here imports torch: ``maybe_enable_from_env`` runs at ``import spmdgt``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import os
 import sys
 import time
 
-__all__ = ["COMPONENTS", "configure", "debug", "enabled", "verbose"]
+__all__ = ["COMPONENTS", "configure", "debug", "enabled", "notice", "verbose"]
 
 # GT env var -> spmdgt component
 COMPONENTS = {
@@ -90,11 +92,22 @@ def debug(component: str, msg: str) -> None:
     comp = _ALIASES.get(component, component)
     if not globals().get(_FLAG_OF.get(comp, ""), False):
         return
-    print(
-        f"[gt r{_rank()} {comp} +{time.perf_counter() - _T0:.3f}s] {msg}",
-        file=sys.stderr,
-        flush=True,
-    )
+    _print(comp, msg)
+
+
+def notice(component: str, msg: str) -> None:
+    """Print ``msg`` whatever the flags say, as ``[gt r<rank> <component> +<t>s] msg``.
+
+    For what a user must hear about unasked, once: a native build (a ~1 min stall otherwise
+    silent), a log rotated or a profile stopped at its size cap. ``component`` is free text.
+    """
+    _print(component, msg)
+
+
+def _print(component: str, msg: str) -> None:
+    # one write per line: ranks share the terminal, and two ranks' prints must not interleave
+    sys.stderr.write(f"[gt r{_rank()} {component} +{time.perf_counter() - _T0:.3f}s] {msg}\n")
+    sys.stderr.flush()
 
 
 def verbose(msg: str) -> None:

@@ -24,6 +24,17 @@ are headers: the first records rank, world and the wall-clock start so ranks can
 With more than one rank each rank writes its own file, ``path`` with ``.rank<r>`` before the
 extension (``debug.log`` -> ``debug.rank1.log``). Lines are written in batches (the interceptor's
 batch, and at least once a second): memory is bounded however long the run.
+
+Disk is bounded too: once a file would pass ``GT_INSTRUCTION_LOG_MAX_MB`` (default 256 MB per
+rank), it is rotated at a whole line, as logrotate and Python's ``RotatingFileHandler`` do: the
+full file becomes ``path.1`` (replacing an older ``.1``) and ``path`` starts again with the same
+header plus a ``# rotated`` line. So ``path`` always holds the newest lines (where a hang or a
+crash is), at most twice the cap is on disk per rank, and instruction numbers run on across
+files. The first rotation prints one rank-prefixed line on stderr; ``0`` turns rotation off.
+The native level's C++ writer rotates by the same rule (``_native.NativeLogSink``).
+
+The columns (``COLUMNS``), event words and dtype names are ``_events``' table, shared with the
+C++ writer.
 """
 
 from __future__ import annotations
@@ -31,21 +42,47 @@ from __future__ import annotations
 import os
 from typing import IO
 
-from spmdgt.interceptor._events import OpEvent
+from spmdgt.interceptor import _debuglog
+from spmdgt.interceptor._events import COLUMNS, OpEvent, dtype_short, event_of
 
-__all__ = ["COLUMNS", "InstructionLogSink", "format_events", "header", "rank_path"]
+__all__ = [
+    "COLUMNS",
+    "DEFAULT_MAX_MB",
+    "InstructionLogSink",
+    "format_events",
+    "header",
+    "max_log_bytes",
+    "rank_path",
+    "rotation_message",
+]
 
-COLUMNS = (
-    "elapsed", "rank", "seq", "event", "phase", "kind", "op", "bytes", "dur", "level", "signal",
-    "inputs", "outputs", "placements",
-)  # fmt: skip
+DEFAULT_MAX_MB = 256.0  # per rank and file; ~30 s of the busiest small-op loop, far more in
+# training (bigger ops, fewer lines); two files at most: <= 512 MB per rank on disk
 
-_DTYPE_SHORT = {
-    "float32": "f32", "float64": "f64", "float16": "f16", "bfloat16": "bf16", "int64": "i64",
-    "int32": "i32", "int16": "i16", "int8": "i8", "uint8": "u8", "bool": "b1",
-    "complex64": "c64", "complex128": "c128",
-}  # fmt: skip
-_EVENT = {"comm": "COMM", "wait": "WAIT"}
+
+def max_log_bytes() -> int:
+    """The rotation size from ``GT_INSTRUCTION_LOG_MAX_MB`` (MB = 10**6 bytes; 0: never)."""
+    return _env_mb("GT_INSTRUCTION_LOG_MAX_MB", DEFAULT_MAX_MB)
+
+
+def _env_mb(var: str, default: float) -> int:
+    raw = (os.environ.get(var) or "").strip()
+    try:
+        mb = float(raw) if raw else default
+    except ValueError:
+        mb = -1.0
+    if not mb >= 0:  # also NaN
+        raise ValueError(f"{var}={raw!r}: expected a size in MB >= 0 (0: no limit)")
+    return int(mb * 1_000_000)
+
+
+def rotation_message(path: str, max_bytes: int) -> str:
+    """The one line a rank prints at its log's first rotation."""
+    return (
+        f"instruction log {path} reached {max_bytes / 1e6:g} MB (GT_INSTRUCTION_LOG_MAX_MB): "
+        f"rotated, older lines in {path}.1; the newest stay in {path} (at most 2 x "
+        f"{max_bytes / 1e6:g} MB on disk; not repeated)"
+    )
 
 
 def rank_path(path: str, rank: int, world: int) -> str:
@@ -81,9 +118,8 @@ class _Formatter:
         if got is None:
             parts = []
             for s in specs:
-                dt = str(s[1]).removeprefix("torch.")
                 shape = "x".join(map(str, s[0])) or "scalar"
-                parts.append(f"{shape}:{_DTYPE_SHORT.get(dt, dt)}")
+                parts.append(f"{shape}:{dtype_short(s[1])}")
             got = self._specs[specs] = ",".join(parts)
         return got
 
@@ -105,7 +141,7 @@ class _Formatter:
     def _parts(self, e: OpEvent) -> tuple[str, str]:
         """Columns 4-8 and 10-14 of an event: constant for a given op, shapes and context."""
         sig = e.signal.replace(" ", "_") if e.signal else "-"
-        mid = f"{_EVENT.get(e.kind, 'OP')} {e.phase} {e.kind} {e.op} {e.nbytes}B"
+        mid = f"{event_of(e.kind)} {e.phase} {e.kind} {e.op} {e.nbytes}B"
         tail = (
             f"{e.level} {sig} {self.specs(e.inputs)} {self.specs(e.output)} "
             f"{self.placements(e.inputs, e.output)}"
@@ -157,20 +193,72 @@ def format_events(events: list[OpEvent], rank: int = 0, origin_ns: int = 0) -> s
 
 
 class InstructionLogSink:
-    """Writes every event as a log line; one ``write`` per batch, no per-op I/O."""
+    """Writes every event as a log line; one ``write`` per batch, no per-op I/O.
+
+    ``max_bytes`` (default ``GT_INSTRUCTION_LOG_MAX_MB``; 0: unbounded) rotates the file at a
+    whole line (module docstring).
+    """
 
     def __init__(
-        self, path: str, rank: int, world: int, origin_ns: int, origin_unix_ns: int, level: str
+        self,
+        path: str,
+        rank: int,
+        world: int,
+        origin_ns: int,
+        origin_unix_ns: int,
+        level: str,
+        max_bytes: int | None = None,
     ) -> None:
         self.path = rank_path(path, rank, world)
+        self.max_bytes = max_log_bytes() if max_bytes is None else max_bytes
+        self.rotations = 0
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        self._header = header(rank, world, origin_unix_ns, level)
         self._file: IO[str] | None = open(self.path, "w", buffering=1 << 16)  # noqa: SIM115
-        self._file.write(header(rank, world, origin_unix_ns, level))
+        self._file.write(self._header)
+        self._size = self._head_size = len(self._header)  # ASCII: characters are bytes
         self._fmt = _Formatter(rank, origin_ns)
 
     def on_events(self, events: list[OpEvent]) -> None:
-        if self._file is not None:
-            self._file.write(self._fmt.lines(events))
+        if self._file is None:
+            return
+        text = self._fmt.lines(events)
+        if not self.max_bytes or self._size + len(text) <= self.max_bytes:
+            self._file.write(text)
+            self._size += len(text)
+        else:
+            self._write_rotating(text)
+
+    def _write_rotating(self, text: str) -> None:
+        """The C++ writer's rule (``write_locked``): fill the file with whole lines, rotate."""
+        while text and self._file is not None:
+            if self._size + len(text) <= self.max_bytes:
+                self._file.write(text)
+                self._size += len(text)
+                return
+            room = max(self.max_bytes - self._size, 0)
+            cut = text.rfind("\n", 0, room) + 1
+            if cut == 0 and self._size <= self._head_size:  # nothing fits a fresh file
+                cut = text.find("\n") + 1 or len(text)
+            if cut:
+                self._file.write(text[:cut])
+                self._size += cut
+                text = text[cut:]
+            if text:
+                self._rotate()
+
+    def _rotate(self) -> None:
+        assert self._file is not None
+        self._file.close()
+        old = f"{self.path}.1"
+        os.replace(self.path, old)
+        self._file = open(self.path, "w", buffering=1 << 16)  # noqa: SIM115
+        head = f"{self._header}# rotated: earlier lines are in {old}\n"
+        self._file.write(head)
+        self._size = self._head_size = len(head)
+        self.rotations += 1
+        if self.rotations == 1:
+            _debuglog.notice("log", rotation_message(self.path, self.max_bytes))
 
     def flush(self) -> None:
         if self._file is not None:

@@ -42,7 +42,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from spmdgt.interceptor._events import OpEvent, Sink, classify
+from spmdgt.interceptor._events import OVERHEAD, OpEvent, Sink, classify
 from spmdgt.interceptor._events import op_name as _op_name
 
 __all__ = ["Interceptor", "get_interceptor"]
@@ -114,9 +114,13 @@ class _AtenMode(TorchDispatchMode):
         from torch.distributed.tensor import DTensor
 
         self._dtensor = DTensor
+        self._untracked: dict[Any, bool] = {}  # func -> run without a record (once per func)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if isinstance(func, torch._ops.HigherOrderOperator):
+        untracked = self._untracked.get(func)
+        if untracked is None:
+            untracked = self._untracked[func] = _untracked(func)
+        if untracked:
             return func(*args, **(kwargs or {}))
         for t in types:
             if issubclass(t, self._dtensor):
@@ -131,6 +135,14 @@ class _AtenMode(TorchDispatchMode):
         t1 = _perf_ns()
         ic._record(func, t0, t1 - t0, self.level, _specs(args), _out_specs(out))
         return out
+
+
+def _untracked(func: Any) -> bool:
+    """Higher-order operators (their inner ops are recorded) and ``overhead`` ops (the
+    profiler's ``record_function`` ops: ``_events.KINDS``): not instructions at any level."""
+    if isinstance(func, torch._ops.HigherOrderOperator):
+        return True
+    return classify(_op_name(func)) == OVERHEAD
 
 
 _RECORD, _BACKWARD, _SKIP = 0, 1, 2
@@ -154,7 +166,7 @@ def _verdict(func: Any) -> int:
     if getattr(func, "__name__", "") in _METADATA:
         return _SKIP
     name = _op_name(func)
-    return _SKIP if name.startswith(_BOOKKEEPING) else _RECORD
+    return _SKIP if name.startswith(_BOOKKEEPING) or classify(name) == OVERHEAD else _RECORD
 
 
 class _TorchMode(TorchFunctionMode):
@@ -232,13 +244,15 @@ class Interceptor:
         self._froze_gc = False  # tick callbacks add/remove sinks
         self._native: Any = None  # the compiled observer while level == "native"
         self.fresh = True  # the next start begins a session (native: counters from zero)
+        self._batch = _BATCH  # events buffered before a drain (less while an alarm is near)
+        self._alarm: tuple[int, Callable[[], None]] | None = None
 
     # -- hot path ---------------------------------------------------------------------------
     def _record(self, func, t0: int, dur: int, level: int, ins: tuple, outs: tuple) -> None:
         self.seq += 1
         buf = self._buf
         buf.append((self.seq, t0, dur, func, level, self.phase, self._signal(), ins, outs))
-        if len(buf) >= _BATCH or t0 > self._next_tick:
+        if len(buf) >= self._batch or t0 > self._next_tick:
             self.drain(tick=t0 > self._next_tick)
 
     # -- batch path -------------------------------------------------------------------------
@@ -254,26 +268,69 @@ class Interceptor:
         with self._lock:
             if self._native is not None:
                 self._drain_native(tick)
-                return
-            raw, self._buf = self._buf, []
-            if raw and self.sinks:
-                events = []
-                append = events.append
-                cache, names = self._names, self._name
-                for seq, t0, dur, func, level, phase, sig, ins, outs in raw:
-                    got = cache.get(func)
-                    name, kind = got if got is not None else names(func)
-                    nbytes = _comm_bytes(ins, outs) if kind == "comm" else 0
-                    append(
-                        _tuple_new(
-                            OpEvent,
-                            (seq, t0, dur, name, kind, level, phase, sig, ins, outs, nbytes),
-                        )
+            else:
+                self._drain_python(tick)
+            if self._alarm is not None:
+                self._check_alarm()
+
+    def _drain_python(self, tick: bool) -> None:
+        raw, self._buf = self._buf, []
+        if raw and self.sinks:
+            events = []
+            append = events.append
+            cache, names = self._names, self._name
+            for seq, t0, dur, func, level, phase, sig, ins, outs in raw:
+                got = cache.get(func)
+                name, kind = got if got is not None else names(func)
+                nbytes = _comm_bytes(ins, outs) if kind == "comm" else 0
+                append(
+                    _tuple_new(
+                        OpEvent,
+                        (seq, t0, dur, name, kind, level, phase, sig, ins, outs, nbytes),
                     )
-                for sink in self.sinks:
-                    sink.on_events(events)
-            if tick:
-                self._tick()
+                )
+            for sink in self.sinks:
+                sink.on_events(events)
+        if tick:
+            self._tick()
+
+    # -- alarm ------------------------------------------------------------------------------
+    def recorded(self) -> int:
+        """Events recorded this session (the C++ count at the native level)."""
+        if self._native is not None:
+            return int(self._native.counts()[0])
+        return self.seq
+
+    def set_alarm(self, at: int | None, fn: Callable[[], None] | None = None) -> None:
+        """Call ``fn()`` once, on the rank's thread between ops, as soon as ``recorded()``
+        reaches ``at`` (``None``: no alarm). For size caps (``_profile``): the Python levels
+        drain exactly at ``at`` (the batch shrinks to fit), the C++ observer calls back at the
+        first top-level op end past it."""
+        with self._lock:
+            self._alarm = None if at is None or fn is None else (at, fn)
+            self._arm()
+
+    def _arm(self) -> None:
+        if self._alarm is None:
+            self._batch = _BATCH
+            if self._native is not None:
+                self._native.set_alarm(0)
+            return
+        left = self._alarm[0] - self.recorded()
+        if self._native is not None:
+            self._native.set_alarm(max(self._alarm[0], 1))
+        else:
+            self._batch = max(1, min(_BATCH, left + len(self._buf)))
+
+    def _check_alarm(self) -> None:
+        assert self._alarm is not None
+        at, fn = self._alarm
+        if self.recorded() < at:
+            self._arm()  # the C++ alarm is one-shot; the batch shrinks as ``at`` nears
+            return
+        self._alarm = None
+        self._arm()
+        fn()
 
     def _tick(self) -> None:
         """Flush every sink and run the tick callbacks (top's publisher), ~once a second."""
@@ -339,6 +396,7 @@ class Interceptor:
             _scope.observer = ext.set_signal
             ext.set_phase({"fwd": 0, "bwd": 1, "opt": 2}.get(self.phase, 0))
             ext.set_callback(self._native_callback)
+            self._arm()  # a restart (get_worker_stats pauses) keeps an alarm set before
             self._install_optimizer_hooks()
             self._freeze_gc()
             self._next_tick = _perf_ns() + _TICK_NS

@@ -14,24 +14,41 @@ runs per op. Python sinks (stats, tape, publisher) get the same records as ``OpE
 the observer calls back into Python every 4096 records or ~1 s, only on a thread that already
 holds the GIL (the rank's own thread), never from a backward worker.
 
+Classification is not in the C++ source: ``_init`` hands the observer ``_events``' table (op
+kinds, event words, log columns, dtype names) before it records anything, so every level
+classifies an op the same way. Records of kind ``overhead`` (the dispatcher's Python-key
+kernels, ``PythonSubclass``/``PythonDispatchMode``) are never recorded.
+
 Differences from ``level="torch"``: op names are ATen overloads (``aten.mul.Tensor``), every
 ATen op is seen (composite ops show their parts at level 1), ``Tensor.backward`` itself is not
 an event, placements are always ``-`` (DTensor is desugared before the dispatcher records).
 
-Built once per torch version with ``torch.utils.cpp_extension.load`` (needs a C++ compiler and
-ninja; ~1 min on 2 cores) into ``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/spmdgt/torch_extensions``.
-``GT_NATIVE=0`` disables it; a failed build falls back to ``level="torch"`` with one verbose
-line.
+Build cache: ``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/spmdgt/torch_extensions``, one folder per
+``cache_key()``: a hash of the C++ source, torch's version, the compiler flags, the compiler and
+the Python ABI. So checkouts with different sources never share (nor silently rebuild) one
+build, and a cached build is imported directly, without ninja. A build (~45 s-1 min on 2
+cores; needs a C++ compiler and ninja) prints one rank-prefixed line on stderr saying so and
+where. ``GT_NATIVE=0`` disables the observer; a failed build falls back to ``level="torch"``
+with one verbose line.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.machinery
+import importlib.util
 import os
+import platform
+import sys
 from types import ModuleType
 
-__all__ = ["available", "error", "load"]
+from spmdgt.interceptor import _debuglog
 
+__all__ = ["NativeLogSink", "available", "build_dir", "cache_key", "error", "load"]
+
+_NAME = "spmdgt_observer"  # the module name the .so exports (PyInit_spmdgt_observer)
 _SRC = os.path.join(os.path.dirname(__file__), "csrc", "observer.cpp")
+_CFLAGS = ("-O2", "-DNDEBUG")
 _ext: ModuleType | None = None
 _error: str | None = None
 _tried = False
@@ -39,6 +56,44 @@ _tried = False
 
 def _disabled() -> bool:
     return (os.environ.get("GT_NATIVE") or "").strip().lower() in ("0", "false", "no", "off")
+
+
+def cache_key(
+    source: bytes | None = None,
+    torch_version: str | None = None,
+    cflags: tuple[str, ...] = _CFLAGS,
+) -> str:
+    """The build's identity: 16 hex digits of a hash of everything the ``.so`` depends on.
+
+    The C++ source (``csrc/observer.cpp`` unless ``source`` is given), torch's version and
+    commit (its headers and ABI), the compiler flags and compiler (``$CXX``), and the Python
+    ABI tag and machine (pybind11 ties the module to them). Any change gives a new folder, so a
+    build is never reused for another source and two checkouts never overwrite each other's.
+    """
+    import torch
+
+    if source is None:
+        with open(_SRC, "rb") as f:
+            source = f.read()
+    h = hashlib.sha256(source)
+    for part in (
+        torch_version or torch.__version__,
+        getattr(torch.version, "git_version", ""),
+        " ".join(cflags),
+        os.environ.get("CXX", "c++"),
+        sys.implementation.cache_tag or "",
+        platform.machine(),
+    ):
+        h.update(b"\0" + str(part).encode())
+    return h.hexdigest()[:16]
+
+
+def build_dir(key: str | None = None) -> str:
+    """The cache folder of the build with ``key`` (default: this checkout's ``cache_key()``)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "spmdgt", "torch_extensions"
+    )
+    return os.path.join(root, f"{_NAME}_{key or cache_key()}")
 
 
 def load() -> ModuleType | None:
@@ -51,32 +106,7 @@ def load() -> ModuleType | None:
         return None
     _tried = True
     try:
-        import torch
-        from torch.utils import cpp_extension
-
-        cpp_extension.verify_ninja_availability()
-        build = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
-            os.path.expanduser("~"), ".cache", "spmdgt", "torch_extensions"
-        )
-        tag = torch.__version__.replace("+", "_").replace(".", "_")
-        build = os.path.join(build, f"spmdgt_observer_{tag}")
-        os.makedirs(build, exist_ok=True)
-        if not os.path.exists(os.path.join(build, "spmdgt_observer.so")):
-            import sys
-
-            print(
-                "spmdgt: compiling the native op observer for the instruction log (once per "
-                f"machine and torch version, ~1 min; cached in {build}; GT_NATIVE=0 skips it)",
-                file=sys.stderr,
-                flush=True,
-            )
-        ext = cpp_extension.load(
-            name="spmdgt_observer",
-            sources=[_SRC],
-            build_directory=build,
-            extra_cflags=["-O2", "-DNDEBUG"],
-            verbose=False,
-        )
+        ext = _load_or_build()
     except Exception as e:  # no compiler, no ninja, headers mismatch: fall back
         msg = str(e).strip().splitlines()
         _error = f"{type(e).__name__}: {msg[0] if msg else ''}"[:200]
@@ -86,30 +116,67 @@ def load() -> ModuleType | None:
     return ext
 
 
-def _init(ext: ModuleType) -> None:
-    import torch
+def _load_or_build() -> ModuleType:
+    with open(_SRC, "rb") as f:
+        source = f.read()
+    build = build_dir(cache_key(source))
+    so = os.path.join(build, f"{_NAME}.so")
+    if os.path.exists(so):  # built before for exactly this source, torch and flags
+        spec = importlib.util.spec_from_file_location(
+            _NAME, so, loader=importlib.machinery.ExtensionFileLoader(_NAME, so)
+        )
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot import {so}")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    from torch.utils import cpp_extension
 
+    cpp_extension.verify_ninja_availability()
+    os.makedirs(build, exist_ok=True)
+    # Build from a copy inside the cache folder: ninja then never sees another checkout's file
+    # (a newer mtime there would rebuild this one).
+    src = os.path.join(build, "observer.cpp")
+    tmp = f"{src}.{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(source)
+    os.replace(tmp, src)
+    _debuglog.notice(
+        "native",
+        f"compiling the native op observer into {build} (once per source, torch version and "
+        "compiler flags; ~1 min on 2 cores; GT_NATIVE=0 skips it)",
+    )
+    return cpp_extension.load(
+        name=_NAME,
+        sources=[src],
+        build_directory=build,
+        extra_cflags=list(_CFLAGS),
+        verbose=False,
+    )
+
+
+def _table(ext: ModuleType) -> dict:
+    """``_events``' table in the form ``set_table`` takes (see ``csrc/observer.cpp``)."""
     from spmdgt.interceptor import _events
 
-    kinds: dict[str, str] = {}
-    for kind, names in (
-        ("comm", _events._COMM),
-        ("matmul", _events._MATMUL),
-        ("reduce", _events._REDUCE),
-        ("memory", _events._MEMORY),
-    ):
-        for n in names:
-            kinds.setdefault(n, kind)
-    kinds.setdefault("backward", "backward")
-    kinds.setdefault("grad", "backward")
-    ext.set_kinds(kinds)
-    # ScalarType int -> torch.dtype (the C++ records store the enum value)
-    table = {
-        0: torch.uint8, 1: torch.int8, 2: torch.int16, 3: torch.int32, 4: torch.int64,
-        5: torch.float16, 6: torch.float32, 7: torch.float64, 8: torch.complex32,
-        9: torch.complex64, 10: torch.complex128, 11: torch.bool, 15: torch.bfloat16,
-    }  # fmt: skip
-    ext.set_dtypes([table.get(i, i) for i in range(64)])
+    dtypes = ext.scalar_types()  # ScalarType int -> torch.dtype (None: no dtype for it)
+    return {
+        "namespaces": list(_events.NAMESPACES),
+        "kinds": _events.kind_table(),
+        "namespace_kinds": dict(_events.NAMESPACE_KINDS),
+        "events": dict(_events.EVENTS),
+        "default_kind": _events.DEFAULT_KIND,
+        "default_event": _events.event_of(_events.DEFAULT_KIND),
+        "skip_kind": _events.OVERHEAD,
+        "columns": list(_events.COLUMNS),
+        "dtypes": [
+            _events.dtype_short(d) if d is not None else f"dtype{i}" for i, d in enumerate(dtypes)
+        ],
+    }
+
+
+def _init(ext: ModuleType) -> None:
+    ext.set_table(_table(ext))
 
 
 def available() -> bool:
@@ -123,25 +190,44 @@ def error() -> str | None:
 
 
 class NativeLogSink:
-    """The instruction log written by the C++ observer: a sink only for flush/close."""
+    """The instruction log written by the C++ observer: a sink only for flush/close.
+
+    ``max_bytes`` (default: ``GT_INSTRUCTION_LOG_MAX_MB``, see ``_instruction_log``) rotates
+    the file as ``InstructionLogSink`` does; the C++ writer rotates, this sink says so once.
+    """
 
     native = True  # no Python events needed (see Interceptor._sync_keep)
 
-    def __init__(self, ext: ModuleType, path: str, header: str) -> None:
+    def __init__(
+        self, ext: ModuleType, path: str, header: str, max_bytes: int | None = None
+    ) -> None:
+        from spmdgt.interceptor._instruction_log import max_log_bytes
+
         self._ext = ext
         self.path = path
+        self.max_bytes = max_log_bytes() if max_bytes is None else max_bytes
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        ext.open_log(path, header)
+        ext.open_log(path, header, self.max_bytes)
         self._open = True
+        self._told = False
 
     def on_events(self, events: list) -> None:
         pass
 
+    def _tell(self) -> None:
+        if not self._told and self._ext.log_rotations() > 0:
+            from spmdgt.interceptor._instruction_log import rotation_message
+
+            self._told = True
+            _debuglog.notice("log", rotation_message(self.path, self.max_bytes))
+
     def flush(self) -> None:
         if self._open:
             self._ext.flush()
+            self._tell()
 
     def close(self) -> None:
         if self._open:
             self._ext.close_log()
             self._open = False
+            self._tell()

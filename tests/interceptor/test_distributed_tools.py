@@ -5,15 +5,29 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 
+from spmdgt.interceptor._events import base_name
 from tests._dist import run_ranks
+
+
+def _program(mesh, a_full, b_full):
+    """The DTensor program: two distribute_tensor scatters, mm's all-gather, a redistribute."""
+    import torch
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    a = distribute_tensor(a_full, mesh, [Shard(0)])
+    b = distribute_tensor(b_full, mesh, [Shard(0)])  # mm needs it replicated: an all-gather
+    c = torch.mm(a, b)
+    c = torch.relu(c)
+    return c.redistribute(mesh, [Replicate()]).to_local()
 
 
 def _sharded_matmul_job(rank: int, world: int, log: str, run_dir: str, trace_dir: str):
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.debug import CommDebugMode
 
     import spmdgt.interceptor as interceptor
     import spmdgt.interceptor._mode as mode
@@ -25,21 +39,20 @@ def _sharded_matmul_job(rank: int, world: int, log: str, run_dir: str, trace_dir
     torch.manual_seed(0)  # same global values on every rank
     n = world * 3 + 1  # uneven shards
     a_full, b_full = torch.randn(n, 5), torch.randn(5, 4)
+    with CommDebugMode() as comm_mode:  # torch's own count of the same program's collectives
+        _program(mesh, a_full, b_full)
+    expected = {str(op): k for op, k in comm_mode.get_comm_counts().items()}
     interceptor.enable(instruction_log=log, run_dir=run_dir)
     if rank == 0:
         request_trace(run_dir, 60.0, trace_dir)  # ranks pick it up on their next tick
-    dist.barrier()
-    a = distribute_tensor(a_full, mesh, [Shard(0)])
-    b = distribute_tensor(b_full, mesh, [Shard(0)])  # mm needs it replicated: an all-gather
-    c = torch.mm(a, b)
-    c = torch.relu(c)
-    full = c.redistribute(mesh, [Replicate()]).to_local()
+    dist.barrier()  # no tensor argument: no __torch_function__, not in the stream
+    full = _program(mesh, a_full, b_full)
     stats = debug.get_worker_stats()  # a collective: both ranks call it
     tape = [(e.op, e.kind, e.level, e.nbytes) for e in debug.get_tape()]
     interceptor.disable()
     ref = torch.relu(a_full @ b_full)
     torch.testing.assert_close(full, ref)  # same numbers as one process
-    return stats, tape
+    return stats, tape, expected
 
 
 def test_two_ranks_collectives_logs_trace_timeline_top(tmp_path, capsys):
@@ -47,14 +60,23 @@ def test_two_ranks_collectives_logs_trace_timeline_top(tmp_path, capsys):
     from spmdgt.scripts import top, trace, visualize
 
     log = str(tmp_path / "ops.log")
-    run_dir, trace_dir = str(tmp_path / "run"), str(tmp_path / "traces")
+    # ranks write traces only inside the run folder (or GT_TRACE_DIR): see _publish
+    run_dir = str(tmp_path / "run")
+    trace_dir = os.path.join(run_dir, "traces")
     os.makedirs(run_dir)
     results = run_ranks(_sharded_matmul_job, 2, tmp_path, log, run_dir, trace_dir)
 
-    for rank, (stats, tape) in enumerate(results):
+    for rank, (stats, tape, expected) in enumerate(results):
         assert [s["rank"] for s in stats.values()] == [0, 1]  # every rank sees every rank's entry
         mine = stats[rank]
-        assert mine["collectives"]["total"] >= 2  # the all-gather in mm + the redistribute
+        # exactly CommDebugMode's collectives, by type: 2 scatters (distribute_tensor), 2
+        # all-gathers (mm's operand, the redistribute)
+        assert expected == {"c10d.scatter_": 2, "c10d_functional.all_gather_into_tensor": 2}
+        by_type = Counter()
+        for op, k in mine["collectives"]["by_op"].items():
+            by_type[base_name(op)] += k
+        assert by_type == Counter({base_name(op): k for op, k in expected.items()})
+        assert mine["collectives"]["total"] == sum(expected.values())
         assert mine["collectives"]["bytes"] > 0
         comm = [t for t in tape if t[1] == "comm"]
         assert any("all_gather" in op and level == 1 for op, _, level, _ in comm), tape

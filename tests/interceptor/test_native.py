@@ -214,28 +214,41 @@ def test_gt_stats_env_adds_counters_to_the_log(tmp_path, monkeypatch):
     assert top["aten.mul.Tensor"] == 3 and top["aten.add.Tensor"] == 3
 
 
+def _two_rank_program(world: int):
+    """A signal-sharded matmul, its backward, and the values read back (gathers)."""
+    import spmdgt as gt
+
+    gt.manual_seed(0)
+    with gt.signal.context("rows"):
+        a = gt.randn(2 * world + 1, 6, requires_grad=True)  # uneven rows
+    w = torch.ones(6, 3, requires_grad=True)  # a plain parameter: replicated
+    with gt.signal.context("loss"):
+        loss = (a @ w).relu().sum()
+    loss.backward()
+    return loss.item(), a.grad.numpy(), w.grad.numpy()
+
+
 def _native_two_rank_job(rank: int, world: int, log: str):
+    from torch.distributed.tensor.debug import CommDebugMode
+
     import spmdgt as gt
     from spmdgt.interceptor import _native as native
 
     if not native.available():  # the parent built it; a child that cannot load it fails
         raise RuntimeError(f"native observer unavailable on rank {rank}: {native.error()}")
     gt.register_config("rows", gt.SignalConfig(shard=gt.ShardConfig(axis=0)))
-    gt.manual_seed(0)
+    _two_rank_program(world)  # once untraced: one-time setup (meshes) is not in the counts
+    with CommDebugMode() as comm_mode:  # torch's own count of the program's collectives
+        _two_rank_program(world)
+    expected = comm_mode.get_total_counts()
     interceptor.enable(instruction_log=log, stats=True, level="native")
     try:
-        with gt.signal.context("rows"):
-            a = gt.randn(2 * world + 1, 6, requires_grad=True)  # uneven rows
-        w = torch.ones(6, 3, requires_grad=True)  # a plain parameter: replicated
-        with gt.signal.context("loss"):
-            loss = (a @ w).relu().sum()
-        loss.backward()
-        value, grad_a, grad_w = loss.item(), a.grad.numpy(), w.grad.numpy()
+        value, grad_a, grad_w = _two_rank_program(world)
         stats = debug.get_worker_stats()
     finally:
         interceptor.disable()
         get_interceptor().level = "torch"
-    return value, grad_a, grad_w, stats
+    return value, grad_a, grad_w, stats, expected
 
 
 @needs_native
@@ -250,13 +263,16 @@ def test_two_ranks_native_logs(tmp_path):
     w = torch.ones(6, 3, requires_grad=True)
     loss = (a @ w).relu().sum()
     loss.backward()
-    for rank, (value, grad_a, grad_w, stats) in enumerate(results):
+    for rank, (value, grad_a, grad_w, stats, expected) in enumerate(results):
         assert value == pytest.approx(loss.item(), rel=1e-6)
         torch.testing.assert_close(torch.from_numpy(grad_a), a.grad)
         torch.testing.assert_close(torch.from_numpy(grad_w), w.grad)
         assert [s["rank"] for s in stats.values()] == [0, 1]  # gathered from both ranks
         mine = stats[rank]
-        assert mine["collectives"]["total"] >= 1 and mine["collectives"]["bytes"] > 0
+        # exactly the collectives CommDebugMode counts for the same program (one per
+        # transfer: the c10d call inside a functional collective is not counted twice)
+        assert expected > 0 and mine["collectives"]["total"] == expected
+        assert mine["collectives"]["bytes"] > 0
 
     for rank in (0, 1):
         lines = (tmp_path / f"ops.rank{rank}.log").read_text().splitlines()
@@ -271,7 +287,7 @@ def test_two_ranks_native_logs(tmp_path):
         # one record per collective: DTensor's functional collective, not also the c10d call
         # it runs (the same bytes, counted twice before)
         assert not any(r.op.startswith("c10d.allreduce") for r in comm), comm
-        assert results[rank][3][rank]["collectives"]["total"] == len(comm)
+        assert results[rank][3][rank]["collectives"]["total"] == len(comm) == results[rank][4]
         assert results[rank][3][rank]["collectives"]["bytes"] == sum(r.nbytes for r in comm)
         assert any(r.op == "aten.mm.default" and r.signal == "loss" for r in recs)
         assert {r.phase for r in recs} >= {"fwd", "bwd"}

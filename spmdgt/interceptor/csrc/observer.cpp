@@ -6,6 +6,10 @@
 // inputs, collective bytes; end: duration, output shapes, one buffer append under a mutex).
 // Formatting and file I/O run every kFlushEvery records (or on flush()) under the same mutex,
 // on whichever thread filled the buffer. Names are interned (pointer cache checked by strcmp).
+//
+// No classification lives here: op kinds, event words, the log's column order and dtype names
+// come from spmdgt/interceptor/_events.py through set_table() (called by _native._init before
+// start), so the Python and C++ levels cannot disagree on what an op is.
 
 #include <ATen/record_function.h>
 #include <ATen/core/ivalue.h>
@@ -13,6 +17,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <Python.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <atomic>
 #include <chrono>
@@ -23,6 +28,7 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 namespace py = pybind11;
@@ -86,6 +92,23 @@ struct NameInfo {
   bool comm;
   bool wait;
   bool backward;  // an autograd engine node (evaluate_function): phase bwd
+  bool skip;      // kind "overhead" (the table's skip kind): never recorded
+};
+
+// The table from _events.py (set_table): how ops are classified and how lines are written.
+enum Column {
+  kElapsed, kRank, kSeq, kEvent, kPhase, kKind, kOp, kBytes, kDur, kLevel, kSignal, kInputs,
+  kOutputs, kPlacements
+};
+struct Table {
+  bool loaded = false;
+  std::unordered_set<std::string> namespaces;                 // dropped by base_name
+  std::unordered_map<std::string, std::string> kinds;         // base name -> kind
+  std::unordered_map<std::string, std::string> ns_kinds;      // namespace -> kind
+  std::unordered_map<std::string, std::string> events;        // kind -> event word
+  std::string default_kind, default_event, skip_kind;
+  std::vector<Column> columns;                                // the log's columns, in order
+  std::vector<std::string> dtypes;                            // ScalarType int -> short name
 };
 
 // ---- global state (guarded by g_mu unless atomic) -------------------------------------------
@@ -95,7 +118,7 @@ std::deque<NameInfo> g_names;  // stable addresses: read without the lock once i
 std::unordered_map<std::string, int32_t> g_name_ids;
 std::vector<std::string> g_signals{"-"};
 std::unordered_map<std::string, int32_t> g_signal_ids{{"-", 0}};
-std::unordered_map<std::string, std::string> g_kinds;  // base name -> kind (from Python)
+Table g_table;  // set once by set_table(), read under g_mu (interning, formatting)
 std::atomic<int32_t> g_signal{0};
 std::atomic<uint8_t> g_phase{0};  // 0 fwd, 1 bwd, 2 opt
 std::atomic<bool> g_enabled{false};
@@ -110,6 +133,13 @@ int64_t g_origin = 0;
 int g_rank = 0;
 std::thread::id g_main_thread;  // the thread that started recording: the rank's own
 FILE* g_file = nullptr;
+std::string g_path;         // the log's path and header (rotation reopens it)
+std::string g_header;
+size_t g_max_bytes = 0;     // rotate the log past this many bytes (0: never)
+size_t g_written = 0;       // bytes in the current file
+size_t g_header_bytes = 0;  // of which the header
+uint64_t g_rotations = 0;
+uint64_t g_alarm = 0;       // call back once g_total reaches it (0: no alarm)
 std::string g_out;  // formatting buffer
 at::CallbackHandle g_handle = 0;
 at::CallbackHandle g_bwd_handle = 0;
@@ -137,6 +167,7 @@ struct CacheSlot {
   bool comm = false;
   bool wait = false;
   bool backward = false;
+  bool skip = false;
   const std::string* key = nullptr;  // the interned entry's key (deque element: stable)
 };
 constexpr size_t kCache = 256;
@@ -150,28 +181,17 @@ inline int64_t now_ns() {
       .count();
 }
 
-const char* dtype_short(int8_t d) {
-  switch (static_cast<c10::ScalarType>(d)) {
-    case c10::ScalarType::Float: return "f32";
-    case c10::ScalarType::Double: return "f64";
-    case c10::ScalarType::Half: return "f16";
-    case c10::ScalarType::BFloat16: return "bf16";
-    case c10::ScalarType::Long: return "i64";
-    case c10::ScalarType::Int: return "i32";
-    case c10::ScalarType::Short: return "i16";
-    case c10::ScalarType::Char: return "i8";
-    case c10::ScalarType::Byte: return "u8";
-    case c10::ScalarType::Bool: return "b1";
-    case c10::ScalarType::ComplexFloat: return "c64";
-    case c10::ScalarType::ComplexDouble: return "c128";
-    default: return c10::toString(static_cast<c10::ScalarType>(d));
-  }
+const std::string& dtype_short(int8_t d) {
+  static thread_local std::string other;
+  size_t i = static_cast<size_t>(static_cast<uint8_t>(d));
+  if (i < g_table.dtypes.size()) return g_table.dtypes[i];
+  other = c10::toString(static_cast<c10::ScalarType>(d));
+  return other;
 }
 
-std::string base_name(const std::string& op) {
-  // aten.mul_.Tensor -> mul ; same rule as _events.base_name
-  static const char* ns[] = {"aten", "c10d", "_c10d_functional", "c10d_functional", "prims",
-                             "dist"};
+// The same rule as _events.classify, over the table it was handed: a namespace in ns_kinds
+// decides; else the base name (namespace and overload dropped, one trailing '_' dropped).
+std::string classify(const std::string& op) {
   std::vector<std::string> parts;
   size_t s = 0;
   for (size_t i = 0; i <= op.size(); ++i) {
@@ -180,23 +200,16 @@ std::string base_name(const std::string& op) {
       s = i + 1;
     }
   }
-  std::string name = parts[0];
   if (parts.size() >= 2) {
-    for (auto* n : ns) {
-      if (parts[0] == n) {
-        name = parts[1];
-        break;
-      }
-    }
+    auto nk = g_table.ns_kinds.find(parts[0]);
+    if (nk != g_table.ns_kinds.end()) return nk->second;
   }
+  std::string name = parts[0];
+  if (parts.size() >= 2 && g_table.namespaces.count(parts[0])) name = parts[1];
   if (name.size() >= 1 && name.back() == '_' && !(name.size() >= 2 && name[name.size() - 2] == '_'))
     name.pop_back();
-  return name;
-}
-
-bool ends_with(const std::string& s, const char* suf) {
-  size_t n = std::strlen(suf);
-  return s.size() >= n && s.compare(s.size() - n, n, suf) == 0;
+  auto k = g_table.kinds.find(name);
+  return k != g_table.kinds.end() ? k->second : g_table.default_kind;
 }
 
 // Under g_mu.
@@ -225,19 +238,13 @@ int32_t intern_locked(const char* name, const char* overload) {
     if (ch == ' ' || ch == '\t' || ch == '\n') ch = '_';
   info.op = op;
   info.backward = node;
-  std::string kind;
-  if (node) {
-    kind = "backward";
-  } else if (ends_with(op, "wait_tensor.default") || ends_with(op, ".wait")) {
-    kind = "wait";
-  } else {
-    auto k = g_kinds.find(base_name(op));
-    kind = k != g_kinds.end() ? k->second : "elementwise";
-  }
+  std::string kind = classify(op);  // an engine node is autograd.X: the table says backward
   info.kind = kind;
-  info.event = kind == "comm" ? "COMM" : (kind == "wait" ? "WAIT" : "OP");
-  info.comm = kind == "comm";
-  info.wait = kind == "wait";
+  auto ev = g_table.events.find(kind);
+  info.event = ev != g_table.events.end() ? ev->second : g_table.default_event;
+  info.comm = info.event == "COMM";
+  info.wait = info.event == "WAIT";
+  info.skip = kind == g_table.skip_kind;
   int32_t id = static_cast<int32_t>(g_names.size());
   g_names.push_back(std::move(info));
   g_name_ids.emplace(std::move(key), id);
@@ -267,6 +274,7 @@ inline const CacheSlot& name_id(const at::RecordFunction& fn) {
   slot.comm = g_names[id].comm;
   slot.wait = g_names[id].wait;
   slot.backward = g_names[id].backward;
+  slot.skip = g_names[id].skip;
   slot.key = &g_names[id].key;
   return slot;
 }
@@ -289,6 +297,10 @@ inline int64_t tensor_bytes(const at::Tensor& t) {
 std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   if (t_in_callback) return nullptr;
   const CacheSlot& slot = name_id(fn);
+  // The dispatcher's own records around an op (the Python-key kernels: PythonSubclass runs
+  // DTensor's __torch_dispatch__) are not ops: no record, no nesting level (their ops are
+  // recorded by their own callbacks, at the level they would have without them).
+  if (slot.skip) return nullptr;
   // One collective, one record: a backend op (c10d.allreduce_) run inside a collective already
   // being recorded (DTensor's _c10d_functional.all_reduce) is the same transfer, not a second.
   if (slot.comm && t_comm_depth > 0) return nullptr;
@@ -328,11 +340,60 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
 
 void format_locked(const Rec& r);
 
+// Start a new file: the current one becomes <path>.1 (replacing an older .1), as
+// InstructionLogSink does. The new file starts with the same header (ranks stay aligned) and a
+// note, so a reader knows lines came before it.
+void rotate_locked() {
+  if (g_file == nullptr) return;
+  std::fclose(g_file);
+  std::string old = g_path + ".1";
+  std::rename(g_path.c_str(), old.c_str());
+  g_file = std::fopen(g_path.c_str(), "w");
+  ++g_rotations;
+  g_written = 0;
+  if (g_file == nullptr) return;  // the directory went away: stop writing
+  std::setvbuf(g_file, nullptr, _IOFBF, 1 << 20);
+  std::string head = g_header + "# rotated: earlier lines are in " + old + "\n";
+  std::fputs(head.c_str(), g_file);
+  g_written = g_header_bytes = head.size();
+}
+
+// Write formatted lines, rotating at whole lines once the file would pass g_max_bytes. A line
+// longer than the cap still goes into a fresh file on its own (progress over exactness).
+void write_locked(const char* p, size_t n) {
+  while (n > 0 && g_file != nullptr) {
+    if (g_max_bytes == 0 || g_written + n <= g_max_bytes) {
+      std::fwrite(p, 1, n, g_file);
+      g_written += n;
+      return;
+    }
+    size_t room = g_max_bytes > g_written ? g_max_bytes - g_written : 0;
+    size_t cut = 0;
+    for (size_t i = room; i > 0; --i) {  // the last whole line that fits
+      if (p[i - 1] == '\n') {
+        cut = i;
+        break;
+      }
+    }
+    if (cut == 0 && g_written <= g_header_bytes) {  // nothing fits a fresh file: one line
+      const void* q = std::memchr(p, '\n', n);
+      cut = q != nullptr ? static_cast<const char*>(q) - p + 1 : n;
+    }
+    if (cut > 0) {
+      std::fwrite(p, 1, cut, g_file);
+      g_written += cut;
+      p += cut;
+      n -= cut;
+    }
+    if (n > 0) rotate_locked();
+  }
+}
+
 void flush_locked() {
   if (g_write && g_file != nullptr && !g_buf.empty()) {
     g_out.clear();
     for (const auto& r : g_buf) format_locked(r);
-    std::fwrite(g_out.data(), 1, g_out.size(), g_file);
+    write_locked(g_out.data(), g_out.size());
   }
   if (g_keep > 0) {
     g_kept.insert(g_kept.end(), g_buf.begin(), g_buf.end());
@@ -412,7 +473,10 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* c) {
     g_buf.push_back(r);
     size_t pending = g_buf.size() + g_kept.size();
     if (g_buf.size() >= kFlushEvery) flush_locked();
-    if (g_callback != nullptr && (t1 > g_next_tick || (g_keep > 0 && pending >= kDrainEvery))) {
+    bool alarm = g_alarm != 0 && g_total >= g_alarm;
+    if (alarm) g_alarm = 0;  // one shot: Python compares the count itself at every drain
+    if (g_callback != nullptr &&
+        (t1 > g_next_tick || (g_keep > 0 && pending >= kDrainEvery) || alarm)) {
       call = true;
       g_next_tick = t1 + kTickNs;
     }
@@ -488,40 +552,53 @@ void put_specs(std::string& o, const Spec* s, int n) {
 
 void format_locked(const Rec& r) {
   std::string& o = g_out;
-  int64_t us = (r.t0 - g_origin) / 1000;
-  if (us < 0) us = 0;
-  put_u64(o, us / 1000000);
-  o.push_back('.');
-  put_u64(o, us % 1000000, 6);
-  o += "s r";
-  put_u64(o, g_rank);
-  o += " #";
-  put_u64(o, r.seq, 8);
   const NameInfo& ni = g_names[r.name];
-  o.push_back(' ');
-  o += ni.event;
-  o.push_back(' ');
-  o += kPhases[r.phase];
-  o.push_back(' ');
-  o += ni.kind;
-  o.push_back(' ');
-  o += ni.op;
-  o.push_back(' ');
-  put_u64(o, r.nbytes);
-  o += "B ";
-  int64_t d = r.dur / 100;
-  put_u64(o, d / 10);
-  o.push_back('.');
-  put_u64(o, d % 10);
-  o += "us ";
-  put_u64(o, r.level);
-  o.push_back(' ');
-  o += g_signals[r.signal];
-  o.push_back(' ');
-  put_specs(o, r.in, r.nin);
-  o.push_back(' ');
-  put_specs(o, r.out, r.nout);
-  o += " -\n";
+  bool first = true;
+  for (Column c : g_table.columns) {
+    if (!first) o.push_back(' ');
+    first = false;
+    switch (c) {
+      case kElapsed: {
+        int64_t us = (r.t0 - g_origin) / 1000;
+        if (us < 0) us = 0;
+        put_u64(o, us / 1000000);
+        o.push_back('.');
+        put_u64(o, us % 1000000, 6);
+        o.push_back('s');
+        break;
+      }
+      case kRank:
+        o.push_back('r');
+        put_u64(o, g_rank);
+        break;
+      case kSeq:
+        o.push_back('#');
+        put_u64(o, r.seq, 8);
+        break;
+      case kEvent: o += ni.event; break;
+      case kPhase: o += kPhases[r.phase]; break;
+      case kKind: o += ni.kind; break;
+      case kOp: o += ni.op; break;
+      case kBytes:
+        put_u64(o, r.nbytes);
+        o.push_back('B');
+        break;
+      case kDur: {
+        int64_t d = r.dur / 100;
+        put_u64(o, d / 10);
+        o.push_back('.');
+        put_u64(o, d % 10);
+        o += "us";
+        break;
+      }
+      case kLevel: put_u64(o, r.level); break;
+      case kSignal: o += g_signals[r.signal]; break;
+      case kInputs: put_specs(o, r.in, r.nin); break;
+      case kOutputs: put_specs(o, r.out, r.nout); break;
+      case kPlacements: o.push_back('-'); break;  // the dispatcher sees local tensors only
+    }
+  }
+  o.push_back('\n');
 }
 
 py::tuple spec_tuple(const Spec* s, int n) {
@@ -542,6 +619,7 @@ py::tuple spec_tuple(const Spec* s, int n) {
 void start(int rank, int64_t origin_ns, bool record_outputs, size_t keep, int noop) {
   std::lock_guard<std::mutex> g(g_mu);
   if (g_enabled) throw std::runtime_error("native observer already started");
+  if (!g_table.loaded) throw std::runtime_error("native observer: set_table() was not called");
   g_rank = rank;
   g_main_thread = std::this_thread::get_id();
   g_origin = origin_ns;
@@ -573,7 +651,7 @@ void set_keep(size_t keep) {
   g_keep = keep > kKeepCap ? kKeepCap : keep;
 }
 
-void open_log(const std::string& path, const std::string& header) {
+void open_log(const std::string& path, const std::string& header, size_t max_bytes) {
   std::lock_guard<std::mutex> g(g_mu);
   flush_locked();
   if (g_file) std::fclose(g_file);
@@ -581,7 +659,62 @@ void open_log(const std::string& path, const std::string& header) {
   if (!g_file) throw std::runtime_error("cannot open " + path);
   std::setvbuf(g_file, nullptr, _IOFBF, 1 << 20);
   std::fputs(header.c_str(), g_file);
+  g_path = path;
+  g_header = header;
+  g_max_bytes = max_bytes;
+  g_written = g_header_bytes = header.size();
+  g_rotations = 0;
   g_write = true;
+}
+
+// ScalarType int -> torch.dtype for every ScalarType torch has a dtype for (None otherwise):
+// Python derives the log's dtype names from these, so no enum table is kept by hand.
+py::list scalar_types() {
+  py::list out;
+  for (int i = 0; i < static_cast<int>(c10::ScalarType::NumOptions); ++i) {
+    try {
+      out.append(py::cast(static_cast<c10::ScalarType>(i)));
+    } catch (...) {
+      PyErr_Clear();
+      out.append(py::none());
+    }
+  }
+  return out;
+}
+
+// The classification table from _events.py (see _native._init): a dict with namespaces,
+// kinds (base name -> kind), namespace_kinds, events (kind -> word), default_kind,
+// default_event, skip_kind, columns (names, in order) and dtypes (ScalarType int -> name).
+void set_table(const py::dict& t) {
+  static const std::unordered_map<std::string, Column> kColumnNames = {
+      {"elapsed", kElapsed}, {"rank", kRank},     {"seq", kSeq},       {"event", kEvent},
+      {"phase", kPhase},     {"kind", kKind},     {"op", kOp},         {"bytes", kBytes},
+      {"dur", kDur},         {"level", kLevel},   {"signal", kSignal}, {"inputs", kInputs},
+      {"outputs", kOutputs}, {"placements", kPlacements}};
+  Table nt;
+  for (auto& n : t["namespaces"].cast<std::vector<std::string>>()) nt.namespaces.insert(n);
+  nt.kinds = t["kinds"].cast<std::unordered_map<std::string, std::string>>();
+  nt.ns_kinds = t["namespace_kinds"].cast<std::unordered_map<std::string, std::string>>();
+  nt.events = t["events"].cast<std::unordered_map<std::string, std::string>>();
+  nt.default_kind = t["default_kind"].cast<std::string>();
+  nt.default_event = t["default_event"].cast<std::string>();
+  nt.skip_kind = t["skip_kind"].cast<std::string>();
+  for (auto& c : t["columns"].cast<std::vector<std::string>>()) {
+    auto it = kColumnNames.find(c);
+    if (it == kColumnNames.end())
+      throw std::runtime_error("native observer cannot write log column '" + c + "'");
+    nt.columns.push_back(it->second);
+  }
+  nt.dtypes = t["dtypes"].cast<std::vector<std::string>>();
+  std::vector<py::object>* dtypes = new std::vector<py::object>();  // leaked on purpose
+  for (auto d : scalar_types()) dtypes->push_back(py::reinterpret_borrow<py::object>(d));
+  nt.loaded = true;
+  std::lock_guard<std::mutex> g(g_mu);
+  // Names interned under another table would keep its kinds (and threads cache their ids).
+  if (g_enabled || !g_names.empty())
+    throw std::runtime_error("native observer: set_table() after recording began");
+  g_table = std::move(nt);
+  g_dtypes = dtypes;
 }
 
 void close_log() {
@@ -712,19 +845,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("counters", &counters);
   m.def("flush", &flush);
   m.def("drain", &drain);
-  m.def("open_log", &open_log);
+  m.def("open_log", &open_log, py::arg("path"), py::arg("header"), py::arg("max_bytes") = 0);
+  m.def("log_rotations", []() {
+    std::lock_guard<std::mutex> g(g_mu);
+    return g_rotations;
+  });
+  m.def("set_alarm", [](uint64_t at) {
+    std::lock_guard<std::mutex> g(g_mu);
+    g_alarm = at;
+  });
+  m.def("set_table", &set_table);
+  m.def("classify", [](const std::string& op) {  // the kind the observer gives an op name
+    std::lock_guard<std::mutex> g(g_mu);
+    return classify(op);
+  });
+  m.def("scalar_types", &scalar_types);
   m.def("close_log", &close_log);
   m.def("set_keep", &set_keep);
   m.def("set_signal", &set_signal);
   m.def("set_phase", [](int p) { g_phase.store(static_cast<uint8_t>(p)); });
-  m.def("set_kinds", [](const std::unordered_map<std::string, std::string>& k) {
-    std::lock_guard<std::mutex> g(g_mu);
-    g_kinds = k;
-  });
-  m.def("set_dtypes", [](const std::vector<py::object>& d) {
-    if (g_dtypes == nullptr) g_dtypes = new std::vector<py::object>();  // leaked on purpose
-    *g_dtypes = d;
-  });
   m.def("set_callback", [](py::object cb) {
     py::object* old = nullptr;
     {
