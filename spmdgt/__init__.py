@@ -27,6 +27,8 @@ from spmdgt.config import (
     register_config,
 )
 from spmdgt.runtime import (
+    RankDivergenceError,
+    RankTimeoutError,
     barrier,
     connect,
     device,
@@ -69,6 +71,8 @@ bool_ = torch.bool
 
 __all__ = [
     "ConfigError",
+    "RankDivergenceError",
+    "RankTimeoutError",
     "ShardConfig",
     "SignalConfig",
     "Tensor",

@@ -18,7 +18,7 @@ import torch
 from spmdgt.config._signals import lookup
 from spmdgt.runtime._state import get_runtime
 from spmdgt.tensor import _scope
-from spmdgt.tensor._creation import check_same_shape
+from spmdgt.tensor._creation import agree_on_creation
 from spmdgt.tensor._placement import signal_target
 
 __all__ = ["context", "current_signal", "enter", "exit", "tensor"]
@@ -56,10 +56,13 @@ def tensor(t: torch.Tensor, name: str) -> torch.Tensor:
     """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"gt.signal.tensor expects a tensor, got {type(t).__name__}")
+    if get_runtime().world_size == 1:
+        return t
     cfg = lookup(name)
-    if cfg is None or cfg.shard is None or get_runtime().world_size == 1:
+    where = f"signal {name!r} ({cfg.shard if cfg is not None else 'not in the config'})"
+    agree_on_creation(f"gt.signal.tensor(..., {name!r})", t.shape, t.dtype, where=where)
+    if cfg is None or cfg.shard is None:
         return t
     from spmdgt.tensor._tensor import move
 
-    check_same_shape(t.shape, f"gt.signal.tensor(..., {name!r})")
     return move(t, signal_target(cfg, t.shape))

@@ -12,9 +12,13 @@ import builtins
 import torch
 import torch.distributed as dist
 
+from spmdgt.runtime import _agree
+from spmdgt.runtime._agree import RankDivergenceError, RankTimeoutError
 from spmdgt.runtime._state import Runtime, get_runtime, init, shutdown, world_mesh
 
 __all__ = [
+    "RankDivergenceError",
+    "RankTimeoutError",
     "Runtime",
     "barrier",
     "connect",
@@ -64,6 +68,7 @@ def device_mesh():
 def barrier() -> None:
     """Wait for every rank; a no-op in a world of one."""
     if get_runtime().world_size > 1:
+        _agree.before_collective("gt.barrier()")
         dist.barrier()
 
 

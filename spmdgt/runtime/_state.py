@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from spmdgt.runtime import _agree
+
 __all__ = ["Runtime", "get_runtime", "init", "shutdown"]
 
 
@@ -106,7 +108,9 @@ def init(backend: str | None = None) -> Runtime:
             device = torch.device("cpu")
         if world > 1 and not dist.is_initialized():
             backend_used = backend or os.environ.get("GT_BACKEND") or _default_backend(device)
-            kwargs = {"device_id": device} if device.type == "cuda" else {}
+            kwargs: dict = {"device_id": device} if device.type == "cuda" else {}
+            if _agree.timeout() is not None:
+                kwargs["timeout"] = _agree.timeout()
             dist.init_process_group(backend=backend_used, **kwargs)
             _owns_process_group = True
             atexit.register(_destroy_at_exit)
@@ -116,6 +120,7 @@ def init(backend: str | None = None) -> Runtime:
 
             _per_rank_compile_cache(rank)
             agree_at_init(device)  # every rank draws what rank 0 would: replicated values agree
+            _agree.setup(rank, world)  # the side group for agreement points (see _agree)
         return _runtime
 
 
@@ -189,6 +194,7 @@ def _forget_after_fork() -> None:
     # it re-reads its rank from the environment and owns no process group of its parent's.
     global _runtime, _owns_process_group, _world_mesh
     _runtime, _owns_process_group, _world_mesh = None, False, None
+    _agree.forget()
     from spmdgt.tensor import _meshes
 
     _meshes.clear()
@@ -198,15 +204,21 @@ os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def shutdown() -> None:
-    """Destroy the process group spmdgt made (not one the user made) and forget all state."""
+    """Destroy the process group spmdgt made (not one the user made) and forget all state.
+
+    The end of the program is an agreement point (``_agree.end``): a peer still waiting in a
+    host read raises instead of waiting forever, and so does this rank."""
     global _runtime, _owns_process_group, _world_mesh
     from spmdgt.tensor import _meshes
 
-    _meshes.clear()
-    if _owns_process_group and dist.is_initialized():
-        import gc
+    try:
+        _agree.end()
+    finally:
+        _meshes.clear()
+        if _owns_process_group and dist.is_initialized():
+            import gc
 
-        gc.collect()
-        dist.destroy_process_group()
-        gc.collect()
-    _runtime, _owns_process_group, _world_mesh = None, False, None
+            gc.collect()
+            dist.destroy_process_group()
+            gc.collect()
+        _runtime, _owns_process_group, _world_mesh = None, False, None

@@ -10,9 +10,9 @@ on first use: a world of one, whose tensors are all plain, never loads it.
 
 from spmdgt.tensor import _meshes
 from spmdgt.tensor._creation import (
+    agree_on_creation,
     arange,
     cat,
-    check_same_shape,
     empty,
     eye,
     from_numpy,
@@ -31,7 +31,7 @@ __all__ = [
     "Tensor",
     "arange",
     "cat",
-    "check_same_shape",
+    "agree_on_creation",
     "empty",
     "eye",
     "from_numpy",

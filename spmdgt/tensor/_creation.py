@@ -9,18 +9,20 @@ returns plain torch tensors.
 
 from __future__ import annotations
 
+import os
 import sys
+import zlib
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from spmdgt.interceptor import _debuglog
+from spmdgt.runtime import _agree
 from spmdgt.runtime._state import get_runtime
 from spmdgt.tensor import _draw, _scope
 from spmdgt.tensor._dtypes import to_dtype
-from spmdgt.tensor._placement import creation_target, signal_target
+from spmdgt.tensor._placement import creation_target, intent, signal_target
 
 __all__ = [
     "arange",
@@ -47,29 +49,32 @@ def _shape(size: tuple) -> tuple[int, ...]:
     return tuple(size)
 
 
-def check_same_shape(shape: Sequence[int], what: str) -> None:
-    """Raise one clear error, on every rank, if ranks disagree on ``shape`` (never hang)."""
-    rt = get_runtime()
-    if rt.world_size == 1 or len(shape) > 15:
-        return
-    import os
+def agree_on_creation(
+    what: str, shape: Sequence[int], dtype: torch.dtype, digest: str = "", where: str | None = None
+) -> None:
+    """Every rank creates the same global tensor, or every rank raises, naming each rank's.
 
+    An agreement point (``runtime._agree``): global shape, dtype, signal and placement (and a
+    digest of the data for ``gt.tensor``/``gt.from_numpy``) are compared before any mesh is
+    made, for plain creations too, so a rank outside a scope or on another dtype is an error
+    on both ranks, not a wait on one. ``GT_CHECK_SHAPES=0`` skips it on every rank."""
     if os.environ.get("GT_CHECK_SHAPES", "1") == "0":
         return
-    mine = torch.full((16,), -1, dtype=torch.int64, device=rt.device)
-    mine[0] = len(shape)
-    if shape:
-        mine[1 : 1 + len(shape)] = torch.tensor(list(shape), dtype=torch.int64)
-    every = torch.empty(rt.world_size * 16, dtype=torch.int64, device=rt.device)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(every, mine)
-    rows = every.view(rt.world_size, 16).tolist()
-    if any(row != rows[0] for row in rows):
-        shapes = "; ".join(f"rank {r}: {tuple(row[1 : 1 + row[0]])}" for r, row in enumerate(rows))
-        raise ValueError(
-            f"{what}: ranks disagree on the shape ({shapes}); every rank must "
-            "create the same global tensor"
-        )
+    name = str(dtype).removeprefix("torch.")
+    place = intent(shape) if where is None else where
+    _agree.agree(f"{what} of {name}{list(shape)}{digest}, {place}")
+
+
+def _digest(base: torch.Tensor) -> str:
+    # Data given to gt.tensor/gt.from_numpy must be the same global value on every rank: a
+    # checksum of its bytes joins the creation's agreement point (CPU data; ~GB/s).
+    if get_runtime().world_size == 1 or base.device.type != "cpu" or base.is_complex():
+        return ""
+    data = base.detach().contiguous().reshape(-1)
+    if data.dtype == torch.bool:
+        data = data.to(torch.uint8)
+    raw = data.view(torch.uint8).numpy() if data.numel() else b""
+    return f" (data crc {zlib.crc32(raw):08x})"
 
 
 def _note_placement(what: str, shape: tuple[int, ...], target) -> None:
@@ -113,19 +118,23 @@ def _create(
     requires_grad: bool,
     what: str,
     make_part: Callable[..., torch.Tensor | None] | None = None,
+    *,
+    dtype: torch.dtype | None = None,
+    digest: str = "",
 ) -> torch.Tensor:
     """Make a tensor of ``shape`` where the scope says. ``make(device)`` builds the global
     value; ``make_part(target, device)``, when given, returns a builder of this rank's part
     alone (``(local_shape, offset) -> tensor``, see ``place_local``), or None where it cannot
     (then ``make`` runs and each rank keeps its slice)."""
     rt = get_runtime()
+    if rt.world_size > 1:
+        agree_on_creation(what, shape, dtype or torch.get_default_dtype(), digest)
     target = creation_target(shape)
     if target is None:
         t = make(rt.device)
     else:
         from spmdgt.tensor._tensor import place, place_local
 
-        check_same_shape(shape, what)
         part = make_part(target, rt.device) if make_part is not None else None
         t = place_local(part, shape, target) if part is not None else place(make(rt.device), target)
         if _debuglog.TENSOR:
@@ -152,7 +161,8 @@ def _factory(fill: Callable[..., torch.Tensor], name: str, doc: str, *, constant
                 return lambda s, off: _draw.draw_part(fill, shape, dt, s, off, dim)
             return None
 
-        return _create(shape, lambda d: fill(shape, dtype=dt, device=d), requires_grad, name, part)
+        make = lambda d: fill(shape, dtype=dt, device=d)  # noqa: E731
+        return _create(shape, make, requires_grad, name, part, dtype=dt)
 
     create.__name__ = create.__qualname__ = name.removeprefix("gt.")
     create.__doc__ = doc
@@ -185,6 +195,7 @@ def full(size, fill_value, *, dtype=None, requires_grad: bool = False) -> torch.
         requires_grad,
         "gt.full",
         lambda target, d: lambda s, _: torch.full(s, fill_value, dtype=dt, device=d),
+        dtype=torch.full((), fill_value, dtype=dt, device="meta").dtype,
     )
 
 
@@ -197,6 +208,7 @@ def arange(*args, dtype=None, requires_grad: bool = False) -> torch.Tensor:
         lambda d: torch.arange(*args, dtype=dt, device=d),
         requires_grad,
         "gt.arange",
+        dtype=probe.dtype,
     )
 
 
@@ -204,7 +216,8 @@ def eye(n: int, m: int | None = None, *, dtype=None, requires_grad: bool = False
     """Identity matrix."""
     dt = to_dtype(dtype)
     shape = (n, n if m is None else m)
-    return _create(shape, lambda d: torch.eye(*shape, dtype=dt, device=d), requires_grad, "gt.eye")
+    make = lambda d: torch.eye(*shape, dtype=dt, device=d)  # noqa: E731
+    return _create(shape, make, requires_grad, "gt.eye", dtype=dt)
 
 
 def tensor(data, dtype=None, requires_grad: bool = False) -> torch.Tensor:
@@ -217,10 +230,13 @@ def tensor(data, dtype=None, requires_grad: bool = False) -> torch.Tensor:
         base = _global_value(data)  # a sharded input contributes its global value
         base = base.to(dtype=dt) if dt is not None else base
         shape = tuple(base.shape)
-        return _create(shape, lambda d: base.to(d, copy=True), requires_grad, "gt.tensor")
+        make = lambda d: base.to(d, copy=True)  # noqa: E731
+        digest = _digest(base)
+        return _create(shape, make, requires_grad, "gt.tensor", dtype=base.dtype, digest=digest)
     base = torch.as_tensor(np.asarray(data) if isinstance(data, np.ndarray) else data, dtype=dt)
     shape = tuple(base.shape)
-    return _create(shape, lambda d: base.to(d), requires_grad, "gt.tensor")
+    make = lambda d: base.to(d)  # noqa: E731
+    return _create(shape, make, requires_grad, "gt.tensor", dtype=base.dtype, digest=_digest(base))
 
 
 def _global_value(t: torch.Tensor) -> torch.Tensor:
@@ -238,7 +254,9 @@ def from_numpy(array: np.ndarray, *, requires_grad: bool = False) -> torch.Tenso
     if not isinstance(array, np.ndarray):
         raise TypeError(f"gt.from_numpy expects a numpy.ndarray, got {type(array).__name__}")
     base = torch.from_numpy(array)
-    return _create(tuple(base.shape), lambda d: base.to(d), requires_grad, "gt.from_numpy")
+    shape, digest = tuple(base.shape), _digest(base)
+    make = lambda d: base.to(d)  # noqa: E731
+    return _create(shape, make, requires_grad, "gt.from_numpy", dtype=base.dtype, digest=digest)
 
 
 def cat(tensors: Sequence[torch.Tensor], axis: int = 0, *, dim: int | None = None):

@@ -21,7 +21,7 @@ from spmdgt.tensor._meshes import mesh_for
 if TYPE_CHECKING:
     from torch.distributed.tensor import Placement
 
-__all__ = ["Target", "auto_shard_enabled", "creation_target", "signal_target"]
+__all__ = ["Target", "auto_shard_enabled", "creation_target", "intent", "signal_target"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +65,24 @@ def _signals_loaded() -> bool:
     from spmdgt.config import _signals
 
     return _signals._env_loaded
+
+
+def intent(shape: Sequence[int]) -> str:
+    """Where a tensor created now is meant to live, in words that are the same on every rank
+    running the same program (no mesh is built: ranks compare this *before* they make one)."""
+    name = _scope.current()
+    if name is not None:
+        cfg = lookup(name)
+        if cfg is not None and cfg.shard is not None:
+            shard = cfg.shard
+            how = "replicated" if shard.replicated or not shape else f"shard axis {shard.axis}"
+            over = "every rank" if shard.workers is None else f"workers {list(shard.workers)}"
+            return f"signal {name!r} ({how} over {over})"
+    if auto_shard_enabled() and len(shape) > 0 and shape[0] % get_runtime().world_size == 0:
+        return "auto-shard (shard axis 0 over every rank)"
+    if name is None:
+        return "replicated on every rank (no signal)"
+    return f"signal {name!r} (replicated)"
 
 
 def creation_target(shape: Sequence[int]) -> Target | None:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
 
 from spmdgt.interceptor import _debuglog
+from spmdgt.runtime import _agree
 from spmdgt.runtime._state import get_runtime
 from spmdgt.tensor import _dynamo, _fallback, _optable, _scope
 from spmdgt.tensor._meshes import mesh_ranks
@@ -107,6 +108,11 @@ class Tensor(DTensor):
                     out = _fallback.run_global(func, args, kwargs, _no_rule(e))
             else:
                 out = _run(func, args, kwargs, route)
+        except Exception as e:  # a collective's timeout names the op (GT_TIMEOUT); free if none
+            err = _agree.translate(e, func)
+            if err is e:
+                raise
+            raise err from e
         finally:
             if not implicit:
                 _set_implicit(False)
@@ -150,44 +156,69 @@ class Tensor(DTensor):
         return out
 
     # -- GT's contract: the global value, on every rank ------------------------------------
+    # Each host read is an agreement point (runtime._agree): the ranks compare the read, the
+    # tensor and the call site before any data moves, so a rank that reads another tensor,
+    # or none, is an error on every rank instead of a wrong value or a hang.
     def numpy(self, *, force: bool = False):
         """The global value as a numpy array (a collective: every rank must call it)."""
-        return global_value(self).numpy(force=True) if force else _to_numpy(self)
+        return _read(self, "numpy()").cpu().numpy(force=force)
 
     def item(self):
         """The global scalar value (a collective)."""
-        return global_value(self).item()
+        return _read(self, "item()").item()
 
     def tolist(self):
         """The global value as nested lists (a collective)."""
-        return global_value(self).tolist()
+        return _read(self, "tolist()").tolist()
 
     def __array__(self, dtype=None, copy=None):
-        arr = _to_numpy(self)
+        arr = _read(self, "numpy.asarray()").cpu().numpy()
         return arr.astype(dtype) if dtype is not None else arr
 
     def __repr__(self, *, tensor_contents=None) -> str:
-        value = repr(global_value(self))
+        value = repr(_read(self, "print()/repr()"))
         placements = tuple(self.placements)
         return f"{value[:-1]}, placements={placements!r})" if value.endswith(")") else value
 
     def __format__(self, spec: str) -> str:
         if self.dim() == 0:
-            return self.item().__format__(spec)
+            return _read(self, "format()").item().__format__(spec)
         return repr(self)
 
     def __float__(self) -> float:
-        return float(self.item())
+        return float(_read(self, "float()").item())
 
     def __int__(self) -> int:
-        return int(self.item())
+        return int(_read(self, "int()").item())
 
     def __bool__(self) -> bool:
-        return bool(self.item())
+        return bool(_read(self, "bool()").item())
 
 
-def _to_numpy(t: DTensor):
-    return global_value(t).cpu().numpy()
+def _tracing(t: DTensor) -> bool:
+    # torch.compile prints tensors while it traces (fake tensors, no data): not a host read
+    fake = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+    return fake or type(t._local_tensor).__name__ == "FakeTensor"
+
+
+def _read(t: DTensor, what: str) -> torch.Tensor:
+    """A host read of ``t``: an agreement point on its read, global shape, dtype, placement
+    and mesh, and the user's call site; then its global value."""
+    if _agree._group is not None and not _tracing(t):
+        dtype = str(t.dtype).removeprefix("torch.")
+        members = mesh_ranks(t.device_mesh)
+        placements = f" {tuple(t.placements)}"
+        # on a sub-mesh, a rank outside it keeps no placement alike: shown, not compared
+        whole = len(members) == get_runtime().world_size
+        spec = f"{dtype}{list(t.shape)}{placements if whole else ''} on ranks {members}"
+        _agree.agree(f"{what} of {spec}", detail="" if whole else placements)
+    try:
+        return global_value(t)
+    except Exception as e:
+        err = _agree.translate(e, what)
+        if err is e:
+            raise
+        raise err from e
 
 
 def global_value(t: torch.Tensor) -> torch.Tensor:
@@ -210,6 +241,8 @@ def global_value(t: torch.Tensor) -> torch.Tensor:
             value = t.full_tensor().resolve_conj().resolve_neg().contiguous()
         else:
             value = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        if _agree._check:
+            _agree.before_collective(f"broadcast of a {list(t.shape)} value from rank {members[0]}")
         # gloo broadcasts no complex dtype (a receiver waits forever): send the real view
         dist.broadcast(torch.view_as_real(value) if value.is_complex() else value, members[0])
         return value

@@ -1,0 +1,350 @@
+"""Rank agreement: ranks that stop running the same program are caught and named.
+
+SPMD has one failure mode of its own: ranks that stop running the same program. A collective
+then pairs with a different collective on another rank, and the job hangs without a word, or
+one rank reads another rank's data and prints a wrong number. This module turns those into an
+error on every rank that says what each rank was doing and where.
+
+Always on (a world of more than one):
+
+- Every *agreement point* exchanges a small fingerprint over a gloo side group made at
+  ``init()``: creating a tensor (``gt.randn``, ``gt.tensor``, ...: global shape, dtype, signal,
+  placement and mesh), each host read of a sharded tensor (``.numpy()``, ``.item()``,
+  ``.tolist()``, ``print``: the read, shape, dtype, placement and the user's call site), and the
+  end of the program. A side group, so a fingerprint only ever pairs with a fingerprint: rank
+  0 reading ``x`` while rank 1 reads ``y``, or has already finished, is an error on both ranks
+  before any data moves. On a mismatch the ranks swap their descriptions (one more exchange,
+  on the error path only) and raise :class:`RankDivergenceError`, each listing every rank's.
+
+``GT_CHECK_RANKS=1`` adds an agreement point before every collective spmdgt or DTensor issues
+(every redistribution: op, tensor specs and the user's call site), after a gloo monitored
+barrier that names a rank that does not arrive within ``GT_TIMEOUT``.
+
+``GT_TIMEOUT=seconds`` sets the process groups' timeout (default: torch's, 30 min for gloo). A
+collective that times out raises :class:`RankTimeoutError` naming the op and this rank's last
+agreement point.
+
+Every exchange is reached by the same calls on every rank and decided from exchanged data only:
+no rank, clock or terminal takes part in a decision.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import hashlib
+import os
+import re
+import sys
+import threading
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "RankDivergenceError",
+    "RankTimeoutError",
+    "agree",
+    "before_collective",
+    "call_site",
+    "checking",
+    "end",
+    "setup",
+    "timeout",
+]
+
+
+class RankDivergenceError(RuntimeError):
+    """Ranks stopped running the same program: raised on every rank, listing each rank's
+    operation and call site (``rows``: rank -> description)."""
+
+    def __init__(self, message: str, rows: dict[int, str] | None = None) -> None:
+        super().__init__(message)
+        self.rows = rows or {}
+
+
+class RankTimeoutError(RuntimeError):
+    """A collective got no answer within ``GT_TIMEOUT`` (or a peer's connection closed)."""
+
+
+RankDivergenceError.__module__ = RankTimeoutError.__module__ = "spmdgt"  # gt.RankDivergenceError
+
+
+_group: Any = None  # the gloo side group for agreement points; None: no exchanges
+_rank = 0
+_world = 1
+_count = 0  # agreement points passed on this rank
+_last = "none yet"  # this rank's last agreed point, for timeout messages
+_broken = False  # a divergence was raised: later exchanges would pair at random
+_check = False  # GT_CHECK_RANKS
+_lock = threading.Lock()
+_at_exit = False  # the end-of-program exchange is registered
+_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_ROOTS = (
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),  # spmdgt/
+    os.path.dirname(os.path.abspath(torch.__file__)),
+    os.path.dirname(os.path.abspath(threading.__file__)),  # the standard library
+)
+
+
+def timeout() -> datetime.timedelta | None:
+    """``GT_TIMEOUT`` as a timedelta, or None for torch's default. Bad values raise."""
+    raw = os.environ.get("GT_TIMEOUT", "").strip()
+    if not raw:
+        return None
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0 or seconds == float("inf"):
+        raise ValueError(f"environment variable GT_TIMEOUT={raw!r}: expected seconds > 0")
+    return datetime.timedelta(seconds=seconds)
+
+
+def checking() -> bool:
+    """True when ``GT_CHECK_RANKS=1`` put agreement before every collective."""
+    return _check
+
+
+def setup(rank: int, world: int) -> None:
+    """Make the side group (a collective: every rank calls it from ``init``), read
+    ``GT_CHECK_RANKS`` and arrange the end-of-program agreement."""
+    global _group, _rank, _world, _count, _last, _broken, _check, _at_exit
+    raw = os.environ.get("GT_CHECK_RANKS", "0").strip().lower()
+    if raw not in ("", "0", "1", "false", "true", "no", "yes", "off", "on"):
+        raise ValueError(f"environment variable GT_CHECK_RANKS={raw!r}: expected 0 or 1")
+    kwargs = {"timeout": timeout()} if timeout() is not None else {}
+    _group = dist.new_group(backend="gloo", **kwargs)
+    _rank, _world, _count, _last, _broken = rank, world, 0, "none yet", False
+    _check = raw in ("1", "true", "yes", "on")
+    if _check:
+        _install_redistribute_check()
+    if not _at_exit:
+        atexit.register(_end_at_exit)
+        _at_exit = True
+    _install_excepthook()
+
+
+def forget() -> None:
+    """Drop all state (a forked child, ``gt.shutdown()``): the side group is not ours."""
+    global _group, _count, _broken
+    _group, _count, _broken = None, 0, False
+
+
+# -- the exchange -----------------------------------------------------------------------------
+def call_site() -> str:
+    """``file:line in function`` of the innermost frame outside spmdgt, torch and the standard
+    library: the user's line that led here (``<no user frame>`` on a thread of torch's)."""
+    f = sys._getframe(1)
+    while f is not None:
+        name = f.f_code.co_filename
+        if not name.startswith(_ROOTS) and not name.startswith("<"):
+            return f"{name}:{f.f_lineno} in {f.f_code.co_name}"
+        f = f.f_back
+    return "<no user frame>"
+
+
+def _fingerprint(text: str) -> int:
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
+
+
+def agree(what: str, site: str | None = None, detail: str = "") -> None:
+    """One agreement point: every rank must reach it with the same ``what`` (a description
+    that is the same on every rank running the same program) and call site, or every rank
+    raises :class:`RankDivergenceError`. ``detail`` is shown in that error but not compared
+    (what may differ between ranks, e.g. the placement DTensor keeps on a rank outside a
+    sub-mesh). No-op without a side group (a world of one)."""
+    if _group is None or _broken:
+        return
+    _exchange(what, call_site() if site is None else site, barrier=_check, detail=detail)
+
+
+def before_collective(what: str) -> None:
+    """Under ``GT_CHECK_RANKS=1``: agree on ``what`` before a collective, naming a rank that
+    does not arrive within ``GT_TIMEOUT`` (a gloo monitored barrier)."""
+    if _check and _group is not None and not _broken:
+        _exchange(what, call_site(), barrier=True)
+
+
+def _exchange(what: str, site: str, barrier: bool, detail: str = "") -> None:
+    global _count, _last
+    doing = f"{what}{detail} at {site}" if site else f"{what}{detail}"
+    with _lock:
+        _count += 1
+        n = _count
+        # the compared text carries the file's base name: multi-node checkouts differ in path
+        path, _, rest = site.partition(":")
+        mine = torch.tensor([n, _fingerprint(f"{what}@{os.path.basename(path)}:{rest}")])
+        every = torch.empty(2 * _world, dtype=torch.int64)
+        try:
+            if barrier:
+                dist.monitored_barrier(_group, timeout=timeout(), wait_all_ranks=True)
+            _gather(every, mine, group=_group)
+        except RuntimeError as e:
+            _fail_timeout(e, doing, n)
+        rows = every.view(_world, 2)
+        if bool((rows == rows[0]).all()):
+            _last = f"#{n}: {doing}"
+            return
+        _diverged(n, doing)
+
+
+def _diverged(n: int, mine: str) -> None:
+    global _broken
+    texts: list[Any] = [None] * _world
+    try:
+        dist.all_gather_object(texts, mine, group=_group)
+    except RuntimeError:
+        texts = [mine if r == _rank else "(did not answer)" for r in range(_world)]
+    _broken = True
+    rows = {r: str(t) for r, t in enumerate(texts)}
+    lines = "\n".join(f"  rank {r}: {t}" for r, t in rows.items())
+    raise RankDivergenceError(
+        f"ranks stopped running the same program at agreement point #{n}:\n{lines}\n"
+        "Every rank must make the same spmdgt calls in the same order (no branch on the rank "
+        "around a host read, a tensor creation or an op on sharded tensors).",
+        rows,
+    )
+
+
+def _fail_timeout(e: BaseException, doing: str, n: int) -> None:
+    global _broken
+    _broken = True
+    text = str(e)
+    found = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", text)
+    if found:  # rank 0's monitored barrier names the ranks that did not arrive
+        missing = [int(r) for r in re.findall(r"\d+", found.group(1))]
+        who = f"rank(s) {missing} did not arrive"
+    elif "monitoredBarrier" in text:  # the other ranks only learn that rank 0 gave up
+        who = "rank 0 reported missing ranks (see its error)"
+    else:
+        who = "no answer from the other ranks"
+    raise RankTimeoutError(
+        f"rank {_rank}: {who} within {_waited()} at agreement point #{n} ({doing}); this "
+        f"rank's last agreed point was {_last}. A rank is running something else, is stuck "
+        "or has exited."
+    ) from e
+
+
+def _waited() -> str:
+    limit = timeout()
+    return f"GT_TIMEOUT={limit.total_seconds():g} s" if limit else "the process-group timeout"
+
+
+def end() -> None:
+    """The end of the program is an agreement point: a rank still waiting in a read or a
+    creation learns that its peer finished, instead of waiting forever."""
+    if _group is None or _broken or not dist.is_initialized():
+        return
+    try:
+        _exchange("the end of the program (exit or gt.shutdown())", "", barrier=_check)
+    finally:
+        forget()
+
+
+def _end_at_exit() -> None:
+    try:
+        end()
+    except (RankDivergenceError, RankTimeoutError) as e:
+        sys.stderr.write(f"[rank {_rank}] spmdgt: {type(e).__name__}: {e}\n")
+        sys.stderr.flush()
+        _record_for_torchrun(e)
+        os._exit(1)
+
+
+# -- GT_TIMEOUT on data collectives -------------------------------------------------------------
+_TIMEOUT_WORDS = ("Timed out", "timed out", "Connection closed by peer", "Connection reset")
+
+
+def translate(e: BaseException, op: object) -> BaseException:
+    """A collective's timeout or lost peer inside ``op`` becomes a :class:`RankTimeoutError`
+    naming the op, the call site and this rank's last agreement point; others pass as they are."""
+    if _group is None or isinstance(e, (RankTimeoutError, RankDivergenceError)):
+        return e
+    text = str(e)
+    if not any(w in text for w in _TIMEOUT_WORDS):
+        return e
+    global _broken
+    _broken = True  # the ranks no longer pair up: no later exchange, the exit's included
+    name = getattr(op, "__qualname__", None) or getattr(op, "__name__", None) or str(op)
+    err = RankTimeoutError(
+        f"rank {_rank}: a collective in {name} at {call_site()} got no answer within {_waited()} "
+        f"({text.strip().splitlines()[0]}). This rank's last agreement point was {_last}; "
+        "another rank is running something else, is stuck or has exited "
+        "(GT_CHECK_RANKS=1 names it)."
+    )
+    err.__cause__ = e
+    return err
+
+
+# -- GT_CHECK_RANKS: before every redistribution -------------------------------------------------
+def _op_in_flight() -> str:
+    # the torch function or aten op spmdgt's __torch_function__/__torch_dispatch__ is running
+    f = sys._getframe(2)
+    while f is not None:
+        if f.f_code.co_name in ("__torch_function__", "__torch_dispatch__"):
+            func = f.f_locals.get("func")
+            if func is not None:
+                return getattr(func, "__qualname__", None) or str(func)
+        f = f.f_back
+    return "a redistribution"
+
+
+def _install_redistribute_check() -> None:
+    """Wrap ``redistribute_local_tensor``, where every collective DTensor issues starts, in the
+    three modules that call it (debug mode only: nothing is wrapped otherwise)."""
+    from torch.distributed.tensor import _api, _dispatch, _redistribute
+
+    original = _redistribute.redistribute_local_tensor
+    if getattr(original, "_gt_checked", False):
+        return
+
+    def checked(local_tensor, current_spec, target_spec, *args, **kwargs):
+        if current_spec.placements != target_spec.placements or (
+            current_spec.mesh != target_spec.mesh
+        ):
+            meta = current_spec.tensor_meta
+            shape = tuple(meta.shape) if meta is not None else "?"
+            dtype = str(meta.dtype).removeprefix("torch.") if meta is not None else "?"
+            before_collective(
+                f"{_op_in_flight()}: redistribute {dtype}{list(shape)} "
+                f"{tuple(current_spec.placements)} -> {tuple(target_spec.placements)} "
+                f"on mesh {current_spec.mesh.mesh.flatten().tolist()}"
+            )
+        return original(local_tensor, current_spec, target_spec, *args, **kwargs)
+
+    checked._gt_checked = True  # type: ignore[attr-defined]
+    for module in (_redistribute, _dispatch, _api):
+        if getattr(module, "redistribute_local_tensor", None) is original:
+            module.redistribute_local_tensor = checked
+
+
+# -- one readable message per rank ---------------------------------------------------------------
+def _record_for_torchrun(e: BaseException) -> None:
+    # torchrun's failure summary shows the root cause from this file, when the child wrote one
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        try:
+            from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+            get_error_handler().record_exception(e)
+        except Exception:  # the summary is a courtesy: never hide the error itself
+            pass
+
+
+def _install_excepthook() -> None:
+    previous = sys.excepthook
+    if getattr(previous, "_gt_hook", False):
+        return
+
+    def hook(kind, value, tb):
+        if isinstance(value, (RankDivergenceError, RankTimeoutError)):
+            sys.stderr.write(f"[rank {_rank}] spmdgt: {kind.__name__}: {value}\n")
+            sys.stderr.flush()
+        else:
+            previous(kind, value, tb)
+        _record_for_torchrun(value)
+
+    hook._gt_hook = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
