@@ -13,6 +13,7 @@ nothing measured them (placements without ``profile=True`` or the interceptor on
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -154,12 +155,37 @@ class MetricsLogger:
 
 
 class ProgressBar:
-    """A one-line progress bar on rank 0, only when stdout is an interactive terminal."""
+    """Progress on rank 0: a one-line bar on an interactive terminal, else a line per flush.
+
+    A job whose stdout is a file or a pipe shows life through ``report``: one line every
+    ``log_every`` steps, printed after the loss flush that every rank runs at that step
+    anyway, with the numbers it brought back. Nothing here decides a collective: whether a
+    terminal is attached (rank 0 only) changes what is printed, never what is communicated.
+    """
 
     def __init__(self, total: int | None, is_main: bool, stream=None) -> None:
         self.stream = stream or sys.stdout
-        self.active = is_main and self.stream.isatty()
+        isatty = getattr(self.stream, "isatty", None)
+        tty = bool(isatty()) if callable(isatty) else False
+        self.active = is_main and tty  # the bar
+        self.lines = is_main and not tty  # progress lines at flushes
         self.total = total
+        self._t0 = time.perf_counter()
+
+    def report(self, step: int, losses: list[float], step_times: list[float]) -> None:
+        """A progress line after a flush: step, last loss, mean loss and time per step of the
+        flushed steps, elapsed time. Printed by rank 0 when no bar is drawn."""
+        if not self.lines or not losses:
+            return
+        head = f"step {step}/{self.total}" if self.total else f"step {step}"
+        mean = sum(losses) / len(losses)
+        ms = sum(step_times) / len(step_times) * 1e3 if step_times else float("nan")
+        elapsed = time.perf_counter() - self._t0
+        self.stream.write(
+            f"{head} loss {losses[-1]:.4f} (mean of last {len(losses)}: {mean:.4f}) "
+            f"{ms:.1f} ms/step elapsed {_clock(elapsed)}\n"
+        )
+        self.stream.flush()
 
     def update(self, step: int, loss: float, step_time: float) -> None:
         if not self.active:
@@ -177,3 +203,10 @@ class ProgressBar:
         if self.active:
             self.stream.write("\n")
             self.stream.flush()
+
+
+def _clock(seconds: float) -> str:
+    """``1:02:03`` / ``2:03``: elapsed wall time for a progress line."""
+    m, sec = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{sec:02d}" if h else f"{m}:{sec:02d}"

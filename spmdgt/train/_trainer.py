@@ -15,9 +15,11 @@ atomic DCP checkpoints, ``_summary`` for what is measured and how.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterable
 
 import torch
@@ -237,25 +239,48 @@ class DistributedTrainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=dtype)
 
-    def _check_loader(self, loader: Iterable) -> int | None:
-        """Every rank must run equally many batches, or a collective would hang: check once."""
-        try:
-            n = len(loader)  # type: ignore[arg-type]
-        except TypeError:
-            return None
+    def _check_loader(self, loader: Iterable, what: str = "training") -> int | None:
+        """Every rank must run equally many batches, or a collective would hang: check once.
+
+        Collective in a world of more than one, whatever the loader: every rank gathers every
+        rank's length (-1 for a loader without ``len``), so a sized loader on one rank and an
+        unsized one on another is an error too, not a branch taken by some ranks only."""
+        n = _len(loader)
         if self.rt.world_size > 1:
-            t = torch.tensor([n], device=self._comm_device())
+            t = torch.tensor([-1 if n is None else n], device=self._comm_device())
             out = [torch.zeros_like(t) for _ in range(self.rt.world_size)]
             dist.all_gather(out, t)
             lens = [int(x.item()) for x in out]
             if len(set(lens)) > 1:
                 raise ValueError(
-                    "ranks have different numbers of batches per epoch, which would hang the "
-                    "first collective one rank skips: "
-                    + ", ".join(f"rank {r}: {v}" for r, v in enumerate(lens))
+                    f"ranks have different numbers of {what} batches per epoch, which would "
+                    "hang the first collective one rank skips: "
+                    + ", ".join(
+                        f"rank {r}: {'no len()' if v < 0 else v}" for r, v in enumerate(lens)
+                    )
                     + "; use OptimizedDataLoader.create (DistributedSampler pads evenly)"
                 )
         return n
+
+    def _agree_on_group(self, pending: list, where: str) -> int:
+        """How many of an unsized loader's batches every rank has for this step (collective).
+
+        The minimum over ranks: a rank holding more drops its extra batches with a warning,
+        as ``DistributedSampler(drop_last=True)`` would, since the others cannot match them."""
+        have = len(pending)
+        if self.rt.world_size == 1:
+            return have
+        t = torch.tensor([have], device=self._comm_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        agreed = int(t.item())
+        if agreed < have:
+            warnings.warn(
+                f"rank {self.rt.rank}: dropped {have - agreed} batch(es) at {where}: another "
+                "rank's loader (no len()) ran out first; shard data evenly "
+                "(OptimizedDataLoader.create) so every rank has as many batches",
+                stacklevel=3,
+            )
+        return agreed
 
     def _check_same_batch(self, inputs: object) -> None:
         """Tensor parallelism needs the same batch on every rank; check the first one."""
@@ -396,15 +421,33 @@ class DistributedTrainer:
                     group = self.accum if left is None else min(self.accum, left)
                     if group <= 0:
                         break
+                    source = batches
+                    if left is None:
+                        # An unsized loader: take the group's batches first, so the last one
+                        # is known before its backward (it syncs the gradients), and agree
+                        # across ranks on how many there are (one small collective per step):
+                        # ranks whose loaders end at different points would otherwise run
+                        # different numbers of collectives and hang.
+                        pending = list(itertools.islice(batches, group))
+                        group = self._agree_on_group(pending, f"the end of epoch {epoch}")
+                        if group == 0:
+                            break
+                        source = iter(pending[:group])
+                        if group < self.accum:
+                            left = group  # the epoch's last group
                     log.step = self.global_step
                     loss_sum: torch.Tensor | None = None
                     samples = tokens = 0
-                    done = 0
                     for micro in range(group):
                         try:
-                            batch = next(batches)
+                            batch = next(source)
                         except StopIteration:
-                            break
+                            raise ValueError(
+                                f"the training loader ended {group - micro} batch(es) before "
+                                "its len() said it would; a loader with a __len__ must yield "
+                                "that many batches (every rank runs as many steps as len() "
+                                "promises, or a collective hangs)"
+                            ) from None
                         inputs, targets = self._unpack(batch)
                         if not checked_batch:
                             self._check_same_batch(inputs)
@@ -425,13 +468,7 @@ class DistributedTrainer:
                                 scaled.backward()
                         det = loss.detach().float()
                         loss_sum = det if loss_sum is None else loss_sum + det
-                        done += 1
-                    if done == 0:
-                        break
-                    if done < group:  # an unsized loader ran out mid-group: fix the scale
-                        for p in params:
-                            if p.grad is not None:
-                                p.grad.mul_(group / done)
+                    done = group
                     self._optimizer_step(params)
                     if left is not None:
                         left -= done
@@ -455,7 +492,11 @@ class DistributedTrainer:
                     if prof is not None:
                         prof.step()
                     if n % flush_every == 0:
-                        self._log_metrics(stats, metrics)
+                        new = self._log_metrics(stats, metrics)
+                        # Where no bar is drawn (a log file, a pipe), rank 0 prints a line at
+                        # each flush: step count decides, and the line only reads what the
+                        # flush (done on every rank) already brought back.
+                        bar.report(self.global_step, new, stats.step_times[-len(new) :])
                     if max_steps is not None and self.global_step >= max_steps:
                         stop = True
                     if ck.dir and ck.every_steps and self.global_step % ck.every_steps == 0:
@@ -545,12 +586,13 @@ class DistributedTrainer:
         if self.scheduler is not None:
             self.scheduler.step()
 
-    def _log_metrics(self, stats: RunStats, metrics: MetricsLogger) -> None:
-        """All-reduce pending losses (one collective) and write the steps' scalars."""
+    def _log_metrics(self, stats: RunStats, metrics: MetricsLogger) -> list[float]:
+        """All-reduce pending losses (one collective), write the steps' scalars, return the
+        newly reduced losses."""
         start = len(stats.global_losses)
         new = stats.flush_losses(self._comm_device())
         if metrics.writer is None:
-            return
+            return new
         memory = dict(zip(stats.memory_steps, stats.memory))
         for i, loss in enumerate(new, start=start):
             dt = stats.step_times[i]
@@ -565,6 +607,7 @@ class DistributedTrainer:
                     "perf/memory_gb": mem / 1e9 if mem is not None else None,
                 },
             )
+        return new
 
     def _make_profiler(self) -> torch.profiler.profile:
         """Per-rank ``torch.profiler`` traces under ``<logdir>/profile`` (``./profiles``)."""
@@ -583,11 +626,23 @@ class DistributedTrainer:
 
     @torch.no_grad()
     def evaluate(self, loader: Iterable) -> float:
-        """Mean loss over ``loader`` (per-rank mean, then averaged across ranks)."""
+        """Mean loss over ``loader`` (per-rank mean, then averaged across ranks).
+
+        Collective: forward passes communicate (FSDP gathers, tensor-parallel reductions, DDP
+        buffer broadcasts), so every rank must run as many batches. Sized loaders are checked
+        for equal lengths once; for unsized ones ranks agree before each batch."""
+        n_batches = self._check_loader(loader, "validation")
+        agree = n_batches is None and self.rt.world_size > 1
         self.model.eval()
         total = torch.zeros((), dtype=torch.float64)
         n = 0
-        for batch in loader:
+        batches = iter(loader)
+        while True:
+            batch = next(batches, _END)
+            if agree and self._agree_on_group([] if batch is _END else [batch], "validation") == 0:
+                break
+            if batch is _END:
+                break
             inputs, targets = self._unpack(batch)
             with self._autocast():
                 total += self._loss(inputs, targets).double().cpu()
@@ -595,6 +650,9 @@ class DistributedTrainer:
         self.model.train()
         mean = total / max(n, 1)
         return float(all_reduce_mean(mean.to(self._comm_device())).item())
+
+
+_END = object()  # the end of an iterator, for next(it, _END)
 
 
 def _len(loader: object) -> int | None:

@@ -75,3 +75,77 @@ def test_non_daemonic_ranks_run_loader_workers(tmp_path):
 def test_negative_workers_are_refused():
     with pytest.raises(ValueError, match="num_workers must be >= 0, got -1"):
         OptimizedDataLoader.create(make_dataset(), 4, num_workers=-1)
+
+
+class _Batches:
+    """An iterable of ``(x, y)`` batches with no ``len()``: ``count`` micro-batches of 4 for
+    ``rank``, micro-batch m holding global samples [8m + 4 rank, 8m + 4 rank + 4)."""
+
+    def __init__(self, rank: int, count: int) -> None:
+        self.rank, self.count = rank, count
+
+    def __iter__(self):
+        x, y = make_dataset().tensors
+        for m in range(self.count):
+            lo = 8 * m + 4 * self.rank
+            yield x[lo : lo + 4], y[lo : lo + 4]
+
+
+def _unsized(rank, world):
+    import warnings
+
+    from tests.train._models import full_state
+
+    model = make_model()
+    t = DistributedTrainer(
+        model,
+        make_optimizer(model),
+        strategy="fsdp",  # forward and backward communicate: a skipped batch would hang
+        loss_fn=F.mse_loss,
+        gradient_accumulation_steps=2,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        # Rank 1's loaders hold one batch more than rank 0's, for training and validation.
+        t.train(_Batches(rank, 5 + rank), epochs=1)
+        val = t.evaluate(_Batches(rank, 2 + rank))
+    dropped = [str(w.message) for w in caught if "dropped" in str(w.message)]
+    return t.global_step, t.last_stats.global_losses, full_state(t.model), val, dropped
+
+
+def test_unsized_loaders_agree_on_every_step(tmp_path):
+    """Loaders without len() that end at different points: every rank runs the batches all of
+    them have (rank 1 drops its extra one, with a warning), the epoch's last, short group
+    syncs its gradients, and validation stops where the shortest rank does. Once, the short
+    group ran entirely under no_sync (gradients never reduced: ranks silently diverged) and a
+    rank with an extra batch waited in a collective nobody else joined."""
+    x, y = make_dataset().tensors
+    model = make_model()
+    opt = make_optimizer(model)
+    losses = []
+    for group in ([0, 1], [2, 3], [4]):  # micro-batches of 8 global samples: 2, 2, then 1
+        total = 0.0
+        for m in group:
+            loss = F.mse_loss(model(x[8 * m : 8 * m + 8]), y[8 * m : 8 * m + 8])
+            (loss / len(group)).backward()
+            total += loss.item()
+        opt.step()
+        opt.zero_grad()
+        losses.append(total / len(group))
+    with torch.no_grad():
+        ref_val = (
+            sum(F.mse_loss(model(x[lo : lo + 4]), y[lo : lo + 4]).item() for lo in range(0, 16, 4))
+            / 4
+        )
+    for rank, (steps, got, state, val, dropped) in enumerate(
+        run_ranks(_unsized, 2, tmp_path, timeout=60)
+    ):
+        assert steps == 3
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(losses), atol=1e-5, rtol=0)
+        for k, v in model.state_dict().items():
+            torch.testing.assert_close(state[k], v, atol=1e-5, rtol=0, msg=k)
+        assert val == pytest.approx(ref_val, abs=1e-6)
+        if rank == 1:
+            assert len(dropped) == 2 and "validation" in dropped[1], dropped
+        else:
+            assert dropped == []

@@ -7,6 +7,9 @@ AdamW steps with clipping carry that into the weights at ~1e-7, well inside 1e-5
 
 from __future__ import annotations
 
+import contextlib
+import io
+
 import torch
 import torch.distributed.checkpoint  # imported before fork: children inherit it
 import torch.distributed.tensor.parallel
@@ -170,8 +173,12 @@ def test_fsdp_accumulation_skips_reduce_scatter(tmp_path):
 
 
 def _logging_on_rank0_only(rank, world, strategy, logdir):
-    # the usual pattern: only rank 0 writes; log_every below the 6 steps: several flushes
-    return _train(rank, world, strategy, 1, logdir=logdir if rank == 0 else None, log_every=2)
+    # the usual pattern: only rank 0 writes; log_every below the 6 steps: several flushes.
+    # stdout is a StringIO (no terminal), as for a job logged to a file: progress lines.
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        result = _train(rank, world, strategy, 1, logdir=logdir if rank == 0 else None, log_every=2)
+    return result, out.getvalue()
 
 
 def test_logdir_on_rank0_only_does_not_change_the_collectives(tmp_path):
@@ -180,5 +187,12 @@ def test_logdir_on_rank0_only_does_not_change_the_collectives(tmp_path):
     for strategy in ("ddp", "fsdp", "placements"):
         logdir = str(tmp_path / strategy)
         out = run_ranks(_logging_on_rank0_only, 2, tmp_path, strategy, logdir, timeout=90)
-        _check(out, strategy, 1)
+        _check([r[0] for r in out], strategy, 1)
         assert any(p.name.startswith("events") for p in (tmp_path / strategy).rglob("*"))
+        # Progress lines every log_every steps from rank 0 only, with the all-reduced loss.
+        losses = out[0][0][1]
+        lines = [ln for ln in out[0][1].splitlines() if ln.startswith("step ")]
+        assert [ln.split(" loss ")[0] for ln in lines] == ["step 2/6", "step 4/6", "step 6/6"]
+        for i, line in enumerate(lines):
+            assert line.split(" loss ")[1].startswith(f"{losses[2 * i + 1]:.4f} ")
+        assert out[1][1] == ""  # rank 1 prints nothing (no summary either)

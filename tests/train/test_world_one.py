@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import math
+import os
 
 import pytest
 import torch
@@ -141,6 +142,23 @@ def test_tensorboard_scalars_and_profiler_traces(tmp_path):
     assert traces, list(tmp_path.rglob("*"))
 
 
+def test_progress_lines_when_stdout_is_not_a_terminal(capsys):
+    # pytest captures stdout into a file: no terminal, so no bar, and a line per loss flush.
+    model = make_model()
+    t = DistributedTrainer(model, make_optimizer(model), loss_fn=F.mse_loss, log_every=2)
+    t.train(_loader(), epochs=1)
+    out = capsys.readouterr().out
+    lines = [ln for ln in out.splitlines() if ln.startswith("step ")]
+    losses = t.last_stats.global_losses
+    assert len(lines) == 3 and "\r" not in out  # steps 2, 4, 6 of 6
+    for i, line in enumerate(lines):
+        window = losses[2 * i : 2 * i + 2]
+        mean = sum(window) / 2
+        assert line.startswith(f"step {2 * i + 2}/6 loss {window[-1]:.4f} ")
+        assert f"(mean of last 2: {mean:.4f})" in line and " ms/step elapsed " in line
+    assert out.index(lines[-1]) < out.index("Training Summary")
+
+
 def test_progress_bar_only_on_a_tty():
     class TTY(io.StringIO):
         def isatty(self):
@@ -150,12 +168,17 @@ def test_progress_bar_only_on_a_tty():
     for stream in (tty, pipe):
         bar = ProgressBar(4, True, stream)
         bar.update(2, 0.5, 0.01)
+        bar.report(2, [0.75, 0.5], [0.01, 0.03])
         bar.close()
     assert "2/4" in tty.getvalue() and "loss 0.5000" in tty.getvalue()
-    assert pipe.getvalue() == ""
-    off = TTY()
-    ProgressBar(4, False, off).update(1, 0.1, 0.1)  # not rank 0
-    assert off.getvalue() == ""
+    assert "mean of last" not in tty.getvalue()  # the bar shows progress on a terminal
+    assert pipe.getvalue().startswith("step 2/4 loss 0.5000 (mean of last 2: 0.6250) 20.0 ms")
+    assert pipe.getvalue().count("\n") == 1 and "[" not in pipe.getvalue()
+    for off in (TTY(), io.StringIO()):  # not rank 0: neither
+        bar = ProgressBar(4, False, off)
+        bar.update(1, 0.1, 0.1)
+        bar.report(1, [0.1], [0.1])
+        assert off.getvalue() == ""
 
 
 def test_performance_profiler_sections_and_percent(capsys):
@@ -196,9 +219,23 @@ def test_comm_cost_algebra():
     assert (IN, HIDDEN, OUT) == (6, 11, 3)
 
 
-def test_data_loader_defaults_and_overrides():
+@pytest.mark.parametrize(
+    ("cores", "local_world", "workers"),
+    [(16, 2, 7), (16, 1, 8), (64, 1, 8), (2, 2, 0), (2, 1, 1), (1, 1, 0), (12, 4, 2)],
+)
+def test_data_loader_default_workers(monkeypatch, cores, local_world, workers):
+    # cores per local rank minus one (the rank's own), capped at 8; what the loader gets here
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world))
     loader = OptimizedDataLoader.create(make_dataset(), 5)
-    assert loader.num_workers >= 0 and loader.pin_memory is False  # no CUDA here
+    assert loader.num_workers == workers
+    if workers:
+        assert loader.prefetch_factor == 2 and loader.persistent_workers is True
+
+
+def test_data_loader_defaults_and_overrides():
+    loader = OptimizedDataLoader.create(make_dataset(), 5, num_workers=0)
+    assert loader.num_workers == 0 and loader.pin_memory is False  # no CUDA here
     assert sorted(i for b in loader.sampler for i in [b]) == list(range(48))
     loader = OptimizedDataLoader.create(make_dataset(), 5, num_workers=1, prefetch_factor=3)
     assert loader.num_workers == 1 and loader.prefetch_factor == 3
