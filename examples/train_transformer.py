@@ -9,6 +9,9 @@ One process:   python examples/train_transformer.py --steps 50
 N processes:   torchrun --nproc_per_node=2 examples/train_transformer.py --strategy fsdp
 From YAML:     torchrun --nproc_per_node=2 examples/train_transformer.py \
                    --config examples/train_transformer.yaml
+Tensor parallel: torchrun --nproc_per_node=2 examples/train_transformer.py --strategy placements
+               (the plan is the ``placements`` table of train_transformer.yaml beside this file
+               unless --config gives one)
 Plain torch:   python examples/train_transformer.py --pytorch   (same model, a hand-written
                loop; under torchrun it wraps raw DDP) to compare with the trainer.
 CI size:       python examples/train_transformer.py --dim 32 --layers 1 --steps 3 --seq-len 16
@@ -17,8 +20,11 @@ CI size:       python examples/train_transformer.py --dim 32 --layers 1 --steps 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -204,12 +210,49 @@ def build(args: argparse.Namespace) -> tuple[Transformer, TokenDataset]:
     return model, TokenDataset(tokens, args.seq_len)
 
 
-def run_trainer(args: argparse.Namespace) -> dict:
-    from spmdgt.train import DistributedTrainer, OptimizedDataLoader, load_train_config
+EXAMPLE_YAML = Path(__file__).with_suffix(".yaml")
 
-    model, ds = build(args)
+
+def _is_rank0() -> bool:
+    return os.environ.get("RANK", "0") in ("", "0")
+
+
+def _train_config(args: argparse.Namespace):
+    """The run's ``TrainConfig``: ``--config``, and for ``--strategy placements`` without
+    one, the placements table of the example YAML beside this file (this model's plan)."""
+    from spmdgt.config import ConfigError
+    from spmdgt.train import TrainConfig, load_train_config
+
     cfg = load_train_config(args.config) if args.config else None
     strategy = args.strategy or (cfg.strategy if cfg else "ddp")
+    if strategy != "placements" or (cfg is not None and cfg.placements):
+        return cfg, strategy
+    if cfg is not None:  # the user's file: never swap in another plan behind their back
+        raise ConfigError(
+            f"--strategy placements needs a placements table (module-name glob -> colwise | "
+            f"rowwise | replicate) in {args.config}; {EXAMPLE_YAML} has one for this model",
+            file=args.config,
+            key="placements",
+        )
+    if not EXAMPLE_YAML.is_file():
+        raise ConfigError(
+            f"--strategy placements needs a tensor-parallel plan: pass --config with a "
+            f"placements table (the example's is examples/train_transformer.yaml, not found "
+            f"at {EXAMPLE_YAML})",
+            key="placements",
+        )
+    plan = load_train_config(EXAMPLE_YAML).placements
+    if _is_rank0():
+        print(f"--strategy placements: using the placements table of {EXAMPLE_YAML}")
+    return TrainConfig(strategy="placements", placements=plan), strategy
+
+
+def run_trainer(args: argparse.Namespace) -> dict:
+    from spmdgt.train import DistributedTrainer, OptimizedDataLoader
+
+    cfg, strategy = _train_config(args)
+    args.batch_size = args.batch_size or (cfg.training.batch_size if cfg else 8)
+    model, ds = build(args)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     trainer = DistributedTrainer(
         model,
@@ -224,9 +267,12 @@ def run_trainer(args: argparse.Namespace) -> dict:
     )
     if args.checkpoint_dir:
         trainer.config.checkpoint.dir = args.checkpoint_dir
-    bs = args.batch_size or (cfg.training.batch_size if cfg else 8)
     loader = OptimizedDataLoader.create(
-        ds, bs, shard=strategy != "placements", seed=args.seed, num_workers=args.workers
+        ds,
+        args.batch_size,
+        shard=strategy != "placements",
+        seed=args.seed,
+        num_workers=args.workers,
     )
     return trainer.train(
         loader, epochs=args.epochs, profile=args.profile or None, max_steps=args.steps
@@ -248,6 +294,7 @@ def run_pytorch(args: argparse.Namespace) -> dict:
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo")
     rank = dist.get_rank() if world > 1 else 0
+    args.batch_size = args.batch_size or 8
     model, ds = build(args)
     model = model.to(device) if cuda else model
     if world > 1:
@@ -290,33 +337,59 @@ def run_pytorch(args: argparse.Namespace) -> dict:
     return out
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with one error message under torchrun (rank 0's), not one per rank."""
+
+    def error(self, message: str) -> None:
+        if _is_rank0():
+            self.print_usage(sys.stderr)
+            print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = _Parser(
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--config", help="training YAML (strategy, fsdp, training, placements, ...)")
-    p.add_argument("--strategy", choices=["ddp", "fsdp", "placements"], default=None)
-    p.add_argument("--text", help="train on the bytes of this file (default: synthetic)")
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--ffn-dim", type=int, default=0, help="default 2 x dim")
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--batch-size", type=int, default=8, help="per rank")
+    p.add_argument(
+        "--strategy",
+        choices=["ddp", "fsdp", "placements"],
+        default=None,
+        help="None: the config's strategy, else ddp; placements without --config takes the "
+        "plan of train_transformer.yaml beside this script",
+    )
+    p.add_argument("--text", help="train on the bytes of this file; None: synthetic tokens")
+    p.add_argument("--dim", type=int, default=128, help="model width")
+    p.add_argument("--layers", type=int, default=2, help="decoder blocks")
+    p.add_argument("--heads", type=int, default=4, help="attention (query) heads")
+    p.add_argument("--kv-heads", type=int, default=2, help="key/value heads (grouped-query)")
+    p.add_argument("--ffn-dim", type=int, default=0, help="MLP width; 0: 2 x dim")
+    p.add_argument("--seq-len", type=int, default=64, help="tokens per sample")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="samples per rank per micro-step; None: the config's training.batch_size, else 8",
+    )
     p.add_argument("--accum", type=int, default=1, help="gradient accumulation steps")
     p.add_argument("--steps", type=int, default=30, help="optimizer steps")
-    p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument(
+        "--epochs", type=int, default=1, help="passes over the data; --steps can stop earlier"
+    )
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    p.add_argument("--max-grad-norm", type=float, default=1.0, help="global gradient-norm clip")
     p.add_argument("--amp", action="store_true", help="bf16 autocast")
     p.add_argument("--profile", action="store_true", help="torch.profiler traces")
     p.add_argument("--logdir", help="TensorBoard directory")
     p.add_argument("--checkpoint-dir", help="DCP checkpoints (resumes when present)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="model init and data seed")
     p.add_argument(
         "--workers",
         type=int,
         default=None,
-        help="DataLoader workers (default: the trainer picks from the machine; plain loop 0)",
+        help="DataLoader workers; None: the trainer picks from the machine, the plain loop 0",
     )
     p.add_argument("--pytorch", action="store_true", help="plain torch loop for comparison")
     args = p.parse_args(argv)
@@ -328,8 +401,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    """Parse ``argv`` and train; a bad config exits with status 2 and one message (rank 0's)
+    rather than a traceback on every rank (every rank reads the same files and fails alike)."""
+    from spmdgt.config import ConfigError
+    from spmdgt.train import CheckpointError
+
     args = parse_args(argv)
-    return run_pytorch(args) if args.pytorch else run_trainer(args)
+    try:
+        return run_pytorch(args) if args.pytorch else run_trainer(args)
+    except (ConfigError, CheckpointError) as e:
+        if _is_rank0():
+            print(f"train_transformer.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ loop), ``_checkpoint`` (atomic DCP checkpoints), ``_comm`` (collective algebra a
 ``_profilers``, ``_summary``, ``_data``, ``_config``.
 """
 
+from spmdgt.train._checkpoint import CheckpointError
 from spmdgt.train._comm import CollectiveLog, CommunicationProfiler, measure_bandwidth
 from spmdgt.train._config import (
     CheckpointConfig,
@@ -30,6 +31,7 @@ from spmdgt.train._trainer import DistributedTrainer, build_scheduler
 
 __all__ = [
     "CheckpointConfig",
+    "CheckpointError",
     "CollectiveLog",
     "CommunicationProfiler",
     "DDPConfig",

@@ -34,6 +34,40 @@ def test_example_trainer_and_pytorch_agree_in_process():
     assert ours["final_loss"] == pytest.approx(plain["final_loss"], abs=1e-5)
 
 
+def test_example_placements_without_config_takes_the_example_plan(capsys):
+    ex = _example()
+    out = ex.main([*TINY, "--strategy", "placements"])  # failed with a traceback before
+    assert out["num_steps"] == 3 and out["strategy"] == "placements"
+    yaml = ROOT / "examples" / "train_transformer.yaml"
+    assert f"using the placements table of {yaml}" in capsys.readouterr().out
+
+
+def test_example_placements_with_a_config_lacking_a_plan_names_flag_and_file(tmp_path, capsys):
+    ex = _example()
+    cfg = tmp_path / "no_plan.yaml"
+    cfg.write_text("strategy: fsdp\n")
+    with pytest.raises(SystemExit) as e:
+        ex.main([*TINY, "--strategy", "placements", "--config", str(cfg)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--strategy placements needs a placements table" in err and str(cfg) in err
+    assert "Traceback" not in err and "train_transformer.yaml has one" in err
+
+
+def test_example_help_shows_defaults(capsys):
+    ex = _example()
+    with pytest.raises(SystemExit):
+        ex.parse_args(["--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for line in [
+        "--dim DIM model width (default: 128)",
+        "--steps STEPS optimizer steps (default: 30)",
+        "--lr LR AdamW learning rate (default: 0.003)",
+    ]:
+        assert line in out
+    assert "None: the config's training.batch_size, else 8 (default: None)" in out
+
+
 @pytest.mark.slow
 def test_example_under_torchrun_fsdp():
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", GT_DEVICE="cpu")
