@@ -25,6 +25,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 __all__ = [
     "COLLECTIVE_KINDS",
     "COLUMNS",
+    "COMM",
     "DEFAULT_KIND",
     "DTYPE_SHORT",
     "EVENTS",
@@ -35,6 +36,7 @@ __all__ = [
     "OpEvent",
     "Sink",
     "TensorSpec",
+    "WAIT",
     "base_name",
     "classify",
     "dtype_short",
@@ -96,8 +98,9 @@ class Sink(Protocol):
 
 
 # ---- the table ------------------------------------------------------------------------------
-# Op kinds: top's time shares, timeline colours, stats, the log's $6. Keys of KINDS are base
-# names: lower-case, no namespace, no overload, no trailing underscore (``base_name``).
+# Op kinds: top's time shares, timeline colours, stats, the log's $6. Each kind lists base
+# names: no namespace, no overload, no trailing underscore (``base_name``). A name no kind
+# lists is DEFAULT_KIND; a name in two kinds takes the first.
 KINDS: dict[str, frozenset[str]] = {
     "matmul": frozenset({
         "mm", "bmm", "matmul", "addmm", "addbmm", "baddbmm", "linear", "einsum", "dot", "mv",
@@ -152,7 +155,8 @@ NAMESPACES = (
 )  # fmt: skip
 DEFAULT_KIND = "elementwise"  # what no table names: pointwise math, mostly
 OVERHEAD = "overhead"
-COLLECTIVE_KINDS = frozenset({"comm", "wait"})
+COMM, WAIT = "comm", "wait"  # a collective's transfer (it has bytes), a wait on one
+COLLECTIVE_KINDS = frozenset({COMM, WAIT})  # communication time
 EVENTS: dict[str, str] = {"comm": "COMM", "wait": "WAIT"}  # the log's $4; any other kind: OP
 
 # The instruction log's columns, in order (``_instruction_log`` documents each; the C++ writer

@@ -78,10 +78,10 @@ def _env_mb(var: str, default: float) -> int:
 
 def rotation_message(path: str, max_bytes: int) -> str:
     """The one line a rank prints at its log's first rotation."""
+    mb = f"{max_bytes / 1e6:g} MB"
     return (
-        f"instruction log {path} reached {max_bytes / 1e6:g} MB (GT_INSTRUCTION_LOG_MAX_MB): "
-        f"rotated, older lines in {path}.1; the newest stay in {path} (at most 2 x "
-        f"{max_bytes / 1e6:g} MB on disk; not repeated)"
+        f"instruction log {path} reached {mb} (GT_INSTRUCTION_LOG_MAX_MB): older lines move to "
+        f"{path}.1, {path} keeps the newest; at most 2 x {mb} on disk (said once)"
     )
 
 

@@ -168,6 +168,8 @@ def _table(ext: ModuleType) -> dict:
         "default_kind": _events.DEFAULT_KIND,
         "default_event": _events.event_of(_events.DEFAULT_KIND),
         "skip_kind": _events.OVERHEAD,
+        "comm_kind": _events.COMM,
+        "wait_kind": _events.WAIT,
         "columns": list(_events.COLUMNS),
         "dtypes": [
             _events.dtype_short(d) if d is not None else f"dtype{i}" for i, d in enumerate(dtypes)

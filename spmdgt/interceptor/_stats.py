@@ -21,7 +21,7 @@ import os
 from collections import Counter, deque
 from typing import Any
 
-from spmdgt.interceptor._events import OpEvent
+from spmdgt.interceptor._events import COLLECTIVE_KINDS, OpEvent
 
 __all__ = ["HotPathDetector", "NativeCounters", "StatsSink"]
 
@@ -122,11 +122,12 @@ class StatsSink:
         if self.first_ns is None and events:
             self.first_ns = events[0].t0_ns
         top_names = []
+        collective = COLLECTIVE_KINDS  # comm and wait: communication time (``_events``)
         for e in events:
             self.by_op[e.op] += 1
             kind = e.kind
             self.count_by_kind[kind] += 1
-            if kind == "comm" or kind == "wait":
+            if kind in collective:
                 if kind == "comm":
                     self.collectives[e.op] += 1
                     self.collective_bytes += e.nbytes
@@ -138,7 +139,7 @@ class StatsSink:
                 self.time_ns_by_kind[kind] += e.dur_ns - self._child_comm_ns
                 self.time_ns_by_kind["comm"] += self._child_comm_ns
                 self._child_comm_ns = 0
-            elif kind == "comm" or kind == "wait":
+            elif kind in collective:
                 self._child_comm_ns += e.dur_ns
             end = e.t0_ns + e.dur_ns
             if end > self.last_ns:
@@ -240,7 +241,7 @@ class NativeCounters:
             if kind == "comm":
                 collectives[op] += count
                 nbytes_total += nbytes
-            if kind in ("comm", "wait"):
+            if kind in COLLECTIVE_KINDS:
                 comm_ns += dur
         if child_comm:
             time_by_kind["comm"] += child_comm

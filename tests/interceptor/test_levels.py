@@ -108,3 +108,29 @@ def test_native_observer_classifies_with_the_python_table():
     assert got == {n: _events.classify(n) for n in names}
     assert got["_c10d_functional.wait_tensor.default"] == "wait"
     assert got["PythonSubclass.default"] == got["PythonDispatchMode.default"] == "overhead"
+
+
+@pytest.mark.parametrize(
+    "level,mul",
+    [
+        ("torch", "mul"),
+        ("aten", "aten.mul.Tensor"),
+        pytest.param("native", "aten.mul.Tensor", marks=needs_native),
+    ],
+)
+def test_record_function_is_no_op_at_any_level(level, mul):
+    # record_function's own ops are 'overhead': the aten level recorded them as elementwise ops
+    import spmdgt.interceptor as interceptor
+    from spmdgt import debug
+    from spmdgt.interceptor._mode import get_interceptor
+
+    a = torch.ones(3)
+    interceptor.enable(stats=True, level=level)
+    try:
+        with torch.profiler.record_function("region"):
+            a * a
+        stats = debug.get_worker_stats()[0]
+    finally:
+        interceptor.disable()
+        get_interceptor().level = "torch"
+    assert dict(stats["top_ops"]) == {mul: 1} and stats["by_kind"] == {"elementwise": 1}

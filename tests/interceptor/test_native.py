@@ -320,3 +320,61 @@ def test_python_sinks_keep_up_in_a_long_loop(tmp_path):
     assert stats["hotpath"]["total_instructions"] == top_level == 2 * n + 3
     assert dict(stats["top_ops"])["aten.mul.Tensor"] == n
     assert stats["hotpath"]["hot_instructions"] > 2 * n - 100  # the loop is one hot sequence
+
+
+def test_cache_key_follows_source_torch_and_flags():
+    with open(_native._SRC, "rb") as f:
+        src = f.read()
+    key = _native.cache_key(src)
+    assert key == _native.cache_key()  # this checkout's source
+    assert _native.cache_key(src + b"\n// one more line") != key
+    assert _native.cache_key(src, torch_version="0.0.0") != key
+    assert _native.cache_key(src, cflags=("-O0",)) != key
+    assert _native.build_dir(key).endswith(f"spmdgt_observer_{key}")
+
+
+def test_a_build_announces_itself_once_with_its_folder(tmp_path, monkeypatch, capsys):
+    # The compile itself (~45 s) is replaced; everything around it is the real path: the
+    # folder from the source's key, the source copied into it, the line on stderr.
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    calls = []
+
+    def fake_load(**kwargs):
+        calls.append(kwargs)
+        return "the module"
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    monkeypatch.setattr(cpp_extension, "verify_ninja_availability", lambda: None)
+    assert _native._load_or_build() == "the module"
+    build = tmp_path / f"spmdgt_observer_{_native.cache_key()}"
+    (call,) = calls
+    assert call["build_directory"] == str(build) and call["name"] == "spmdgt_observer"
+    assert call["sources"] == [str(build / "observer.cpp")]  # a copy: no other checkout's file
+    with open(_native._SRC, "rb") as f:
+        assert (build / "observer.cpp").read_bytes() == f.read()
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"[gt r{_debuglog._rank()} native +")
+    assert f"compiling the native op observer into {build} " in lines[0]
+
+
+@needs_native
+def test_a_cached_build_is_imported_without_a_word(tmp_path, monkeypatch, capsys):
+    import shutil
+
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    build = tmp_path / f"spmdgt_observer_{_native.cache_key()}"
+    build.mkdir()
+    shutil.copy(_native.load().__file__, build / "spmdgt_observer.so")
+
+    def no_build(**kwargs):
+        raise AssertionError("a cached build was rebuilt")
+
+    monkeypatch.setattr(cpp_extension, "load", no_build)
+    module = _native._load_or_build()  # (Python hands back the module already loaded)
+    assert callable(module.set_table) and callable(module.classify)
+    assert capsys.readouterr().err == ""  # no build, no line

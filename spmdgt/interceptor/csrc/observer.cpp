@@ -107,6 +107,7 @@ struct Table {
   std::unordered_map<std::string, std::string> ns_kinds;      // namespace -> kind
   std::unordered_map<std::string, std::string> events;        // kind -> event word
   std::string default_kind, default_event, skip_kind;
+  std::string comm_kind, wait_kind;  // _events.COLLECTIVE_KINDS: a transfer, a wait on one
   std::vector<Column> columns;                                // the log's columns, in order
   std::vector<std::string> dtypes;                            // ScalarType int -> short name
 };
@@ -242,8 +243,8 @@ int32_t intern_locked(const char* name, const char* overload) {
   info.kind = kind;
   auto ev = g_table.events.find(kind);
   info.event = ev != g_table.events.end() ? ev->second : g_table.default_event;
-  info.comm = info.event == "COMM";
-  info.wait = info.event == "WAIT";
+  info.comm = kind == g_table.comm_kind;  // a transfer: its bytes, one record per collective
+  info.wait = kind == g_table.wait_kind;  // with comm: communication time
   info.skip = kind == g_table.skip_kind;
   int32_t id = static_cast<int32_t>(g_names.size());
   g_names.push_back(std::move(info));
@@ -684,7 +685,8 @@ py::list scalar_types() {
 
 // The classification table from _events.py (see _native._init): a dict with namespaces,
 // kinds (base name -> kind), namespace_kinds, events (kind -> word), default_kind,
-// default_event, skip_kind, columns (names, in order) and dtypes (ScalarType int -> name).
+// default_event, skip_kind, comm_kind, wait_kind, columns (names, in order) and dtypes
+// (ScalarType int -> name).
 void set_table(const py::dict& t) {
   static const std::unordered_map<std::string, Column> kColumnNames = {
       {"elapsed", kElapsed}, {"rank", kRank},     {"seq", kSeq},       {"event", kEvent},
@@ -699,6 +701,8 @@ void set_table(const py::dict& t) {
   nt.default_kind = t["default_kind"].cast<std::string>();
   nt.default_event = t["default_event"].cast<std::string>();
   nt.skip_kind = t["skip_kind"].cast<std::string>();
+  nt.comm_kind = t["comm_kind"].cast<std::string>();
+  nt.wait_kind = t["wait_kind"].cast<std::string>();
   for (auto& c : t["columns"].cast<std::vector<std::string>>()) {
     auto it = kColumnNames.find(c);
     if (it == kColumnNames.end())
