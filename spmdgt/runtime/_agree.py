@@ -248,9 +248,10 @@ def _end_at_exit() -> None:
     try:
         end()
     except (RankDivergenceError, RankTimeoutError) as e:
-        sys.stderr.write(f"[rank {_rank}] spmdgt: {type(e).__name__}: {e}\n")
+        text = f"[rank {_rank}] spmdgt: {type(e).__name__}: {e}\n"
+        sys.stderr.write(text)
         sys.stderr.flush()
-        _record_for_torchrun(e)
+        _record_for_torchrun(e, text)
         os._exit(1)
 
 
@@ -322,15 +323,27 @@ def _install_redistribute_check() -> None:
 
 
 # -- one readable message per rank ---------------------------------------------------------------
-def _record_for_torchrun(e: BaseException) -> None:
-    # torchrun's failure summary shows the root cause from this file, when the child wrote one
-    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
-        try:
-            from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+def _record_for_torchrun(e: BaseException, text: str) -> None:
+    # torchrun's failure summary shows each rank's root cause from this file, in the layout
+    # of torch's own ErrorHandler.record_exception (which reads the traceback from
+    # sys.exc_info, empty in an exit hook); a file the program wrote itself is kept
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or os.path.exists(path):
+        return
+    import json
+    import time
 
-            get_error_handler().record_exception(e)
-        except Exception:  # the summary is a courtesy: never hide the error itself
-            pass
+    data = {
+        "message": {
+            "message": f"{type(e).__name__}: {e}",
+            "extraInfo": {"py_callstack": text, "timestamp": str(int(time.time()))},
+        }
+    }
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:  # the summary is a courtesy: never hide the error itself
+        pass
 
 
 def _install_excepthook() -> None:
@@ -340,11 +353,16 @@ def _install_excepthook() -> None:
 
     def hook(kind, value, tb):
         if isinstance(value, (RankDivergenceError, RankTimeoutError)):
-            sys.stderr.write(f"[rank {_rank}] spmdgt: {kind.__name__}: {value}\n")
+            # the message says what each rank did and where: spmdgt's frames add nothing
+            text = f"[rank {_rank}] spmdgt: {kind.__name__}: {value}\n"
+            sys.stderr.write(text)
             sys.stderr.flush()
         else:
+            import traceback
+
+            text = "".join(traceback.format_exception(kind, value, tb))
             previous(kind, value, tb)
-        _record_for_torchrun(value)
+        _record_for_torchrun(value, text)
 
     hook._gt_hook = True  # type: ignore[attr-defined]
     sys.excepthook = hook
