@@ -6,6 +6,8 @@
 Each pair runs interleaved in one process (A, B, A, B ... best of rounds), so machine noise
 hits both sides alike. Targets (issue #2): small-op loop <= 1.3x torch, seed 000's baseline
 <= 1.05x, MLP step <= 1.05x, 2-rank sharded per-op cost no worse than DTensor's own.
+Rank agreement (issue 9): the header a host read carries, on a 1000x1000 ``.numpy()`` at 2
+ranks, and what ``GT_CHECK_RANKS=1`` costs a read, a redistributing matmul and a local op.
 """
 
 from __future__ import annotations
@@ -211,6 +213,54 @@ def _two_rank(rank: int, world: int, init: str, q: bool, out) -> None:
         20,
         1e6,
     )
+    # Rank agreement (spmdgt.runtime._agree). A host read carries a header exchange; the
+    # baseline is the same read without it (DTensor's full_tensor().numpy()).
+    from spmdgt.runtime import _agree
+
+    big = torch.randn(1000, 1000)
+    dbig = distribute_tensor(big, mesh, [Shard(0)])
+    gbig = _share_spec(gt.signal.tensor(big, "rows"), dbig)
+    run(
+        "2 ranks: .numpy() 1000x1000 Shard(0), header",
+        lambda: dbig.full_tensor().numpy(),
+        lambda: gbig.numpy(),
+        5,
+        1e6,
+    )
+    # GT_CHECK_RANKS=1: the same calls with the check on (baseline: spmdgt, check off)
+    _agree._install_redistribute_check()
+
+    def checked(f):
+        def g():
+            _agree._check = True
+            try:
+                f()
+            finally:
+                _agree._check = False
+
+        return g
+
+    run(
+        "2 ranks: GT_CHECK_RANKS=1, .numpy() 1000x1000",
+        lambda: gbig.numpy(),
+        checked(lambda: gbig.numpy()),
+        5,
+        1e6,
+    )
+    run(
+        "2 ranks: GT_CHECK_RANKS=1, Shard(0) @ Shard(0)",
+        lambda: ga @ gw,
+        checked(lambda: ga @ gw),
+        20,
+        1e6,
+    )
+    run(
+        "2 ranks: GT_CHECK_RANKS=1, c=c*b+a (per op)",
+        loop(ga, gb, gc),
+        checked(loop(ga, gb, gc)),
+        1,
+        1e6 / (2 * n),
+    )
     if rank == 0:
         out.put(results)
     dist.destroy_process_group()
@@ -238,8 +288,11 @@ def two_rank_vs_dtensor(q: bool) -> None:
     for p in procs:
         p.join()
     for name, tb, to in results:
-        print(f"{name:<44} DTensor  {tb:9.2f} us   spmdgt {to:9.2f} us   ratio {to / tb:5.2f}x")
-    print(f"{'':<44} target: no worse than DTensor (ratio ~1.0 within noise)")
+        base = "spmdgt" if "GT_CHECK_RANKS" in name else "DTensor"
+        print(f"{name:<46} {base:<7} {tb:9.2f} us   spmdgt {to:9.2f} us   ratio {to / tb:5.2f}x")
+        if name.startswith("2 ranks: sum()"):
+            print(f"{'':<46} target: no worse than DTensor (ratio ~1.0 within noise)")
+    print(f"{'':<46} (GT_CHECK_RANKS rows: baseline is spmdgt with the check off)")
 
 
 def main() -> None:

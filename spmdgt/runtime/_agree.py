@@ -75,7 +75,9 @@ _group: Any = None  # the gloo side group for agreement points; None: no exchang
 _rank = 0
 _world = 1
 _count = 0  # agreement points passed on this rank
-_last = "none yet"  # this rank's last agreed point, for timeout messages
+_last: tuple[int, str] = (0, "none yet")  # this rank's last agreed point, for messages
+_mine = torch.zeros(1, dtype=torch.int64)  # this rank's fingerprint (see _exchange)
+_every = torch.zeros(1, dtype=torch.int64)  # every rank's, after the exchange
 _broken = False  # a divergence was raised: later exchanges would pair at random
 _check = False  # GT_CHECK_RANKS
 _lock = threading.Lock()
@@ -110,13 +112,14 @@ def checking() -> bool:
 def setup(rank: int, world: int) -> None:
     """Make the side group (a collective: every rank calls it from ``init``), read
     ``GT_CHECK_RANKS`` and arrange the end-of-program agreement."""
-    global _group, _rank, _world, _count, _last, _broken, _check, _at_exit
+    global _group, _rank, _world, _count, _last, _broken, _check, _at_exit, _every
     raw = os.environ.get("GT_CHECK_RANKS", "0").strip().lower()
     if raw not in ("", "0", "1", "false", "true", "no", "yes", "off", "on"):
         raise ValueError(f"environment variable GT_CHECK_RANKS={raw!r}: expected 0 or 1")
     kwargs = {"timeout": timeout()} if timeout() is not None else {}
     _group = dist.new_group(backend="gloo", **kwargs)
-    _rank, _world, _count, _last, _broken = rank, world, 0, "none yet", False
+    _rank, _world, _count, _last, _broken = rank, world, 0, (0, "none yet"), False
+    _every = torch.zeros(world, dtype=torch.int64)
     _check = raw in ("1", "true", "yes", "on")
     if _check:
         _install_redistribute_check()
@@ -174,19 +177,19 @@ def _exchange(what: str, site: str, barrier: bool, detail: str = "") -> None:
     with _lock:
         _count += 1
         n = _count
-        # the compared text carries the file's base name: multi-node checkouts differ in path
+        # One int64 a rank: a hash of the point's number, description and call site (with the
+        # file's base name: checkouts on different nodes differ in path).
         path, _, rest = site.partition(":")
-        mine = torch.tensor([n, _fingerprint(f"{what}@{os.path.basename(path)}:{rest}")])
-        every = torch.empty(2 * _world, dtype=torch.int64)
+        _mine[0] = _fingerprint(f"{n}|{what}@{os.path.basename(path)}:{rest}")
         try:
             if barrier:
                 dist.monitored_barrier(_group, timeout=timeout(), wait_all_ranks=True)
-            _gather(every, mine, group=_group)
+            _gather(_every, _mine, group=_group)
         except RuntimeError as e:
             _fail_timeout(e, doing, n)
-        rows = every.view(_world, 2)
-        if bool((rows == rows[0]).all()):
-            _last = f"#{n}: {doing}"
+        first, *others = _every.tolist()
+        if all(v == first for v in others):
+            _last = (n, doing)
             return
         _diverged(n, doing)
 
@@ -223,9 +226,13 @@ def _fail_timeout(e: BaseException, doing: str, n: int) -> None:
         who = "no answer from the other ranks"
     raise RankTimeoutError(
         f"rank {_rank}: {who} within {_waited()} at agreement point #{n} ({doing}); this "
-        f"rank's last agreed point was {_last}. A rank is running something else, is stuck "
+        f"rank's last agreed point was {_said(_last)}. A rank is running something else, is stuck "
         "or has exited."
     ) from e
+
+
+def _said(point: tuple[int, str]) -> str:
+    return f"#{point[0]}: {point[1]}"
 
 
 def _waited() -> str:
@@ -272,7 +279,7 @@ def translate(e: BaseException, op: object) -> BaseException:
     name = getattr(op, "__qualname__", None) or getattr(op, "__name__", None) or str(op)
     err = RankTimeoutError(
         f"rank {_rank}: a collective in {name} at {call_site()} got no answer within {_waited()} "
-        f"({text.strip().splitlines()[0]}). This rank's last agreement point was {_last}; "
+        f"({text.strip().splitlines()[0]}). This rank's last agreement point was {_said(_last)}; "
         "another rank is running something else, is stuck or has exited "
         "(GT_CHECK_RANKS=1 names it)."
     )
