@@ -23,6 +23,10 @@ bench_interceptor.py``, ``c = c*b + a`` on 64x64, 1 CPU thread, ~5.5 us/op untra
   ATen/c10d op in C++ and writes the instruction log from C++ (``_native``); Python sinks get
   its records in bulk. ~1.3-1.5x on this loop. ``GT_INSTRUCTION_LOG`` uses it when it builds.
 
+Every level classifies with ``_events``' table (the C++ observer is handed it at load), so an op
+is one kind whichever level saw it; ops of kind ``overhead`` (the dispatcher's Python-key
+records, ``record_function``'s ops) are run but never recorded, at any level.
+
 When nothing is enabled no mode is pushed (``torch._C._len_torch_function_stack()`` and
 ``_len_torch_dispatch_stack()`` stay 0) and nothing here is on any path. Events are buffered as
 raw tuples and handed to sinks in batches (``_BATCH``) and on a ~1 s tick, so memory is bounded.
@@ -406,6 +410,7 @@ class Interceptor:
         self._signal = _signal_provider()
         self._mode = _TorchMode(self) if level == "torch" else _AtenMode(self, 0)
         self._mode.__enter__()
+        self._arm()  # an alarm set at another level: the batch shrinks to meet it
         self._install_optimizer_hooks()
         self._freeze_gc()
         self._next_tick = _perf_ns() + _TICK_NS

@@ -121,7 +121,9 @@ def _load_or_build() -> ModuleType:
         source = f.read()
     build = build_dir(cache_key(source))
     so = os.path.join(build, f"{_NAME}.so")
-    if os.path.exists(so):  # built before for exactly this source, torch and flags
+    # Built before for exactly this source, torch and flags, and not being linked right now (a
+    # build holds cpp_extension's ``lock`` file; load() below waits for it instead).
+    if os.path.exists(so) and not os.path.exists(os.path.join(build, "lock")):
         spec = importlib.util.spec_from_file_location(
             _NAME, so, loader=importlib.machinery.ExtensionFileLoader(_NAME, so)
         )

@@ -84,6 +84,7 @@ class profile:  # named like torch.profiler.profile, which it wraps
         self._prof: Any = None
         self._writer: Any = None
         self._enabled_interceptor = False
+        self._level_before = "torch"
         self._last: tuple[float, int, int, int] = (0.0, 0, 0, 0)
 
     def __enter__(self) -> profile:
@@ -91,7 +92,7 @@ class profile:  # named like torch.profiler.profile, which it wraps
         from torch.profiler import ProfilerActivity, tensorboard_trace_handler
 
         from spmdgt.interceptor import _control
-        from spmdgt.interceptor._mode import env_rank
+        from spmdgt.interceptor._mode import env_rank, get_interceptor
 
         self.rank, self.world = env_rank()
         if not _control.is_enabled():
@@ -99,6 +100,7 @@ class profile:  # named like torch.profiler.profile, which it wraps
 
             # the C++ counters: cheapest, and they count what the profiler records
             native = not os.environ.get("GT_INTERCEPT") and _native.available()
+            self._level_before = get_interceptor().level
             _control.enable(stats=not native, level="native" if native else None)
             self._enabled_interceptor = True
         activities = [ProfilerActivity.CPU]
@@ -114,8 +116,6 @@ class profile:  # named like torch.profiler.profile, which it wraps
         )
         self._prof.__enter__()
         if self.max_bytes:
-            from spmdgt.interceptor._mode import get_interceptor
-
             ic = get_interceptor()
             self._start_ops = ic.recorded()
             cap_ops = max(self.max_bytes // BYTES_PER_EVENT, 1)
@@ -197,8 +197,11 @@ class profile:  # named like torch.profiler.profile, which it wraps
             self._prof = None
         if self._enabled_interceptor:
             from spmdgt.interceptor import _control
+            from spmdgt.interceptor._mode import get_interceptor
 
             _control.disable()
+            get_interceptor().level = self._level_before  # as the profile found it
+            self._enabled_interceptor = False
 
 
 def _env_mb_value(name: str, mb: float) -> int:

@@ -70,13 +70,19 @@ def test_log_cap_must_be_a_size(monkeypatch, tmp_path):
         InstructionLogSink(str(tmp_path / "x.log"), 0, 1, 0, 0, "torch")
 
 
-def test_profile_stops_recording_at_its_cap(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("level", ["torch", pytest.param("native", marks=needs_native)])
+def test_profile_stops_recording_at_its_cap(level, tmp_path, monkeypatch, capsys):
     from spmdgt.interceptor._profile import BYTES_PER_EVENT
 
     monkeypatch.setenv("GT_PROFILE_MAX_MB", "0.05")  # ~116 op events
-    monkeypatch.delenv("GT_INTERCEPT", raising=False)
+    # the profile picks the native level when it builds; GT_INTERCEPT picks another
+    if level == "native":
+        monkeypatch.delenv("GT_INTERCEPT", raising=False)
+    else:
+        monkeypatch.setenv("GT_INTERCEPT", level)
     logdir = tmp_path / "prof"
     with debug.profile(str(logdir), scalars=False) as prof:
+        assert get_interceptor().level == level
         _loop(1000)  # 2000 ops: ~860 kB of trace unbounded
         with torch.profiler.record_function("after_the_cap"):
             _loop(1)
