@@ -6,6 +6,8 @@ and attaches *sinks* to its event stream: the instruction log (``_instruction_lo
 hot paths and the tape (``_stats``), the run-folder publisher for ``scripts.top`` and
 ``scripts.trace`` (``_publish``), debug printing. ``_mode`` explains how ops are seen and what it
 costs. A new consumer (the compile-and-batch pass) implements ``Sink`` and calls ``add_sink``.
+``_events`` holds the one table of op kinds, log columns and dtype names that every level (the
+C++ observer of ``_native`` included) classifies and writes with; ``classify`` reads it.
 
 Run on one process: ``GT_INSTRUCTION_LOG=/tmp/ops.log python train.py``; on N:
 ``GT_INSTRUCTION_LOG=/tmp/ops.log torchrun --nproc_per_node=N train.py`` (one file per rank).
