@@ -6,7 +6,12 @@ throughput, max RSS, communication share and collectives per step for the traine
 time of a hand-written torch loop doing the same work (DDP / fully_shard / parallelize_module,
 clip, AdamW, ``loss.item()``), and the trainer's added step time; then that added time again on
 the same model at a tiny width (``_overhead_floor``), where compute noise is gone. Then gradient
-accumulation 1 vs 4 (same micro-batch): collectives per optimizer step and step time.
+accumulation 1 vs 4 (same micro-batch): collectives per optimizer step and step time. Then the
+communication cost model against measurement, per strategy and collective kind, side by side:
+``CommunicationProfiler``'s estimate (latency per collective from a small-message probe + ring
+bytes / bus bandwidth from a large all-reduce probe) beside what the run's collectives counted
+and took (DDP comm hook and FSDP2 collective hooks: issue to completion; placements: a run
+with the interceptor on, whose times are issue times, a lower bound).
 
     python benchmarks/bench_trainer.py                 # default size, ~2-3 minutes on 2 cores
     python benchmarks/bench_trainer.py --steps 5 --rounds 1 --dim 64   # quick look
@@ -74,9 +79,10 @@ def _setup(args, ex):
     return model, ds
 
 
-def _trainer_case(args, ex, strategy, accum=1):
+def _trainer_case(args, ex, strategy, accum=1, trace_collectives=False):
     import torch
 
+    from spmdgt import interceptor
     from spmdgt.train import DistributedTrainer, OptimizedDataLoader, TrainConfig, TrainingConfig
 
     model, ds = _setup(args, ex)
@@ -100,9 +106,22 @@ def _trainer_case(args, ex, strategy, accum=1):
     import contextlib
     import io
 
-    with contextlib.redirect_stdout(io.StringIO()):  # the summary is re-printed below
-        s = t.train(loader, max_steps=args.warmup + args.steps)
+    own = trace_collectives and not interceptor.is_enabled()
+    if own:  # placements: DTensor's collectives are seen only in the interceptor's op stream
+        interceptor.enable(stats=False, hotpath=False)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # the summary is re-printed below
+            s = t.train(loader, max_steps=args.warmup + args.steps)
+    finally:
+        if own:
+            interceptor.disable()
     s["max_rss_gb"] = max(t.last_stats.memory) / 1e9
+    # Per kind over the timed steps (the warm-up left out, as in the summary's averages).
+    timed_from = t.last_stats.first_step + s["warmup_steps_excluded"]
+    timed = [r for r in t.wrapped.log.records if r.step >= timed_from]
+    s["comm_totals"] = t.wrapped.log.totals(timed)
+    s["comm_step"] = [(r.kind, r.nbytes) for r in timed if r.step == timed_from]  # one step
+    s["comm_steps"] = s["num_steps"] - s["warmup_steps_excluded"]
     return s
 
 
@@ -169,6 +188,49 @@ def _raw_case(args, ex, strategy):
     return {"avg_step_time": statistics.fmean(times[args.warmup :]), "max_rss_gb": max(mem) / 1e9}
 
 
+def _replay(collectives: list[tuple[str, int]], iters: int = 5) -> dict[str, float]:
+    """Seconds per kind to run one step's collectives back to back on the idle group (no
+    compute, no overlap, no rank skew: what the cost model describes), the slowest rank's
+    median over ``iters``. Every rank replays its own log of the same step: the same
+    sequence, or the run would have hung."""
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    # torch 2.13 renamed the flat-tensor collectives (the old names warn)
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    out = {}
+    for kind in sorted({k for k, _ in collectives}):
+        bufs = []
+        for k, nbytes in collectives:
+            if k != kind:
+                continue
+            numel = max(nbytes // 4, world) // world * world
+            bufs.append((torch.ones(numel), torch.ones(numel // world)))
+
+        def run(kind=kind, bufs=bufs):
+            for full, part in bufs:
+                if kind == "all_reduce":
+                    dist.all_reduce(full)
+                elif kind == "all_gather":
+                    all_gather(full, part)
+                else:
+                    reduce_scatter(part, full)
+
+        run()  # warm-up
+        times = []
+        for _ in range(iters):
+            dist.barrier()
+            t0 = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - t0)
+        t = torch.tensor([statistics.median(times)], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        out[kind] = float(t.item())
+    return out
+
+
 def _spread(values: list[float]) -> float:
     """(max - min) / median of per-round step times: how noisy one side was."""
     return (max(values) - min(values)) / statistics.median(values)
@@ -221,7 +283,7 @@ def _rank_main(rank, world, init_file, args, conn):
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    from spmdgt.train import CommunicationProfiler
+    from spmdgt.train import CommunicationProfiler, DDPConfig
 
     ex = _example()
     out = {}
@@ -246,11 +308,18 @@ def _rank_main(rank, world, init_file, args, conn):
         out[strategy] = best
     out["floor"] = _overhead_floor(args, ex)
     out["accum"] = {a: _trainer_case(args, ex, "ddp", accum=a) for a in (1, 4)}
+    out["placements_traced"] = _trainer_case(args, ex, "placements", trace_collectives=True)
+    out["replay"] = {
+        s: _replay((out["placements_traced"] if s == "placements" else out[s])["comm_step"])
+        for s in ("ddp", "fsdp", "placements")
+    }
     model, _ = _setup(args, ex)
-    prof = CommunicationProfiler()
+    prof = CommunicationProfiler()  # probes latency and bandwidth on first use (collective)
+    batch = torch.randint(0, 256, (args.batch_size, args.seq_len))  # one rank's micro-batch
     out["estimate"] = {
-        "ddp": prof.estimate_ddp_comm_cost(model, world),
+        "ddp": prof.estimate_ddp_comm_cost(model, world, bucket_cap_mb=DDPConfig().bucket_cap_mb),
         "fsdp": prof.estimate_fsdp_comm_cost(model, world),
+        "placements": prof.estimate_placements_comm_cost(model, world, TP_PLAN, batch),
     }
     dist.destroy_process_group()
     conn.send(out)
@@ -292,18 +361,7 @@ def report(out: dict, args) -> None:
         "(max - min) / median of the rounds per side;\n comm % = collective issue-to-completion"
         " time / step time, overlap counted in full; n/a = not measured)"
     )
-    bw = out["estimate"]["ddp"]["bandwidth_bytes_per_sec"]
-    print(
-        f"\ncomm estimate per step (ring algebra, bandwidth measured by probe: {bw / 1e9:.2f} "
-        "GB/s):"
-    )
-    for s in ("ddp", "fsdp"):
-        e = out["estimate"][s]
-        meas = (out[s]["comm_time_share"] or 0.0) * out[s]["avg_step_time"]
-        print(
-            f"  {s:<5} {e['bytes_per_rank'] / 1e6:8.2f} MB/rank -> {e['estimated_sec'] * 1e3:6.2f}"
-            f" ms estimated; measured comm {meas * 1e3:6.2f} ms/step"
-        )
+    _report_comm(out)
     print(
         f"\ntrainer overhead floor: the same model at dim=16 seq=8 batch=2 (same modules and "
         f"collectives), {args.floor_steps} steps x {args.floor_rounds} alternating rounds; "
@@ -325,6 +383,77 @@ def report(out: dict, args) -> None:
             f"{r['avg_step_time'] * 1e3:.1f} ms/optimizer step, "
             f"{r['avg_step_time'] / a * 1e3:.1f} ms/micro-step"
         )
+
+
+def _report_comm(out: dict) -> None:
+    """Estimate vs measurement of the collectives per optimizer step, side by side."""
+    est = out["estimate"]
+    probes = {}  # kind -> (latency, bus bandwidth), as the estimates carry them
+    for e in est.values():
+        for k in ("all_reduce", "all_gather", "reduce_scatter"):
+            if f"{k}_latency_per_collective_sec" in e:
+                probes[k] = (
+                    e[f"{k}_latency_per_collective_sec"],
+                    e[f"{k}_bandwidth_bytes_per_sec"],
+                )
+    print(
+        "\ncommunication per optimizer step: estimate vs measured. Model: each collective costs "
+        "latency + ring bytes / bus bandwidth,\nboth probed per kind on this group as nccl-tests"
+        " does (8-byte message; 8 MiB message, latency removed; slowest rank's median):\n  "
+        + "; ".join(
+            f"{k} {lat * 1e6:.0f} us + bytes / {bw / 1e9:.2f} GB/s"
+            for k, (lat, bw) in probes.items()
+        )
+    )
+    hdr = (
+        f"  {'strategy':<11}{'collective':<15}{'est n':>6}{'meas n':>7}{'est MB':>7}{'meas MB':>8}"
+        f"{'lat ms':>7}{'xfer ms':>8}{'est ms':>7}{'replay ms':>10}{'in-run ms':>10}"
+    )
+    print(hdr)
+    print("  " + "-" * (len(hdr) - 2))
+    measured = {s: out[s] for s in ("ddp", "fsdp")}
+    measured["placements"] = out["placements_traced"]
+    for s in ("ddp", "fsdp", "placements"):
+        e, m = est[s], measured[s]
+        steps = max(m["comm_steps"], 1)
+        kinds = sorted({k[: -len("_count")] for k in e if k.endswith("_count")})
+        rows = []
+        for k in kinds:
+            t = m["comm_totals"].get(k, {"count": 0, "bytes": 0, "sec": 0.0})
+            ring = 2 * (2 - 1) / 2 if k == "all_reduce" else (2 - 1) / 2  # 2 ranks
+            lat_ms = e[f"{k}_count"] * e[f"{k}_latency_per_collective_sec"] * 1e3
+            rows.append(
+                (
+                    k,
+                    e[f"{k}_count"],
+                    t["count"] / steps,
+                    e[f"{k}_bytes"] / 1e6,
+                    ring * t["bytes"] / steps / 1e6,
+                    lat_ms,
+                    e[f"{k}_sec"] * 1e3 - lat_ms,
+                    e[f"{k}_sec"] * 1e3,
+                    out["replay"][s].get(k, 0.0) * 1e3,
+                    t["sec"] / steps * 1e3,
+                )
+            )
+        if len(rows) > 1:
+            rows.append(("(all)", *(sum(r[i] for r in rows) for i in range(1, 10))))
+        for k, en, mn, emb, mmb, lat_ms, xfer, ems, rms, mms in rows:
+            print(
+                f"  {s:<11}{k:<15}{en:>6.0f}{mn:>7.1f}{emb:>7.3f}{mmb:>8.3f}{lat_ms:>7.2f}"
+                f"{xfer:>8.2f}{ems:>7.2f}{rms:>10.2f}{mms:>10.2f}"
+            )
+    print(
+        "  (est n / MB: the model's collectives and ring bytes per rank; meas n / MB: what the run"
+        " issued per timed step;\n   lat / xfer ms: the estimate's latency and transfer terms, "
+        "est ms their sum; replay ms: one step's logged\n   collectives run back to back on the "
+        "idle group (no compute, overlap or rank skew: what the model describes);\n   in-run "
+        "ms: ddp/fsdp issue-to-completion from the DDP comm hook and FSDP2 collective hooks, "
+        "overlap,\n   queueing behind earlier collectives and waiting for the slower rank "
+        "counted in full (an upper bound on exposed\n   communication); placements: a run with "
+        "the interceptor on, which times the issuing call only, not the\n   later wait "
+        "(a lower bound))"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,12 +11,19 @@ Three pieces:
   collectives come from the project's single op stream (``spmdgt.interceptor``) through
   ``InterceptorCollectiveSink``, and only when the user asked for measurement: the trainer
   traces nothing on its own.
-* ``measure_bandwidth`` times a short all-reduce probe on the current process group and returns
-  the *bus* bandwidth (bytes each rank moves per second, ring algebra applied).
-* ``CommunicationProfiler.estimate_ddp_comm_cost`` / ``estimate_fsdp_comm_cost`` apply the ring
-  algebra to a model's parameter bytes: all-reduce moves ``2(n-1)/n`` of the buffer per rank,
-  all-gather and reduce-scatter ``(n-1)/n`` each; FSDP all-gathers parameters in forward *and*
-  again in backward (when resharding after forward) and reduce-scatters gradients.
+* ``measure_latency`` and ``measure_bandwidth`` probe the current process group as nccl-tests
+  does: a small message per collective kind for the fixed cost of one collective (latency),
+  a large all-reduce for the *bus* bandwidth (bytes each rank moves per second, ring algebra
+  applied).
+* ``CommunicationProfiler`` estimates a step's communication as a sum over its collectives of
+  ``latency(kind) + ring bytes / bus bandwidth``, counting the collectives as the engines issue
+  them: DDP one all-reduce per gradient bucket, FSDP2 one all-gather per sharded unit in
+  forward and again in backward (when resharding after forward) and one reduce-scatter per
+  unit, tensor-parallel placements one activation all-reduce per rowwise module in forward
+  and per colwise module (whose input needs a gradient) in backward, plus the clip's norm.
+  Ring bytes: all-reduce moves ``2(n-1)/n`` of the buffer per rank, all-gather and
+  reduce-scatter ``(n-1)/n`` each. Without the latency term, 15 small FSDP collectives per
+  step on 2 CPU ranks were estimated at 1.84 ms against 30.6 ms measured.
 
 Works in a world of one (its own costs are 0; estimates for N ranks need ``bandwidth=``).
 Under ``torchrun --nproc_per_node=N`` the probe runs on the default group, so every rank must
@@ -25,9 +32,11 @@ call it together.
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import time
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -38,10 +47,12 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
 )
 
 __all__ = [
+    "KINDS",
     "CollectiveLog",
     "CommunicationProfiler",
     "InterceptorCollectiveSink",
     "measure_bandwidth",
+    "measure_latency",
 ]
 
 # Bytes each rank sends per byte of its buffer, for a ring over n ranks.
@@ -50,6 +61,9 @@ _RING_FACTOR = {
     "all_gather": lambda n: (n - 1) / n,
     "reduce_scatter": lambda n: (n - 1) / n,
 }
+
+
+KINDS = tuple(_RING_FACTOR)  # the collective kinds the cost model knows
 
 
 def _world() -> int:
@@ -272,38 +286,100 @@ class InterceptorCollectiveSink:
                 i += 1
 
 
-def measure_bandwidth(
-    nbytes: int = 8 << 20, iters: int = 5, group: dist.ProcessGroup | None = None
-) -> float:
-    """Bus bandwidth in bytes/s of an all-reduce of ``nbytes`` on ``group`` (0 in a world of 1).
+# torch 2.13 renamed the flat-tensor collectives (the old names warn); either works.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-    Bus bandwidth = bytes each rank moves (``2(n-1)/n * nbytes``) / time, so it plugs straight
-    into the ring cost formulas. One untimed warm-up, then the median of ``iters`` timed calls.
-    Collective: every rank of ``group`` must call it.
+
+def _probe_seconds(
+    kind: str, nbytes: int, iters: int, group: dist.ProcessGroup | None, warmup: int = 2
+) -> float:
+    """Median seconds of one ``kind`` collective on a ``nbytes`` buffer (the full buffer: the
+    all-reduced one, the all-gather output, the reduce-scatter input), the slowest rank's
+    median so every rank plans with one number. Collective: every rank of ``group`` calls it."""
+    n = dist.get_world_size(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if _is_nccl(group) else None
+    numel = max(nbytes // 4, n)
+    numel -= numel % n  # gathered / scattered buffers split evenly over the ranks
+    full = torch.ones(numel, dtype=torch.float32, device=device)
+    part = torch.ones(numel // n, dtype=torch.float32, device=device)
+    if kind == "all_reduce":
+
+        def op() -> None:
+            dist.all_reduce(full, group=group)
+    elif kind == "all_gather":
+
+        def op() -> None:
+            _ALL_GATHER(full, part, group=group)
+    elif kind == "reduce_scatter":
+
+        def op() -> None:
+            _REDUCE_SCATTER(part, full, group=group)
+    else:
+        raise ValueError(f"unknown collective kind {kind!r}; expected one of {', '.join(KINDS)}")
+    for _ in range(warmup):
+        op()
+    times = []
+    for _ in range(iters):
+        if device is not None:
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        op()
+        if device is not None:
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    t = torch.tensor([times[len(times) // 2]], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t.item())
+
+
+def measure_latency(
+    kinds: tuple[str, ...] = KINDS,
+    nbytes: int = 8,
+    iters: int = 20,
+    group: dist.ProcessGroup | None = None,
+) -> dict[str, float]:
+    """Seconds of one small collective per kind: the fixed cost each collective pays whatever
+    its size (nccl-tests' small-message time). ``{}`` in a world of one, where nothing is
+    sent. Collective: every rank of ``group`` must call it."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return {}
+    return {k: _probe_seconds(k, nbytes, iters, group) for k in kinds}
+
+
+def measure_bandwidth(
+    nbytes: int = 8 << 20,
+    iters: int = 5,
+    group: dist.ProcessGroup | None = None,
+    latency: float = 0.0,
+    kind: str = "all_reduce",
+) -> float:
+    """Bus bandwidth in bytes/s of a ``kind`` collective on a ``nbytes`` buffer on ``group``
+    (0 in a world of one).
+
+    Bus bandwidth = bytes each rank moves by the ring algebra (``2(n-1)/n`` of the buffer for
+    an all-reduce, ``(n-1)/n`` for an all-gather or reduce-scatter) / time, as nccl-tests'
+    busbw, so it plugs straight into the ring cost formulas; a backend that implements a kind
+    less efficiently (gloo's reduce-scatter) shows a lower bus bandwidth for it. ``latency``
+    (seconds, e.g. that kind's ``measure_latency``) is taken off the time first, so that
+    ``latency + bytes / bandwidth`` reproduces both probes; 0 gives nccl-tests' number. Two
+    untimed warm-ups, then the slowest rank's median of ``iters`` timed calls. Collective:
+    every rank of ``group`` must call it.
     """
     if not (dist.is_available() and dist.is_initialized()):
         return 0.0
     n = dist.get_world_size(group)
     if n == 1:
         return 0.0
-    device = torch.device("cuda", torch.cuda.current_device()) if _is_nccl(group) else "cpu"
-    buf = torch.ones(max(nbytes // 4, 1), dtype=torch.float32, device=device)
-    dist.all_reduce(buf, group=group)
-    times = []
-    for _ in range(iters):
-        if device != "cpu":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        dist.all_reduce(buf, group=group)
-        if device != "cpu":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    times.sort()
-    dt = times[len(times) // 2]
-    # Ranks can measure different medians; use the slowest so every rank plans with one number.
-    t = torch.tensor([dt], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return _RING_FACTOR["all_reduce"](n) * buf.numel() * 4 / float(t.item())
+    dt = _probe_seconds(kind, nbytes, iters, group)
+    moved = _RING_FACTOR[kind](n) * (max(nbytes // 4, n) // n * n) * 4
+    if latency >= dt:
+        raise ValueError(
+            f"latency {latency * 1e6:.1f} us is not below the {nbytes}-byte {kind} time "
+            f"({dt * 1e6:.1f} us): probe bandwidth with a larger message"
+        )
+    return moved / (dt - latency)
 
 
 def _is_nccl(group: dist.ProcessGroup | None) -> bool:
@@ -325,53 +401,144 @@ def _param_bytes(model: torch.nn.Module, dtype: torch.dtype | None = None, pad_t
     return total
 
 
+def _ddp_bucket_bytes(
+    model: torch.nn.Module, cap: int, first_cap: int, dtype: torch.dtype | None
+) -> list[int]:
+    """Bytes of each DDP gradient bucket, assigned as DDP's reducer does: parameters in reverse
+    registration order (about the order their gradients become ready), one bucket list per
+    dtype, a bucket closed once it reaches its limit (the first bucket ``first_cap``, the rest
+    ``cap``). DDP rebuilds its buckets after the first step in the order gradients actually
+    arrived; the count is the same whenever that order is the reverse of registration."""
+    open_: dict[torch.dtype, int] = {}
+    limits: dict[torch.dtype, int] = {}
+    done: list[int] = []
+    for p in reversed([p for p in model.parameters() if p.requires_grad]):
+        key = dtype or p.dtype
+        size = p.numel() * torch.empty((), dtype=key).element_size()
+        open_[key] = open_.get(key, 0) + size
+        if open_[key] >= limits.setdefault(key, first_cap):
+            done.append(open_.pop(key))
+            limits[key] = cap
+    return done + [b for b in open_.values() if b]
+
+
+def _per_kind(value: float | Mapping[str, float] | None) -> dict[str, float] | None:
+    """One number for every kind, a mapping by kind, or None (probe it)."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)):
+        return dict.fromkeys(KINDS, float(value))
+    bad = set(value) - set(KINDS)
+    if bad:
+        raise ValueError(f"unknown collective kind(s) {sorted(bad)}; expected {', '.join(KINDS)}")
+    return {k: float(v) for k, v in value.items()}
+
+
 class CommunicationProfiler:
     """Communication cost per optimizer step: estimated from algebra, measured in a run.
 
-    ``bandwidth`` (bytes/s, bus bandwidth) is measured with ``measure_bandwidth`` on first use
-    unless given; estimates are bytes each rank moves per step and seconds at that bandwidth
-    (``nan`` when estimating for N ranks from a world of one, where there is nothing to probe:
-    pass ``bandwidth=`` then).
+    Each collective costs ``latency[kind] + ring_bytes / bandwidth[kind]``: ``latency``
+    (seconds per collective) from ``measure_latency``'s small-message probe, ``bandwidth``
+    (bytes/s, bus bandwidth) from ``measure_bandwidth``'s large-message probe of the same kind
+    with that latency taken off; each one float for every kind or a dict by kind. Both are
+    probed on first use unless given (collective then: every rank makes the same estimate
+    calls). Estimates give, per kind,
+    the collectives, ring bytes per rank and seconds per step, and in total ``collectives``,
+    ``bytes_per_rank``, ``latency_sec``, ``transfer_sec`` and ``estimated_sec``. Estimating
+    for N ranks from a world of one, where there is nothing to probe, gives ``nan`` seconds
+    unless both ``bandwidth`` and ``latency`` are passed: never a made-up 0.
     """
 
-    def __init__(self, enabled: bool = True, bandwidth: float | None = None) -> None:
+    def __init__(
+        self,
+        enabled: bool = True,
+        bandwidth: float | Mapping[str, float] | None = None,
+        latency: float | Mapping[str, float] | None = None,
+    ) -> None:
         self.enabled = enabled
-        self._bandwidth = bandwidth
+        self._bandwidths = _per_kind(bandwidth)
+        self._latency = _per_kind(latency)
+
+    @property
+    def latency(self) -> dict[str, float]:
+        """Seconds per collective by kind (``{}`` in a world of one, where nothing is sent)."""
+        if self._latency is None:
+            self._latency = measure_latency() if self.enabled else {}
+        return self._latency
+
+    @property
+    def bandwidths(self) -> dict[str, float]:
+        """Bus bandwidth by kind in bytes/s, each kind's latency removed (``{}`` in a world of
+        one)."""
+        if self._bandwidths is None:
+            known = self.latency  # probed first: the bandwidth probes take it off
+            self._bandwidths = (
+                {k: measure_bandwidth(kind=k, latency=known[k]) for k in known}
+                if self.enabled
+                else {}
+            )
+        return self._bandwidths
 
     @property
     def bandwidth(self) -> float:
-        """Measured bus bandwidth of the current group in bytes/s (0 in a world of one)."""
-        if self._bandwidth is None:
-            self._bandwidth = measure_bandwidth() if self.enabled else 0.0
-        return self._bandwidth
+        """The all-reduce's bus bandwidth in bytes/s (0 in a world of one)."""
+        return self.bandwidths.get("all_reduce", 0.0)
 
-    def _cost(self, parts: dict[str, float], world_size: int) -> dict[str, float]:
-        total = sum(parts.values())
-        bw = self.bandwidth if world_size > 1 else 0.0
-        out = {f"{k}_bytes": v for k, v in parts.items()}
-        if world_size <= 1:
-            seconds = 0.0  # nothing moves
-        elif bw > 0:
-            seconds = total / bw
-        else:
-            # No peer to probe (a world of one estimating for N ranks): say "unknown", never
-            # a made-up 0. Pass ``bandwidth=`` to the profiler to plan for another machine.
-            seconds = math.nan
+    def _cost(self, parts: dict[str, tuple[float, int]], world_size: int) -> dict[str, float]:
+        """``parts``: kind -> (ring bytes per rank, collectives) per step."""
+        out: dict[str, float] = {}
+        one = world_size <= 1  # nothing moves
+        lat = {} if one else self.latency
+        bws = {} if one else self.bandwidths
+        latency_sec = transfer_sec = 0.0
+        for kind, (nbytes, count) in parts.items():
+            # Unknown where there is no peer to probe (a world of one estimating for N ranks
+            # without bandwidth= and latency=): nan, never a made-up 0.
+            lat_k = 0.0 if one else lat.get(kind, math.nan)
+            bw = bws.get(kind, math.nan)
+            t_lat = count * lat_k if count else 0.0
+            t_xfer = 0.0 if one or not nbytes else (nbytes / bw if bw > 0 else math.nan)
+            out[f"{kind}_bytes"] = nbytes
+            out[f"{kind}_count"] = count
+            out[f"{kind}_sec"] = t_lat + t_xfer
+            out[f"{kind}_latency_per_collective_sec"] = lat_k
+            out[f"{kind}_bandwidth_bytes_per_sec"] = 0.0 if one else bw
+            latency_sec += t_lat
+            transfer_sec += t_xfer
+        total_bytes = sum(b for b, _ in parts.values())
         out.update(
             world_size=world_size,
-            bytes_per_rank=total,
-            bandwidth_bytes_per_sec=bw,
-            estimated_sec=seconds,
+            bytes_per_rank=total_bytes,
+            collectives=sum(c for _, c in parts.values()),
+            # effective over the kinds: bytes / transfer time
+            bandwidth_bytes_per_sec=total_bytes / transfer_sec if transfer_sec else 0.0,
+            latency_sec=latency_sec,
+            transfer_sec=transfer_sec,
+            estimated_sec=latency_sec + transfer_sec,
         )
+        if not one and math.isnan(transfer_sec):
+            out["bandwidth_bytes_per_sec"] = math.nan
         return out
 
     def estimate_ddp_comm_cost(
-        self, model: torch.nn.Module, world_size: int, grad_dtype: torch.dtype | None = None
+        self,
+        model: torch.nn.Module,
+        world_size: int,
+        grad_dtype: torch.dtype | None = None,
+        bucket_cap_mb: float = 25.0,
+        first_bucket_mb: float | None = None,
     ) -> dict[str, float]:
-        """DDP: one all-reduce of every gradient: ``2(n-1)/n * grad_bytes`` per rank."""
+        """DDP: one all-reduce per gradient bucket, ``2(n-1)/n * grad_bytes`` per rank in all.
+
+        Buckets as DDP builds them with ``bucket_cap_mb`` (the trainer passes
+        ``ddp.bucket_cap_mb``, 25 by default); ``first_bucket_mb`` defaults to the same, as
+        when the cap is given explicitly (DDP's own default, no cap given, is 1 MiB)."""
         n = world_size
-        grad_bytes = _param_bytes(model, grad_dtype)
-        return self._cost({"all_reduce": _RING_FACTOR["all_reduce"](n) * grad_bytes}, n)
+        cap = int(bucket_cap_mb * 2**20)
+        first = cap if first_bucket_mb is None else int(first_bucket_mb * 2**20)
+        buckets = _ddp_bucket_bytes(model, cap, first, grad_dtype)
+        factor = _RING_FACTOR["all_reduce"](n)
+        return self._cost({"all_reduce": (factor * sum(buckets), len(buckets))}, n)
 
     def estimate_fsdp_comm_cost(
         self,
@@ -380,15 +547,90 @@ class CommunicationProfiler:
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
         reshard_after_forward: bool = True,
+        micro_steps: int = 1,
     ) -> dict[str, float]:
-        """FSDP: all-gather params in forward, again in backward (when resharded after
-        forward), reduce-scatter grads; ``(n-1)/n`` of the buffer per rank each. Buffers are
-        the parameters with dim 0 padded to a multiple of ``n``, as FSDP2 lays them out."""
+        """FSDP2 as the trainer wraps ``model`` (unwrapped, as given to the trainer): one unit
+        per block holding parameters (the direct children, each element of a ``ModuleList``)
+        plus the root when it holds parameters of its own. Per micro-step, every unit is
+        all-gathered in forward and again in backward (when resharding after forward); per
+        optimizer step, every unit's gradients are reduce-scattered once (accumulation skips
+        the others). ``(n-1)/n`` of each buffer per rank; buffers are the parameters with
+        dim 0 padded to a multiple of ``n``, as FSDP2 lays them out."""
+        from spmdgt.train._strategies import fsdp_units
+
         n = world_size
-        gathers = 2 if reshard_after_forward else 1
+        units = len(fsdp_units(model))
+        gathers = (2 if reshard_after_forward else 1) * micro_steps
         ag = gathers * _RING_FACTOR["all_gather"](n) * _param_bytes(model, param_dtype, n)
         rs = _RING_FACTOR["reduce_scatter"](n) * _param_bytes(model, reduce_dtype, n)
-        return self._cost({"all_gather": ag, "reduce_scatter": rs}, n)
+        return self._cost({"all_gather": (ag, gathers * units), "reduce_scatter": (rs, units)}, n)
+
+    def estimate_placements_comm_cost(
+        self,
+        model: torch.nn.Module,
+        world_size: int,
+        placements: Mapping[str, str],
+        example_input: object,
+        micro_steps: int = 1,
+        clip: bool = True,
+    ) -> dict[str, float]:
+        """Tensor-parallel placements (``parallelize_module`` with Colwise/RowwiseParallel).
+
+        Activations decide the bytes, so the unwrapped ``model`` runs one forward on
+        ``example_input`` (one rank's micro-batch; under ``torch.autocast`` for AMP sizes) to
+        record each placed module's input and output. Per micro-step: a rowwise module
+        all-reduces its output in forward (partial sums), a colwise Linear all-reduces its
+        input's gradient in backward when that input needs one (it does inside a network,
+        not on raw data). Per optimizer step, ``clip=True`` adds one all-reduce for the global
+        norm: one fp32 per parameter of the placed modules (their gradients are DTensors, and
+        ``get_total_norm`` reduces their per-tensor norms together). Patterns match module
+        names as the trainer's table does (first match wins, ``replicate`` places nothing)."""
+        records: list[tuple[str, int, int]] = []  # (kind of traffic, bytes, calls)
+        hooks = []
+        placed_params = 0
+
+        def style_of(name: str) -> str | None:
+            for pattern, style in placements.items():
+                if fnmatch.fnmatchcase(name, pattern):
+                    return style
+            return None
+
+        for name, module in model.named_modules():
+            style = style_of(name) if name else None
+            if style not in ("colwise", "rowwise"):
+                continue
+            placed_params += sum(1 for _ in module.parameters(recurse=False))
+
+            def hook(mod, args, output, style=style, module=module):
+                x = args[0] if args else None
+                if style == "rowwise" and isinstance(output, torch.Tensor):
+                    records.append(("fwd", output.numel() * output.element_size(), 1))
+                if (
+                    style == "colwise"
+                    and isinstance(module, torch.nn.Linear)
+                    and isinstance(x, torch.Tensor)
+                    and x.requires_grad
+                ):
+                    records.append(("bwd", x.numel() * x.element_size(), 1))
+
+            hooks.append(module.register_forward_hook(hook))
+        try:
+            was_training = model.training
+            model.train()
+            with torch.enable_grad():
+                model(example_input)
+        finally:
+            for h in hooks:
+                h.remove()
+            model.train(was_training)
+        n = world_size
+        factor = _RING_FACTOR["all_reduce"](n)
+        nbytes = micro_steps * sum(b for _, b, _ in records)
+        count = micro_steps * len(records)
+        if clip and placed_params:
+            nbytes += 4 * placed_params  # one fp32 norm per sharded gradient
+            count += 1
+        return self._cost({"all_reduce": (factor * nbytes, count)}, n)
 
     @staticmethod
     def measured_bytes_per_rank(
@@ -409,20 +651,35 @@ class CommunicationProfiler:
         num_steps: int,
         world_size: int,
     ) -> str:
-        """A side-by-side table: estimated vs measured bytes and seconds per optimizer step."""
+        """A side-by-side table per kind: estimated vs measured collectives, MB and ms per
+        optimizer step (``totals`` from ``CollectiveLog.totals`` over ``num_steps`` steps)."""
         measured = self.measured_bytes_per_rank(totals, world_size)
-        lines = [f"{'collective':<16}{'est MB/step':>14}{'meas MB/step':>14}{'meas ms/step':>14}"]
-        kinds = sorted({k[:-6] for k in estimate if k.endswith("_bytes")} | set(totals))
-        kinds = [k for k in kinds if k != "bytes_per"]
+        lines = [
+            f"{'collective':<16}{'est n':>8}{'meas n':>8}{'est MB':>10}{'meas MB':>10}"
+            f"{'est ms':>9}{'meas ms':>9}"
+        ]
+        kinds = sorted(
+            {k[: -len("_count")] for k in estimate if k.endswith("_count")} | set(totals)
+        )
         steps = max(num_steps, 1)
         for k in kinds:
-            est = estimate.get(f"{k}_bytes", 0.0) / 1e6
-            meas = measured.get(f"{k}_bytes", 0.0) / steps / 1e6
-            ms = totals.get(k, {}).get("sec", 0.0) / steps * 1e3
-            lines.append(f"{k:<16}{est:>14.3f}{meas:>14.3f}{ms:>14.2f}")
-        gbps = estimate["bandwidth_bytes_per_sec"] / 1e9
+            lines.append(
+                f"{k:<16}{estimate.get(f'{k}_count', 0):>8.0f}"
+                f"{totals.get(k, {}).get('count', 0) / steps:>8.1f}"
+                f"{estimate.get(f'{k}_bytes', 0.0) / 1e6:>10.3f}"
+                f"{measured.get(f'{k}_bytes', 0.0) / steps / 1e6:>10.3f}"
+                f"{estimate.get(f'{k}_sec', 0.0) * 1e3:>9.2f}"
+                f"{totals.get(k, {}).get('sec', 0.0) / steps * 1e3:>9.2f}"
+            )
+        terms = ", ".join(
+            f"{k} {estimate[f'{k}_latency_per_collective_sec'] * 1e6:.0f} us + bytes / "
+            f"{estimate[f'{k}_bandwidth_bytes_per_sec'] / 1e9:.2f} GB/s"
+            for k in kinds
+            if f"{k}_latency_per_collective_sec" in estimate
+        )
         lines.append(
-            f"bandwidth (measured all-reduce probe): {gbps:.2f} GB/s; "
-            f"estimated {estimate['estimated_sec'] * 1e3:.2f} ms/step"
+            f"model per collective: {terms}; estimated {estimate['estimated_sec'] * 1e3:.2f} "
+            f"ms/step = {estimate['latency_sec'] * 1e3:.2f} latency + "
+            f"{estimate['transfer_sec'] * 1e3:.2f} transfer"
         )
         return "\n".join(lines)

@@ -35,7 +35,7 @@ from spmdgt.train._comm import (
 )
 from spmdgt.train._config import PLACEMENT_STYLES, STRATEGIES, DDPConfig, FSDPConfig
 
-__all__ = ["Wrapped", "clip_grad_norm", "wrap_model"]
+__all__ = ["Wrapped", "clip_grad_norm", "fsdp_units", "wrap_model"]
 
 
 @dataclass
@@ -210,20 +210,11 @@ def wrap_model(
         if mixed
         else MixedPrecisionPolicy()
     )
-    units: list[nn.Module] = []
-    # Shard each block that owns parameters (the transformer layers of a ModuleList, or the
-    # direct children otherwise) so all-gathers are per block, then the root for the rest.
-    for child in model.children():
-        inner = child.children() if isinstance(child, nn.ModuleList) else [child]
-        for block in inner:
-            if any(True for _ in block.parameters()):
-                fully_shard(
-                    block,
-                    mesh=mesh,
-                    mp_policy=mp,
-                    reshard_after_forward=fsdp.reshard_after_forward,
-                )
-                units.append(block)
+    units = _fsdp_blocks(model)
+    for block in units:
+        fully_shard(
+            block, mesh=mesh, mp_policy=mp, reshard_after_forward=fsdp.reshard_after_forward
+        )
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=fsdp.reshard_after_forward)
     units.append(model)
     sum_only = backend != "nccl"
@@ -243,6 +234,27 @@ def wrap_model(
         autocast_dtype=None,
         comm_source="fsdp2_collective_hooks",
     )
+
+
+def _fsdp_blocks(model: nn.Module) -> list[nn.Module]:
+    """The blocks ``fully_shard`` wraps before the root: each direct child that owns
+    parameters, or each element of a child ``ModuleList`` (transformer layers), so all-gathers
+    are per block."""
+    blocks = []
+    for child in model.children():
+        inner = child.children() if isinstance(child, nn.ModuleList) else [child]
+        blocks.extend(b for b in inner if any(True for _ in b.parameters()))
+    return blocks
+
+
+def fsdp_units(model: nn.Module) -> list[nn.Module]:
+    """The FSDP2 units that communicate when ``wrap_model`` shards ``model``: its blocks, then
+    the root when parameters are left outside them (a root without parameters issues no
+    collectives). One all-gather per unit per forward (and backward), one reduce-scatter."""
+    blocks = _fsdp_blocks(model)
+    inside = {id(p) for b in blocks for p in b.parameters()}
+    rest = any(id(p) not in inside for p in model.parameters())
+    return [*blocks, model] if rest else blocks
 
 
 def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:

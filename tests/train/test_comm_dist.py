@@ -27,22 +27,37 @@ def _measure(rank, world, strategy):
     table = prof.compare(est, totals, t.last_stats and len(t.last_stats.step_times), world)
     loader = OptimizedDataLoader.create(make_dataset(), 4, shuffle=True)
     loader.sampler.set_epoch(1)
-    return est, measured, table, sorted(loader.sampler)
+    counts = {k: v["count"] for k, v in totals.items()}
+    return est, measured, table, sorted(loader.sampler), counts
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_measured_bytes_match_estimate(tmp_path, strategy):
     results = run_ranks(_measure, 2, tmp_path, strategy)
-    est, measured, table, _ = results[0]
+    est, measured, table, _, counts = results[0]
     steps = 6
-    assert est["bandwidth_bytes_per_sec"] > 0  # measured by the probe, not assumed
-    # DDP: one bucket holds every gradient. FSDP: every parameter's dim 0 padded to a
-    # multiple of 2 (11 -> 12 rows, 3 -> 4), gathered in forward and backward, reduce-scattered
-    # once. The estimate models exactly that, so measured and estimated bytes agree exactly.
+    # Both terms probed on the group, never assumed: the large all-reduce's bus bandwidth and
+    # a small message's time per kind, the same numbers on every rank (slowest rank's median).
+    assert est["bandwidth_bytes_per_sec"] > 0
+    assert results[1][0]["estimated_sec"] == est["estimated_sec"]
+    # DDP: one bucket holds every gradient. FSDP: 3 units (up, down, norm), every parameter's
+    # dim 0 padded to a multiple of 2 (11 -> 12 rows, 3 -> 4), gathered in forward and
+    # backward, reduce-scattered once. The estimate models exactly that, so measured and
+    # estimated collectives and bytes agree exactly.
     kinds = ("all_reduce",) if strategy == "ddp" else ("all_gather", "reduce_scatter")
     for kind in kinds:
         assert measured[f"{kind}_bytes"] / steps == pytest.approx(est[f"{kind}_bytes"]), kind
-    assert "est MB/step" in table and "meas ms/step" in table
+        assert counts[kind] == est[f"{kind}_count"] * steps, kind
+        assert 0 < est[f"{kind}_latency_per_collective_sec"] < 0.1, kind
+        assert est[f"{kind}_bandwidth_bytes_per_sec"] > 0, kind
+    expected = sum(
+        est[f"{k}_count"] * est[f"{k}_latency_per_collective_sec"]
+        + est[f"{k}_bytes"] / est[f"{k}_bandwidth_bytes_per_sec"]
+        for k in kinds
+    )
+    assert est["estimated_sec"] == pytest.approx(expected, rel=1e-12)
+    assert "est n" in table and "meas ms" in table and " latency + " in table
+    assert f"{kinds[0]} " in table.splitlines()[-1] and " GB/s" in table
     shards = [r[3] for r in results]
     assert set(shards[0]).isdisjoint(shards[1]) and sorted(shards[0] + shards[1]) == list(range(48))
 

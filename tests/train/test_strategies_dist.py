@@ -16,7 +16,12 @@ import torch.distributed.tensor.parallel
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from spmdgt.train import DistributedTrainer, OptimizedDataLoader, TrainConfig
+from spmdgt.train import (
+    CommunicationProfiler,
+    DistributedTrainer,
+    OptimizedDataLoader,
+    TrainConfig,
+)
 from tests._dist import run_ranks
 from tests.train._models import (
     HIDDEN,
@@ -84,6 +89,12 @@ def _train(
 
         counts = {"interceptor_on_after": interceptor.is_enabled()}
         counts["all_reduce_bytes"] = trainer.wrapped.log.totals()["all_reduce"]["bytes"]
+        # The cost model's count and bytes for the same run (time terms given: not probed).
+        prof = CommunicationProfiler(bandwidth=1e9, latency=1e-4)
+        x = make_dataset().tensors[0][:per_rank]
+        counts["estimate"] = prof.estimate_placements_comm_cost(
+            make_model(hidden=hidden), world, TP_PLAN, x, micro_steps=accum
+        )
     return full_state(trainer.model), trainer.last_stats.global_losses, summary, counts
 
 
@@ -142,8 +153,13 @@ def test_placements_match_single_process(tmp_path):
         assert summary["collectives_per_step"] == 3
         assert 0 < summary["comm_time_share"] < 1
         assert extra["interceptor_on_after"] is False
-        # 6 steps x 2 micro-steps x 48 bytes of activations, plus the 6 norm all-reduces.
-        assert extra["all_reduce_bytes"] > 6 * 2 * 48
+        # 6 steps x (2 micro-steps x 48 bytes of activations + the norms of the 4 sharded
+        # gradients, one fp32 each), which is what the cost model predicts from one forward
+        # of the unwrapped model.
+        assert extra["all_reduce_bytes"] == 6 * (2 * 48 + 4 * 4)
+        est = extra["estimate"]
+        assert est["all_reduce_count"] == summary["collectives_per_step"] == 3
+        assert est["bytes_per_rank"] == extra["all_reduce_bytes"] / 6  # ring factor 1 at n=2
 
 
 def _accum_counts(rank, world, strategy):

@@ -199,10 +199,20 @@ def test_performance_profiler_sections_and_percent(capsys):
 def test_comm_cost_algebra():
     model = make_model()
     nbytes = 4 * sum(p.numel() for p in model.parameters())
-    prof = CommunicationProfiler(bandwidth=1e9)
+    lat, bw = 1e-4, 1e9  # per collective, bus bytes/s
+    prof = CommunicationProfiler(bandwidth=bw, latency=lat)
     ddp = prof.estimate_ddp_comm_cost(model, world_size=4)
     assert ddp["bytes_per_rank"] == pytest.approx(2 * 3 / 4 * nbytes)
-    assert ddp["estimated_sec"] == pytest.approx(ddp["bytes_per_rank"] / 1e9)
+    # the whole model (about 0.5 kB) fits one 25 MiB bucket: one all-reduce
+    assert ddp["all_reduce_count"] == ddp["collectives"] == 1
+    assert ddp["estimated_sec"] == pytest.approx(lat + ddp["bytes_per_rank"] / bw)
+    assert ddp["latency_sec"] == pytest.approx(lat)
+    # Buckets close once they reach the cap, walking parameters in reverse: with a 64-byte cap
+    # norm.bias+norm.weight (24 B), down.bias (12 B) -> 36 < 64, then down.weight (132 B)
+    # closes bucket 1; up.bias (44 B) + up.weight (264 B) close bucket 2.
+    small = prof.estimate_ddp_comm_cost(model, 4, bucket_cap_mb=64 / 2**20)
+    assert small["all_reduce_count"] == 2
+    assert small["estimated_sec"] == pytest.approx(2 * lat + small["bytes_per_rank"] / bw)
     # FSDP2 pads dim 0 to a multiple of the world: 11 -> 12 rows, 3 -> 4 for world 4.
     padded = 4 * (12 * 6 + 12 + 4 * 11 + 4 + 4 + 4)
     fsdp = prof.estimate_fsdp_comm_cost(model, world_size=4)
@@ -210,12 +220,28 @@ def test_comm_cost_algebra():
     assert fsdp["all_gather_bytes"] == pytest.approx(2 * 3 / 4 * padded)
     assert fsdp["reduce_scatter_bytes"] == pytest.approx(3 / 4 * padded)
     assert fsdp["bytes_per_rank"] == pytest.approx(3 * 3 / 4 * padded)
+    # 3 units (up, down, norm; the root holds no parameters of its own): 6 gathers, 3 scatters
+    assert (fsdp["all_gather_count"], fsdp["reduce_scatter_count"]) == (6, 3)
+    assert fsdp["estimated_sec"] == pytest.approx(9 * lat + fsdp["bytes_per_rank"] / bw)
     no_reshard = prof.estimate_fsdp_comm_cost(model, 4, reshard_after_forward=False)
     assert no_reshard["all_gather_bytes"] == pytest.approx(3 / 4 * padded)
+    assert no_reshard["all_gather_count"] == 3
+    accum = prof.estimate_fsdp_comm_cost(model, 4, micro_steps=4)  # gathers scale, RS do not
+    assert (accum["all_gather_count"], accum["reduce_scatter_count"]) == (24, 3)
+    # Placements: rowwise 'down' all-reduces its [8, 3] fp32 output per micro-step; colwise
+    # 'up' reads the raw batch (no gradient to reduce); the clip adds one all-reduce of the
+    # 4 sharded gradients' norms (up and down, weight and bias: one fp32 each).
+    tp = prof.estimate_placements_comm_cost(
+        make_model(hidden=12), 4, {"up": "colwise", "down": "rowwise"}, torch.randn(8, IN), 2
+    )
+    assert tp["all_reduce_count"] == 2 * 1 + 1
+    assert tp["bytes_per_rank"] == pytest.approx(2 * 3 / 4 * (2 * 8 * 3 * 4 + 4 * 4))
     assert prof.estimate_ddp_comm_cost(model, world_size=1)["bytes_per_rank"] == 0
-    # A world of one has no peer to probe: the time for 4 ranks is unknown, not 0.
-    unknown = CommunicationProfiler().estimate_ddp_comm_cost(model, world_size=4)
-    assert math.isnan(unknown["estimated_sec"]) and unknown["bytes_per_rank"] > 0
+    # A world of one has no peer to probe: the time for 4 ranks is unknown, not 0, and so it
+    # is when only the bandwidth is known.
+    for p in (CommunicationProfiler(), CommunicationProfiler(bandwidth=bw)):
+        unknown = p.estimate_ddp_comm_cost(model, world_size=4)
+        assert math.isnan(unknown["estimated_sec"]) and unknown["bytes_per_rank"] > 0
     assert (IN, HIDDEN, OUT) == (6, 11, 3)
 
 
