@@ -22,6 +22,10 @@ Environment variables (all per rank; every rank of a job sees the same ones):
     GT_NATIVE=0               never build/use the native observer (GT_INSTRUCTION_LOG then
                               uses level torch)
     GT_TAPE_SIZE=n            events kept for ``get_tape`` (default 1000)
+    GT_INSTRUCTION_LOG_MAX_MB=mb   rotate the log at this size (default 256; 0 never; see
+                              ``_instruction_log``)
+    GT_PROFILE_MAX_MB=mb      stop profiling at this trace size (default 200; 0 never; see
+                              ``_profile``)
     GT_AUTO_COMPILE, GT_HOTPATH_WINDOW/MIN_SEQ/THRESHOLD   hot-path detection (``_stats``)
 """
 
