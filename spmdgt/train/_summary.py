@@ -2,8 +2,8 @@
 
 Every number is measured on this run: step times by ``perf_counter`` around each optimizer step
 (on CUDA after a device synchronise); losses kept on the device (no ``.item()`` per step) and
-all-reduced across ranks in batches (one small collective every ``log_every`` steps when
-TensorBoard or the progress bar reads them, else every 256 steps and at the end); memory sampled
+all-reduced across ranks in batches (one small collective every ``log_every`` steps on every
+rank, whoever logs, and at the end); memory sampled
 on the first step, every ``log_every`` steps and the last (a CPU RSS read costs ~60 us); and the
 communication share from the collectives the wrapped model actually issued, or ``None`` where
 nothing measured them (placements without ``profile=True`` or the interceptor on). The first
