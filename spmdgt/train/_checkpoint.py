@@ -301,6 +301,11 @@ def save_checkpoint(
     root = Path(directory)
     name = f"step_{step:08d}"
     final, tmp = root / name, root / f".tmp-{name}"
+    # Serialised and checked on every rank before the first barrier: ``extra`` is equal on
+    # every rank, so a state that cannot be loaded back weights-only fails on all of them
+    # together (checked on rank 0 alone, it left the others waiting at the barrier).
+    rng_bytes = _weights_only_bytes(_rng_state(), "RNG state")
+    extra_bytes = _weights_only_bytes(extra, "the trainer state (scheduler, scaler, counters)")
     if _rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
         if tmp.exists():
@@ -308,11 +313,10 @@ def save_checkpoint(
     _barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp), no_dist=_no_dist())
-    (tmp / f"rng_rank{_rank()}.pt").write_bytes(_weights_only_bytes(_rng_state(), "RNG state"))
+    (tmp / f"rng_rank{_rank()}.pt").write_bytes(rng_bytes)
     if _rank() == 0:
         # Trainer counters, scheduler and scaler state: plain Python, equal on every rank.
-        data = _weights_only_bytes(extra, "the trainer state (scheduler, scaler, counters)")
-        (tmp / "trainer_state.pt").write_bytes(data)
+        (tmp / "trainer_state.pt").write_bytes(extra_bytes)
     _barrier()  # every rank's shards are on disk
     if _rank() == 0:
         if final.exists():

@@ -155,3 +155,21 @@ def test_bad_files_raise_on_every_rank(tmp_path):
         assert "'../elsewhere/step_00000002'" in errors[0] and "latest" in errors[0]
         assert "rank 1: " in errors[1] and "rng_rank1.pt" in errors[1]
     assert not (tmp_path / "code_ran").exists()
+
+
+class _Schedule:
+    """A callable lr factor whose state holds an object a weights-only load refuses."""
+
+    def __init__(self) -> None:
+        self.note = _Evil(Path("unused"))
+
+    def __call__(self, step: int) -> float:
+        return 1.0
+
+
+def test_state_that_only_code_could_load_is_refused_at_save(tmp_path):
+    t = _t(tmp_path / "run")
+    t.scheduler = torch.optim.lr_scheduler.LambdaLR(t.optimizer, _Schedule())
+    with pytest.raises(CheckpointError, match=r"the trainer state .* weights-only load refuses"):
+        t.train(_loader(), epochs=1, max_steps=1)  # saves at the end: refused before writing
+    assert not any((tmp_path / "run").glob("*step_*"))  # nothing half-written
