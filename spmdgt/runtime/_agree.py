@@ -76,13 +76,11 @@ _rank = 0
 _world = 1
 _count = 0  # agreement points passed on this rank
 _last: tuple[int, str] = (0, "none yet")  # this rank's last agreed point, for messages
-_mine = torch.zeros(1, dtype=torch.int64)  # this rank's fingerprint (see _exchange)
-_every = torch.zeros(1, dtype=torch.int64)  # every rank's, after the exchange
+_mine = torch.zeros(2, dtype=torch.int64)  # (fingerprint, -fingerprint), see _exchange
 _broken = False  # a divergence was raised: later exchanges would pair at random
 _check = False  # GT_CHECK_RANKS
 _lock = threading.Lock()
 _at_exit = False  # the end-of-program exchange is registered
-_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _ROOTS = (
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))),  # spmdgt/
     os.path.dirname(os.path.abspath(torch.__file__)),
@@ -112,14 +110,13 @@ def checking() -> bool:
 def setup(rank: int, world: int) -> None:
     """Make the side group (a collective: every rank calls it from ``init``), read
     ``GT_CHECK_RANKS`` and arrange the end-of-program agreement."""
-    global _group, _rank, _world, _count, _last, _broken, _check, _at_exit, _every
+    global _group, _rank, _world, _count, _last, _broken, _check, _at_exit
     raw = os.environ.get("GT_CHECK_RANKS", "0").strip().lower()
     if raw not in ("", "0", "1", "false", "true", "no", "yes", "off", "on"):
         raise ValueError(f"environment variable GT_CHECK_RANKS={raw!r}: expected 0 or 1")
     kwargs = {"timeout": timeout()} if timeout() is not None else {}
     _group = dist.new_group(backend="gloo", **kwargs)
     _rank, _world, _count, _last, _broken = rank, world, 0, (0, "none yet"), False
-    _every = torch.zeros(world, dtype=torch.int64)
     _check = raw in ("1", "true", "yes", "on")
     if _check:
         _install_redistribute_check()
@@ -150,7 +147,7 @@ def call_site() -> str:
 
 def _fingerprint(text: str) -> int:
     digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little", signed=True)
+    return int.from_bytes(digest, "little") >> 2  # 62 bits: its negation fits an int64
 
 
 def agree(what: str, site: str | None = None, detail: str = "") -> None:
@@ -177,18 +174,20 @@ def _exchange(what: str, site: str, barrier: bool, detail: str = "") -> None:
     with _lock:
         _count += 1
         n = _count
-        # One int64 a rank: a hash of the point's number, description and call site (with the
-        # file's base name: checkouts on different nodes differ in path).
+        # One fingerprint a rank: a hash of the point's number, description and call site
+        # (with the file's base name: checkouts on different nodes differ in path). One
+        # all-reduce (max) of (h, -h) gives (max h, -min h): the ranks agree iff both are h.
         path, _, rest = site.partition(":")
-        _mine[0] = _fingerprint(f"{n}|{what}@{os.path.basename(path)}:{rest}")
+        h = _fingerprint(f"{n}|{what}@{os.path.basename(path)}:{rest}")
+        _mine[0], _mine[1] = h, -h
         try:
             if barrier:
                 dist.monitored_barrier(_group, timeout=timeout(), wait_all_ranks=True)
-            _gather(_every, _mine, group=_group)
+            dist.all_reduce(_mine, op=dist.ReduceOp.MAX, group=_group)
         except RuntimeError as e:
             _fail_timeout(e, doing, n)
-        first, *others = _every.tolist()
-        if all(v == first for v in others):
+        top, low = _mine.tolist()
+        if top == h and low == -h:
             _last = (n, doing)
             return
         _diverged(n, doing)
