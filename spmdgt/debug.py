@@ -8,8 +8,9 @@
 
 Counters only count while the interceptor is on (``enable()``, ``GT_INSTRUCTION_LOG``,
 ``GT_RUN_DIR``, ``GT_DEBUG_WORKER``...). With it off, stats report zero ops and say so in
-``"interceptor": "off"``. ``compiled``/``compilation`` stay 0 until the compile-and-batch pass
-registers its counters with ``set_compilation_stats_provider``.
+``"interceptor": "off"``. ``compiled``/``compilation`` stay 0 unless the compile pass
+(``spmdgt.compile``, ``GT_AUTO_COMPILE=1``) registers its counters with
+``set_compilation_stats_provider``; its fields are described in ``spmdgt/compile/_stats.py``.
 """
 
 from __future__ import annotations
@@ -37,9 +38,11 @@ _compilation_provider: Callable[[], dict[str, Any]] | None = None
 
 
 def set_compilation_stats_provider(fn: Callable[[], dict[str, Any]] | None) -> None:
-    """Let the compile pass report its counters.
+    """Let the compile pass report its counters (None: no pass).
 
-    ``fn()`` returns ``{"compiled": n, "cache_size": .., "cache_hits": .., "cache_misses": ..}``.
+    ``fn()`` returns ``spmdgt.compile._stats.CompileStats.snapshot()``'s dict: it becomes the
+    entry's ``compilation`` (plus ``hit_rate``), and its ``compiled_ops`` the entry's
+    ``operations.compiled``.
     """
     global _compilation_provider
     _compilation_provider = fn
@@ -65,16 +68,15 @@ def _local_stats() -> dict[str, Any]:
     entry["fallbacks"] = dict(fallback.counts) if fallback is not None else {}
     if _compilation_provider is not None:
         c = dict(_compilation_provider())
-        compiled = int(c.pop("compiled", 0))
+        compiled = int(c.get("compiled_ops", 0))
+        # recorded ops ran eagerly (or launched a compiled graph's kernels); compiled ops are
+        # the op nodes of the pass's graphs times their runs
         entry["operations"]["compiled"] = compiled
-        entry["operations"]["eager"] = max(entry["operations"]["total"] - compiled, 0)
+        entry["operations"]["eager"] = entry["operations"]["total"]
+        entry["operations"]["total"] += compiled
         hits, misses = int(c.get("cache_hits", 0)), int(c.get("cache_misses", 0))
-        entry["compilation"] = {
-            "cache_size": int(c.get("cache_size", 0)),
-            "cache_hits": hits,
-            "cache_misses": misses,
-            "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
-        }
+        c["hit_rate"] = hits / (hits + misses) if hits + misses else 0.0
+        entry["compilation"] = c
     return entry
 
 

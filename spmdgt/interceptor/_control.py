@@ -26,7 +26,8 @@ Environment variables (all per rank; every rank of a job sees the same ones):
                               ``_instruction_log``)
     GT_PROFILE_MAX_MB=mb      stop profiling at this trace size (default 200; 0 never; see
                               ``_profile``)
-    GT_AUTO_COMPILE, GT_HOTPATH_WINDOW/MIN_SEQ/THRESHOLD   hot-path detection (``_stats``)
+    GT_AUTO_COMPILE=1         the compile pass, tier 1 (``spmdgt.compile``; GT_COMPILE=0 vetoes)
+    GT_HOTPATH_WINDOW/MIN_SEQ/THRESHOLD   GT's repeated-sequence statistics (``_stats``)
 """
 
 from __future__ import annotations
@@ -218,7 +219,8 @@ def maybe_enable_from_env() -> bool:
     # op debug lines ask for them. top (GT_RUN_DIR) reads counters: C++ ones with the log,
     # else enable() adds Python ones; GT_RUN_DIR alone is enough to publish (the documented
     # top/trace recipe sets nothing else), and then pays for counters only, not hot paths.
-    stats = bool(_truthy("GT_STATS") or debug_ops or _truthy("GT_AUTO_COMPILE"))
+    # (GT_AUTO_COMPILE samples the stack from the C++ observer: it needs no Python stats)
+    stats = bool(_truthy("GT_STATS") or debug_ops)
     want = bool(log or stats or run_dir or env.get("GT_INTERCEPT"))
     if want:
         # the log's default level is the compiled observer (falls back to torch in enable)
@@ -231,6 +233,12 @@ def maybe_enable_from_env() -> bool:
             hotpath=stats,
             level=level,
         )
+    if _truthy("GT_AUTO_COMPILE"):
+        # The compile pass reads this stream; it sits above the interceptor, imported only
+        # when asked (``import spmdgt`` starts the tools here).
+        from spmdgt import compile as gt_compile
+
+        want = gt_compile.maybe_enable_from_env() or want
     if env.get("GT_PROFILE"):
         from spmdgt.interceptor._profile import profile
 

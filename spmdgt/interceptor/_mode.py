@@ -35,8 +35,10 @@ DDP's C++ reducer issues its all-reduces from C++ threads below every Python hoo
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -59,6 +61,11 @@ _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 _perf_ns = time.perf_counter_ns
 _tuple_new = tuple.__new__
+_getframe = sys._getframe
+# Dynamo inlines a function mode's __torch_function__ into the graph it traces. It folds this
+# call to True (no guard), so the user's own torch.compile traces the op alone: recording
+# would graph-break on the clock and guard on the counters (a recompile per call).
+_compiling = torch.compiler.is_compiling
 
 
 def _specs(values: Any) -> tuple:
@@ -188,6 +195,8 @@ class _TorchMode(TorchFunctionMode):
         }
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if _compiling():  # dynamo traces modes: it folds this to True and traces only func
+            return func(*args, **kwargs) if kwargs else func(*args)
         verdict = self.verdict.get(func)
         if verdict is None:
             verdict = self.verdict[func] = _verdict(func)
@@ -212,11 +221,16 @@ class _TorchMode(TorchFunctionMode):
                 ic._record(func, t0, _perf_ns() - t0, 0, ins, _out_specs(out))
             finally:
                 ic.phase = old_phase
-            return out
-        t0 = _perf_ns()
-        out = func(*args, **kwargs) if kwargs else func(*args)
-        t1 = _perf_ns()
-        ic._record(func, t0, t1 - t0, 0, ins, _out_specs(out))
+        else:
+            t0 = _perf_ns()
+            out = func(*args, **kwargs) if kwargs else func(*args)
+            t1 = _perf_ns()
+            ic._record(func, t0, t1 - t0, 0, ins, _out_specs(out))
+        sampler = ic.sampler
+        if sampler is not None:  # the compile pass's hot-function detector (``_sampler``)
+            sampler.left -= 1
+            if sampler.left <= 0:
+                sampler.sample(_getframe(1))
         return out
 
 
@@ -250,6 +264,7 @@ class Interceptor:
         self.fresh = True  # the next start begins a session (native: counters from zero)
         self._batch = _BATCH  # events buffered before a drain (less while an alarm is near)
         self._alarm: tuple[int, Callable[[], None]] | None = None
+        self.sampler: Any = None  # a ``_sampler.CodeSampler`` while the compile pass runs
 
     # -- hot path ---------------------------------------------------------------------------
     def _record(self, func, t0: int, dur: int, level: int, ins: tuple, outs: tuple) -> None:
@@ -346,6 +361,8 @@ class Interceptor:
 
     def _drain_native(self, tick: bool) -> None:
         ext = self._native
+        if self.sampler is not None:
+            self.sampler.deliver(ext)
         raw = ext.drain()  # also formats/writes pending log lines
         if raw:
             self.seq = raw[-1][0]
@@ -397,7 +414,9 @@ class Interceptor:
             ext.set_signal(signal)
             from spmdgt.tensor import _scope
 
-            _scope.observer = ext.set_signal
+            _scope.listeners.append(ext.set_signal)
+            if self.sampler is not None:
+                self.sampler.attach_native(ext)
             ext.set_phase({"fwd": 0, "bwd": 1, "opt": 2}.get(self.phase, 0))
             ext.set_callback(self._native_callback)
             self._arm()  # a restart (get_worker_stats pauses) keeps an alarm set before
@@ -432,7 +451,10 @@ class Interceptor:
         if self.active and self._native is not None:
             from spmdgt.tensor import _scope
 
-            _scope.observer = None
+            if self._native.set_signal in _scope.listeners:
+                _scope.listeners.remove(self._native.set_signal)
+            if self.sampler is not None:
+                self.sampler.detach_native()
             self._native.stop()
             self._native.set_callback(None)
             self.drain(tick=False)
@@ -472,6 +494,32 @@ class Interceptor:
             self.sinks.remove(sink)
             sink.flush()
         self._sync_keep()
+
+    def set_sampler(self, sampler: Any) -> None:
+        """Sample which user code issues the ops (``_sampler.CodeSampler``; None: stop). At the
+        native level the C++ observer samples; at the Python levels the function mode does
+        (level ``aten`` does not sample)."""
+        old, self.sampler = self.sampler, None
+        if old is not None and self._native is not None:
+            old.detach_native()
+        self.sampler = sampler
+        if sampler is not None and self._native is not None and self.active:
+            sampler.attach_native(self._native)
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Record nothing inside (the compile pass compiling: dynamo's fake-tensor ops are not
+        the program's). The Python levels need nothing: dynamo clears the function mode stack
+        while it traces."""
+        ext = self._native if self.active else None
+        if ext is None:
+            yield
+            return
+        ext.set_paused(True)
+        try:
+            yield
+        finally:
+            ext.set_paused(False)
 
     def elapsed_s(self, t_ns: int) -> float:
         return (t_ns - self.origin_ns) * 1e-9

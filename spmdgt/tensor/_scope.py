@@ -8,17 +8,18 @@ __all__ = ["current", "current_backward", "pop", "push"]
 # ``_stack`` with one truthiness test, and a rank runs its program on one thread.
 _stack: list[tuple[str, str | None]] = []
 
-# Called with the innermost signal name after every push/pop while the compiled interceptor
-# records (it cannot ask Python per op); None otherwise, so scopes cost one test.
-observer = None
+# Listeners, each called with the innermost signal name (or None) after every push/pop: the
+# compiled interceptor (it cannot ask Python per op) and, later, the compile pass (``compile:
+# true`` scopes). Empty when nothing listens, so a scope costs one loop over an empty list.
+listeners: list = []
 
 
 def push(name: str, backward: str | None = None) -> None:
     if not isinstance(name, str) or not name:
         raise TypeError(f"a signal name must be a non-empty string, got {name!r}")
     _stack.append((name, backward))
-    if observer is not None:
-        observer(name)
+    for fn in listeners:
+        fn(name)
 
 
 def pop(name: str | None = None) -> str:
@@ -32,8 +33,8 @@ def pop(name: str | None = None) -> str:
             "scopes must be left in the reverse order they were entered"
         )
     _stack.pop()
-    if observer is not None:
-        observer(_stack[-1][0] if _stack else None)
+    for fn in listeners:
+        fn(_stack[-1][0] if _stack else None)
     return top
 
 

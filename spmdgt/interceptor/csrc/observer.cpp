@@ -157,6 +157,26 @@ py::object* g_callback = nullptr;  // called (GIL held, lock free) at flush poin
 std::vector<py::object>* g_dtypes = nullptr;  // ScalarType int -> torch.dtype
 thread_local bool t_in_callback = false;
 
+// ---- code sampler (the compile pass's hot-function detector; see interceptor/_sampler.py) ----
+// Every g_sample_every-th level-0 record on the rank's own thread, the observer takes the GIL
+// and walks the Python stack to the innermost *user* frame and counts one sample for that code
+// object. Python classifies each code once (g_classify: 0 library: walk on, 1 user: count,
+// 2 stop: drop the sample, e.g. code running inside a compiled function). A code reaching
+// g_hot_at samples is queued for Python (take_hot) and a callback is requested. By op count,
+// never by time: ranks running the same program sample the same ops and decide alike.
+std::atomic<bool> g_paused{false};  // no records at all (the pass is compiling: fake-tensor ops)
+int64_t g_sample_every = 0;  // 0: no sampling
+int64_t g_sample_left = 0;
+int64_t g_hot_at = 0;
+struct CodeCount {
+  int64_t samples = 0;
+  int kind = 0;  // 0 library, 1 user, 2 stop
+};
+py::object* g_classify = nullptr;  // code -> 0/1/2 (once per code object)
+std::unordered_map<PyObject*, CodeCount> g_codes;  // a reference held on each key
+std::vector<PyObject*> g_hot;  // reached g_hot_at, not yet taken (references held)
+int64_t g_samples = 0;
+
 thread_local int t_depth = 0;
 thread_local int t_comm_depth = 0;  // recorded collectives open on this thread
 thread_local int64_t t_child_comm = 0;  // ns of collectives inside the open level-0 op
@@ -296,7 +316,7 @@ inline int64_t tensor_bytes(const at::Tensor& t) {
 }
 
 std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
-  if (t_in_callback) return nullptr;
+  if (t_in_callback || g_paused.load(std::memory_order_relaxed)) return nullptr;
   const CacheSlot& slot = name_id(fn);
   // The dispatcher's own records around an op (the Python-key kernels: PythonSubclass runs
   // DTensor's __torch_dispatch__) are not ops: no record, no nesting level (their ops are
@@ -407,6 +427,59 @@ void flush_locked() {
   g_buf.clear();
 }
 
+// GIL held. Whether a code object is user code (cached per code; the cache holds a reference
+// so a freed code's address is never mistaken for another's).
+CodeCount& code_entry(PyObject* code) {
+  auto it = g_codes.find(code);
+  if (it != g_codes.end()) return it->second;
+  CodeCount cc;
+  if (g_classify != nullptr) {
+    PyObject* r = PyObject_CallOneArg(g_classify->ptr(), code);
+    if (r == nullptr) {
+      PyErr_Clear();
+    } else {
+      long k = PyLong_AsLong(r);
+      if (k == -1 && PyErr_Occurred()) PyErr_Clear();
+      else cc.kind = static_cast<int>(k);
+      Py_DECREF(r);
+    }
+  }
+  Py_INCREF(code);
+  return g_codes.emplace(code, cc).first->second;
+}
+
+// GIL held: one sample of the current Python stack. Returns whether a code became hot.
+bool sample_stack() {
+  PyThreadState* ts = PyThreadState_Get();
+  PyFrameObject* frame = ts != nullptr ? PyThreadState_GetFrame(ts) : nullptr;  // new ref
+  bool hot = false;
+  int depth = 0;
+  while (frame != nullptr && depth++ < 64) {
+    PyCodeObject* code = PyFrame_GetCode(frame);  // new ref
+    CodeCount& cc = code_entry(reinterpret_cast<PyObject*>(code));
+    if (cc.kind == 2) {  // inside code that must not be counted (a compiled function)
+      Py_DECREF(code);
+      break;
+    }
+    if (cc.kind == 1) {
+      ++g_samples;
+      if (++cc.samples == g_hot_at) {
+        Py_INCREF(code);
+        g_hot.push_back(reinterpret_cast<PyObject*>(code));
+        hot = true;
+      }
+      Py_DECREF(code);
+      break;
+    }
+    Py_DECREF(code);
+    PyFrameObject* back = PyFrame_GetBack(frame);  // new ref
+    Py_DECREF(frame);
+    frame = back;
+  }
+  Py_XDECREF(frame);
+  return hot;
+}
+
 void on_end(const at::RecordFunction& fn, at::ObserverContext* c) {
   int64_t t1 = now_ns();
   auto* ctx = static_cast<Ctx*>(c);
@@ -486,6 +559,13 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* c) {
   // release the GIL around each op, so that thread takes it back here (as torch's own Python
   // hooks do); a backward worker never waits for the GIL: its records wait for the next drain.
   bool own = PyGILState_Check() || std::this_thread::get_id() == g_main_thread;
+  if (g_sample_every > 0 && ctx->level == 0 && !t_in_callback &&
+      std::this_thread::get_id() == g_main_thread && --g_sample_left <= 0) {
+    g_sample_left = g_sample_every;
+    PyGILState_STATE st = PyGILState_Ensure();
+    if (sample_stack()) call = true;
+    PyGILState_Release(st);
+  }
   if (call && ctx->level == 0 && own) {
     t_in_callback = true;
     try {
@@ -882,4 +962,37 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return py::make_tuple(g_total, g_dropped);
   });
   m.def("now_ns", &now_ns);
+  m.def("set_paused", [](bool p) { g_paused.store(p); });
+  // Sampling for the compile pass: every `every` level-0 records (0: off); a code reaching
+  // `hot_at` samples is queued; `classify(code)` -> 0 library, 1 user, 2 stop (once per code).
+  m.def("set_sampling", [](int64_t every, int64_t hot_at, py::object classify) {
+    g_sample_every = every;
+    g_sample_left = every;
+    g_hot_at = hot_at;
+    py::object* old = g_classify;
+    g_classify = classify.is_none() ? nullptr : new py::object(classify);
+    delete old;
+  });
+  m.def("take_hot", []() {  // codes that became hot since the last call (GIL held)
+    py::list out;
+    for (PyObject* c : g_hot) out.append(py::reinterpret_steal<py::object>(c));
+    g_hot.clear();
+    return out;
+  });
+  m.def("code_samples", []() {  // {code: samples} for user codes sampled at least once
+    py::dict out;
+    for (auto& kv : g_codes)
+      if (kv.second.kind == 1 && kv.second.samples > 0)
+        out[py::reinterpret_borrow<py::object>(kv.first)] = kv.second.samples;
+    return out;
+  });
+  m.def("reset_sampling", []() {  // forget every count (a new pass session)
+    for (PyObject* c : g_hot) Py_DECREF(c);
+    g_hot.clear();
+    for (auto& kv : g_codes) Py_DECREF(kv.first);
+    g_codes.clear();
+    g_samples = 0;
+    g_sample_left = g_sample_every;
+  });
+  m.def("samples", []() { return g_samples; });
 }

@@ -1,0 +1,219 @@
+"""Tier 1 of the compile pass: hot functions, found by op count, compiled by dynamo.
+
+``HotFunctionPass.start()`` asks the interceptor for a ``CodeSampler`` (every ``every``-th
+top-level op, one sample of which user code object issued it; ``interceptor/_sampler.py``).
+A code with ``hot_at`` samples is *hot*: if it is a plain function (not module-level code, not
+a generator) that the user has not compiled, the frame hook (``_frames``) goes in and dynamo
+compiles the function at its next call. Each frame compile is an agreement point
+(``_consensus``): if it failed on any rank, every rank runs the function eagerly from then on.
+
+Classification of code objects (the sampler's and the hook's):
+- ``STOP``: code running inside a compiled function (dynamo's transformed code, inductor's
+  generated modules, dynamo's ``compile_wrapper``): ops there are not attributed to a caller,
+  so a function that only calls the user's own compiled function never turns hot around it;
+- ``LIBRARY``: torch, spmdgt, the standard library, site-packages, ``<string>``-like files;
+- ``USER``: everything else.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import sysconfig
+import time
+from types import CodeType
+from typing import Any
+
+from spmdgt.compile._backend import CountingBackend
+from spmdgt.compile._consensus import any_rank
+from spmdgt.compile._frames import FrameHook
+from spmdgt.compile._stats import CompileStats
+from spmdgt.interceptor import _debuglog
+from spmdgt.interceptor._sampler import LIBRARY, STOP, USER, CodeSampler
+
+__all__ = ["HotFunctionPass"]
+
+_NOT_FUNCTIONS = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
+
+
+class HotFunctionPass:
+    """One session of tier 1 on this rank (see the module docstring)."""
+
+    def __init__(self, backend: str = "inductor", every: int = 16, hot_at: int = 8) -> None:
+        import torch
+
+        self.backend_name = backend
+        self.every = every
+        self.hot_at = hot_at
+        self.stats = CompileStats()
+        self._roots = _library_roots(torch)
+        self._kinds: dict[CodeType, int] = {}
+        self.backend = CountingBackend(backend, self.stats, self._runtime_fallback)
+        self.hook = FrameHook(self._compile_frame, self._is_user, self.backend)
+        self.sampler = CodeSampler(every, hot_at, self.classify, self.on_hot)
+        self._ic: Any = None
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self, interceptor: Any) -> None:
+        """Sample ``interceptor``'s op stream (it must be enabled)."""
+        self._ic = interceptor
+        interceptor.set_sampler(self.sampler)
+
+    def stop(self) -> None:
+        """Stop sampling, remove the hook and its marks (compiled code is dropped by dynamo
+        with its code objects; the functions run eagerly again)."""
+        if self._ic is not None and self._ic.sampler is self.sampler:
+            self._ic.set_sampler(None)
+        self.hook.uninstall()
+
+    def snapshot(self) -> dict[str, Any]:
+        """The stats entry's ``compilation`` fields (``_stats.CompileStats``)."""
+        return self.stats.snapshot(len(self.sampler.samples()))
+
+    # -- classification -------------------------------------------------------------------------
+    def classify(self, code: CodeType) -> int:
+        kind = self._kinds.get(code)
+        if kind is None:
+            kind = self._kinds[code] = self._classify(code)
+        return kind
+
+    def _classify(self, code: CodeType) -> int:
+        from torch._dynamo.utils import orig_code_map
+
+        name = code.co_filename
+        if code in orig_code_map or name.startswith(self._roots[1]):
+            return STOP  # dynamo's transformed code / inductor's generated modules
+        if name == self._roots[2] and code.co_name in ("compile_wrapper", "_fn"):
+            return STOP  # the user's torch.compile wrapper: what runs below is theirs
+        if name.startswith("<") or name.startswith(self._roots[0]):
+            return LIBRARY
+        return USER
+
+    def _is_user(self, code: CodeType) -> bool:
+        return self.classify(code) == USER
+
+    # -- hot ------------------------------------------------------------------------------------
+    def on_hot(self, codes: list[CodeType]) -> None:
+        """Codes that reached the threshold (same op on every rank)."""
+        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+        for code in codes:
+            where = _where(code)
+            if code.co_name == "<module>":
+                reason = "module-level code (tier 2's lazy regions will serve it)"
+            elif code.co_flags & _NOT_FUNCTIONS:
+                reason = "a generator or coroutine"
+            elif _debug_get_cache_entry_list(code) and code not in self.stats.compiled_codes:
+                reason = "compiled by the user"
+            else:
+                reason = None
+            if reason is not None:
+                self.stats.skipped[reason] += 1
+                if _debuglog.COMPILE:
+                    _debuglog.debug("compile", f"hot {where}: not compiled ({reason})")
+                continue
+            self.stats.hot += 1
+            self.hook.hot.add(code)
+            self.hook.unmark(code)
+            if _debuglog.COMPILE:
+                _debuglog.debug(
+                    "compile",
+                    f"hot {where} after {self.hot_at} samples (1 per {self.every} ops): "
+                    f"compiling at its next call with {self.backend_name}",
+                )
+            self.hook.install()
+
+    # -- compile --------------------------------------------------------------------------------
+    def _compile_frame(self, frame: Any, cache_entry: Any, frame_state: Any) -> Any:
+        code = frame.f_code
+        st = self.stats
+        recompile = cache_entry is not None
+        t0 = time.perf_counter_ns()
+        error: BaseException | None = None
+        result: Any = None
+        self.backend.code = code
+        paused = self._ic.paused() if self._ic is not None else _null()
+        with paused:
+            try:
+                result = self.hook.inner(frame, cache_entry, frame_state)
+            except Exception as e:  # dynamo or the backend failed: eager is always right
+                error = e
+            finally:
+                self.backend.code = None
+            reason = f"compile error: {type(error).__name__}: {_first_line(error)}" if error else ""
+            failed = any_rank(error is not None, f"compile of {code.co_name}", _where(code))
+        st.compile_ns += time.perf_counter_ns() - t0
+        where = _where(code)
+        if failed:
+            reason = reason or "another rank's compile failed"
+            st.fallbacks[reason] += 1
+            self.hook.fallen.add(code)
+            if _debuglog.COMPILE:
+                _debuglog.debug("compile", f"fallback {where}: {reason}; eager from now on")
+            return self.hook._skip
+        st.cache_misses += 1
+        if recompile:
+            st.recompiles += 1
+        if getattr(result, "guarded_code", None) is None:
+            why = getattr(result, "skip_reason", None) or "dynamo found nothing to compile"
+            st.fallbacks[f"dynamo skipped: {why}"] += 1
+            if _debuglog.COMPILE:
+                _debuglog.debug("compile", f"fallback {where}: dynamo skipped it ({why})")
+            return result
+        st.compiled_codes.add(code)
+        if _debuglog.COMPILE:
+            _debuglog.debug(
+                "compile",
+                f"{'recompiled' if recompile else 'compiled'} {where} in "
+                f"{(time.perf_counter_ns() - t0) * 1e-9:.2f}s ({st.graphs} graphs so far)",
+            )
+        return result
+
+    def _runtime_fallback(self, code: Any, reason: str) -> None:
+        self.stats.fallbacks[reason] += 1
+        if code is not None:
+            self.hook.fall_back(code)
+        if _debuglog.COMPILE:
+            where = _where(code) if code is not None else "?"
+            _debuglog.debug("compile", f"fallback {where}: {reason}; eager from now on")
+
+
+def _library_roots(torch: Any) -> tuple[tuple[str, ...], tuple[str, ...], str]:
+    """(library prefixes, generated-code prefixes, dynamo's eval_frame.py)."""
+    from torch._dynamo import eval_frame
+
+    import spmdgt
+
+    paths = sysconfig.get_paths()
+    lib = {
+        os.path.dirname(os.path.abspath(torch.__file__)),
+        os.path.dirname(os.path.abspath(spmdgt.__file__)),
+        paths["stdlib"],
+        paths["platstdlib"],
+        paths["purelib"],
+        paths["platlib"],
+    }
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        generated: tuple[str, ...] = (os.path.abspath(cache_dir()),)
+    except Exception:  # no inductor: nothing generated to recognise
+        generated = ()
+    return tuple(sorted(lib)), generated, eval_frame.__file__
+
+
+def _where(code: CodeType) -> str:
+    return f"{code.co_name} ({os.path.basename(code.co_filename)}:{code.co_firstlineno})"
+
+
+def _first_line(e: BaseException | None) -> str:
+    lines = str(e).strip().splitlines() if e is not None else []
+    return lines[0][:160] if lines else ""
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
