@@ -18,6 +18,9 @@ YAML (every section optional; unknown keys are errors naming file and key)::
     checkpoint: {dir: ckpt, every_steps: 50}
     profile: false
     logdir: runs/exp1
+    compile: false                 # torch.compile each block (TP -> AC -> compile -> FSDP)
+    compile_backend: inductor      # any torch.compile backend name (aot_eager: no codegen)
+    activation_checkpointing: false  # recompute each block's activations in backward
 
 Load with ``load_train_config(path)``; pass the result as ``DistributedTrainer(config=...)``.
 """
@@ -176,6 +179,17 @@ class TrainConfig:
     """Write per-rank ``torch.profiler`` traces under ``<logdir>/profile``."""
     logdir: str | None = None
     """TensorBoard directory (rank 0 writes scalars); ``None`` disables logging."""
+    compile: bool = False
+    """``torch.compile`` each transformer block (the model's ``ModuleList`` of layers; the
+    whole model when it has none), in torchtitan's order: tensor parallel, activation
+    checkpointing, compile, FSDP. ``GT_COMPILE=0`` in the environment overrides it."""
+    compile_backend: str = "inductor"
+    """The ``torch.compile`` backend: ``inductor`` (generated kernels), ``aot_eager`` (the
+    same graphs and autograd, no code generation: quick to compile, for tests), any name
+    ``torch._dynamo.list_backends()`` knows."""
+    activation_checkpointing: bool = False
+    """Wrap each block in ``checkpoint_wrapper``: its activations are recomputed in backward
+    (less memory, about one more forward of compute)."""
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -191,6 +205,27 @@ class TrainConfig:
                     f"{', '.join(PLACEMENT_STYLES)}",
                     key=f"placements.{pattern}",
                     value=style,
+                )
+        for key in ("compile", "activation_checkpointing"):
+            value = getattr(self, key)
+            if not isinstance(value, bool):
+                raise ConfigError(f"must be true or false, got {value!r}", key=key, value=value)
+        if not isinstance(self.compile_backend, str) or not self.compile_backend:
+            raise ConfigError(
+                f"must be a torch.compile backend name, got {self.compile_backend!r}",
+                key="compile_backend",
+                value=self.compile_backend,
+            )
+        if self.compile_backend not in ("inductor", "aot_eager", "eager"):
+            from torch._dynamo import list_backends
+
+            known = list_backends(exclude_tags=())
+            if self.compile_backend not in known:
+                raise ConfigError(
+                    f"unknown torch.compile backend {self.compile_backend!r}; torch knows: "
+                    f"{', '.join(sorted(known))}",
+                    key="compile_backend",
+                    value=self.compile_backend,
                 )
         if self.strategy == "placements" and not self.placements:
             raise ConfigError(

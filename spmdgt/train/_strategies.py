@@ -10,8 +10,13 @@
   rank must see the same batch (no data parallelism); ``replicate`` keeps a full copy on each
   rank (plain tensors that stay identical because their inputs are identical).
 
-In a world of one nothing is wrapped: the plain model trains as is. ``Wrapped.no_sync()`` is
-the one context the trainer uses to skip gradient communication on non-final micro-steps.
+``compile=True`` (see ``_compile``) goes block by block in torchtitan's order: tensor parallel,
+then activation checkpointing (``activation_checkpointing=True``), then ``torch.compile`` of
+each block, then ``fully_shard`` per block and the root (or DDP around the model).
+
+In a world of one nothing is wrapped: the plain model trains as is (blocks still compiled).
+``Wrapped.no_sync()`` is the one context the trainer uses to skip gradient communication on
+non-final micro-steps.
 """
 
 from __future__ import annotations
@@ -33,6 +38,12 @@ from spmdgt.train._comm import (
     LoggedReduceScatter,
     ddp_counting_hook,
 )
+from spmdgt.train._compile import (
+    CompileState,
+    apply_activation_checkpointing,
+    compile_blocks,
+    find_blocks,
+)
 from spmdgt.train._config import PLACEMENT_STYLES, STRATEGIES, DDPConfig, FSDPConfig
 
 __all__ = ["Wrapped", "clip_grad_norm", "fsdp_units", "wrap_model"]
@@ -53,6 +64,8 @@ class Wrapped:
     comm_source: str | None = "no_collectives"
     """What fills ``log``: a torch hook, ``None`` when only the interceptor's op stream can see
     the collectives (placements: measured only on request), "no_collectives" in a world of one."""
+    compiled: CompileState | None = None
+    """What ``compile=True`` compiled (None: nothing compiled)."""
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -145,8 +158,14 @@ def wrap_model(
     fsdp: FSDPConfig | None = None,
     placements: dict[str, str] | None = None,
     mesh: object = None,
+    compile: bool = False,
+    compile_backend: str = "inductor",
+    activation_checkpointing: bool = False,
 ) -> Wrapped:
-    """Move ``model`` to ``device`` and wrap it for ``strategy`` (no wrapping in a world of 1)."""
+    """Move ``model`` to ``device`` and wrap it for ``strategy`` (no wrapping in a world of 1).
+
+    ``compile``/``activation_checkpointing``: per block, after tensor parallelism and before
+    FSDP/DDP (torchtitan's order); ``compile`` must already be agreed by every rank."""
     if strategy not in STRATEGIES:
         raise ConfigError(
             f"unknown strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}",
@@ -169,20 +188,48 @@ def wrap_model(
             raise ConfigError(f"unknown placement {s!r}", key=f"placements.{p}", value=s)
         plan = _placement_plan(model, table, world_size)  # validated even in a world of one
         if world_size == 1:
-            return Wrapped(model, strategy, 1, log, autocast_dtype=autocast)
+            compiled = _ac_and_compile(
+                model, compile, compile_backend, activation_checkpointing, collectives=False
+            )
+            return Wrapped(model, strategy, 1, log, autocast_dtype=autocast, compiled=compiled)
         from torch.distributed.tensor.parallel import parallelize_module
 
         parallelize_module(model, mesh, plan)
+        # DTensor collectives run inside the blocks: a compile failure is an error, never an
+        # eager fallback on one rank (it could order those collectives differently).
+        compiled = _ac_and_compile(
+            model, compile, compile_backend, activation_checkpointing, collectives=True
+        )
         # DTensor's collectives have no hook: the trainer reads them from the interceptor's op
         # stream when measurement is asked for (see DistributedTrainer.train), never by tracing
         # here.
-        return Wrapped(model, strategy, 1, log, autocast_dtype=autocast, comm_source=None)
+        return Wrapped(
+            model,
+            strategy,
+            1,
+            log,
+            autocast_dtype=autocast,
+            comm_source=None,
+            compiled=compiled,
+        )
 
     if world_size == 1:
         if strategy == "fsdp" and fsdp.use_mixed_precision:
             autocast = amp_dtype  # same numerics as bf16 params: autocast the forward
-        return Wrapped(model, strategy, 1, log, autocast_dtype=autocast)
+        compiled = _ac_and_compile(
+            model, compile, compile_backend, activation_checkpointing, collectives=False
+        )
+        return Wrapped(model, strategy, 1, log, autocast_dtype=autocast, compiled=compiled)
 
+    # DDP's and FSDP2's collectives run in hooks around the blocks, never inside them.
+    compiled = _ac_and_compile(
+        model,
+        compile,
+        compile_backend,
+        activation_checkpointing,
+        collectives=False,
+        fallback_units=_fsdp_named_blocks(model) if strategy == "fsdp" else None,
+    )
     if strategy == "ddp":
         ids = [device.index] if device.type == "cuda" else None
         module = nn.parallel.DistributedDataParallel(
@@ -193,7 +240,13 @@ def wrap_model(
         )
         module.register_comm_hook(None, ddp_counting_hook(log))
         return Wrapped(
-            module, strategy, world_size, log, autocast_dtype=autocast, comm_source="ddp_comm_hook"
+            module,
+            strategy,
+            world_size,
+            log,
+            autocast_dtype=autocast,
+            comm_source="ddp_comm_hook",
+            compiled=compiled,
         )
 
     # fsdp
@@ -233,7 +286,36 @@ def wrap_model(
         fsdp_modules=units,
         autocast_dtype=None,
         comm_source="fsdp2_collective_hooks",
+        compiled=compiled,
     )
+
+
+def _ac_and_compile(
+    model: nn.Module,
+    compile: bool,
+    backend: str,
+    activation_checkpointing: bool,
+    *,
+    collectives: bool,
+    fallback_units: list[tuple[str, nn.Module]] | None = None,
+) -> CompileState | None:
+    """Activation checkpointing, then ``torch.compile``, per block (after TP, before FSDP)."""
+    if activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if not compile:
+        return None
+    return compile_blocks(
+        model, backend, collectives_in_blocks=collectives, fallback_units=fallback_units
+    )
+
+
+def _fsdp_named_blocks(model: nn.Module) -> list[tuple[str, nn.Module]] | None:
+    """FSDP's units by name, compiled when the model has no block list: compiling the whole
+    model would trace FSDP2's hooks on its children; compiling each unit keeps them eager."""
+    if find_blocks(model) is not None:
+        return None
+    ids = {id(b) for b in _fsdp_blocks(model)}
+    return [(n, m) for n, m in model.named_modules() if id(m) in ids]
 
 
 def _fsdp_blocks(model: nn.Module) -> list[nn.Module]:

@@ -39,6 +39,10 @@ class RunStats:
     memory: list[int] = field(default_factory=list)  # bytes, sampled (see memory_steps)
     memory_steps: list[int] = field(default_factory=list)  # step index of each memory sample
     comm_sec: list[float] = field(default_factory=list)  # empty when comm was not measured
+    compile_sec: list[float] = field(default_factory=list)
+    """torch.compile seconds inside each step (taken out of its step time), 0 when none."""
+    flag_anywhere: bool = False
+    """The last flush's ``flag``: set on any rank (e.g. a compile failure to agree on)."""
     collectives: list[int] = field(default_factory=list)
     first_step: int = 0  # global step number of the first entry (after a resume)
 
@@ -47,18 +51,28 @@ class RunStats:
         self.memory.append(nbytes)
         self.memory_steps.append(len(self.step_times) - 1)
 
-    def flush_losses(self, device: torch.device | str = "cpu") -> list[float]:
+    def flush_losses(
+        self, device: torch.device | str = "cpu", flag: bool | None = None
+    ) -> list[float]:
         """All-reduce the not-yet-reduced local losses in one collective; return the new ones.
 
         Each step's loss is its fp32 micro-step sum divided by the micro-step count in float64,
         then the mean over ranks: the same numbers a per-step ``.item()`` would have given.
+        ``flag`` (given alike on every rank, or by none) rides along as one more number:
+        ``flag_anywhere`` says whether any rank set it (no extra collective).
         """
+        self.flag_anywhere = False
         if not self.pending_losses:
             return []
         sums = torch.stack(self.pending_losses).to(device=device, dtype=torch.float64)
         counts = torch.tensor(self.pending_micro_steps, dtype=torch.float64, device=device)
         local = sums / counts
-        new = all_reduce_mean(local).tolist()
+        if flag is None:
+            new = all_reduce_mean(local).tolist()
+        else:
+            extra = torch.tensor([float(flag)], dtype=torch.float64, device=device)
+            reduced = all_reduce_mean(torch.cat([local, extra])).tolist()
+            new, self.flag_anywhere = reduced[:-1], reduced[-1] > 0
         self.local_losses.extend(local.tolist())
         self.global_losses.extend(new)
         self.pending_losses.clear()

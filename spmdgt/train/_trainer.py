@@ -36,6 +36,7 @@ from spmdgt.train._checkpoint import (
     save_checkpoint,
 )
 from spmdgt.train._comm import InterceptorCollectiveSink
+from spmdgt.train._compile import compile_disabled_by_env, compile_seconds
 from spmdgt.train._config import STRATEGIES, SchedulerConfig, TrainConfig, load_train_config
 from spmdgt.train._data import ResumableDistributedSampler
 from spmdgt.train._profilers import current_memory_bytes, peak_memory_bytes
@@ -105,6 +106,7 @@ class DistributedTrainer:
         *,
         amp_dtype: torch.dtype | None = None,
         log_every: int = 10,
+        compile: bool | None = None,
     ) -> None:
         if config is None:
             cfg = TrainConfig()
@@ -156,6 +158,8 @@ class DistributedTrainer:
         self.amp_dtype = amp_dtype
 
         mesh = runtime.device_mesh() if self.rt.world_size > 1 else None
+        self._compile_asked = cfg.compile if compile is None else compile
+        self.compile = self._decide_compile(self._compile_asked)
         old_params = list(model.parameters())
         known = {id(p) for p in old_params}
         if any(id(p) not in known for g in optimizer.param_groups for p in g["params"]):
@@ -176,6 +180,9 @@ class DistributedTrainer:
             fsdp=cfg.fsdp,
             placements=cfg.placements,
             mesh=mesh,
+            compile=self.compile,
+            compile_backend=cfg.compile_backend,
+            activation_checkpointing=cfg.activation_checkpointing,
         )
         self.model = self.wrapped.module
         self.optimizer = optimizer
@@ -187,6 +194,37 @@ class DistributedTrainer:
         self._resumed_from: str | None = None
 
     # ------------------------------------------------------------------ setup helpers
+
+    def _decide_compile(self, asked: bool) -> bool:
+        """Whether to compile: asked for and not vetoed by ``GT_COMPILE=0``, the same on every
+        rank. In a world of more than one the ranks exchange their decision (one small
+        all-gather, always, so the exchange itself never depends on the config): a config or
+        environment that differs between ranks is an error on every rank, naming each rank's
+        decision, never ranks running different code."""
+        if not isinstance(asked, bool):
+            raise ConfigError(f"must be true or false, got {asked!r}", key="compile", value=asked)
+        vetoed = asked and compile_disabled_by_env()
+        if vetoed:
+            runtime.print0("spmdgt.train: GT_COMPILE=0: compile=True ignored, training eagerly")
+        want = asked and not vetoed
+        if self.rt.world_size > 1:
+            t = torch.tensor([int(asked), int(want)], device=self._comm_device())
+            out = [torch.zeros_like(t) for _ in range(self.rt.world_size)]
+            dist.all_gather(out, t)
+            rows = [tuple(int(v) for v in o.tolist()) for o in out]
+            if len(set(rows)) > 1:
+                raise ConfigError(
+                    "ranks disagree on compiling the model (the compile setting or GT_COMPILE "
+                    "differs between ranks): "
+                    + ", ".join(
+                        f"rank {r}: {'compile' if w else 'eager'}"
+                        + (" (GT_COMPILE=0)" if a and not w else "")
+                        for r, (a, w) in enumerate(rows)
+                    ),
+                    key="compile",
+                    value=asked,
+                )
+        return want
 
     def _rebind_optimizer(self, old: list[nn.Parameter], new: list[nn.Parameter]) -> None:
         """Point the optimizer at the wrapped model's parameters (FSDP/TP replace them)."""
@@ -374,6 +412,7 @@ class DistributedTrainer:
         n_batches = self._check_loader(train_loader)
         dp = self.wrapped.data_parallel_size
         stats = RunStats(first_step=self.global_step)
+        compile_at_start = compile_seconds()[0] if self.compile else 0.0
         log = self.wrapped.log
         log.clear()
         metrics = MetricsLogger(self.logdir, self.rt.is_main_process)
@@ -417,6 +456,7 @@ class DistributedTrainer:
                     left -= skip_batches
                 self.model.train()
                 t0 = time.perf_counter()
+                c0 = compile_seconds()[0] if self.compile else 0.0
                 while not stop:
                     group = self.accum if left is None else min(self.accum, left)
                     if group <= 0:
@@ -477,7 +517,10 @@ class DistributedTrainer:
                     if self.device.type == "cuda":
                         torch.cuda.synchronize(self.device)
                     t1 = time.perf_counter()
-                    stats.step_times.append(t1 - t0)
+                    # Compile time is reported apart: a step that compiled counts without it.
+                    compiled_sec = (compile_seconds()[0] - c0) if self.compile else 0.0
+                    stats.compile_sec.append(compiled_sec)
+                    stats.step_times.append(t1 - t0 - compiled_sec)
                     windows.append((self.global_step - 1, t0, t1))
                     stats.pending_losses.append(loss_sum)
                     stats.pending_micro_steps.append(done)
@@ -502,6 +545,7 @@ class DistributedTrainer:
                     if ck.dir and ck.every_steps and self.global_step % ck.every_steps == 0:
                         self.save_checkpoint()
                     t0 = time.perf_counter()  # the checkpoint write is not a training step
+                    c0 = compile_seconds()[0] if self.compile else 0.0
                 if stop:
                     break
                 self._samples_in_epoch = 0
@@ -540,6 +584,15 @@ class DistributedTrainer:
             val_loss=val_loss,
             comm_source=comm_source,
         )
+        comp = self.wrapped.compiled
+        if comp is not None:
+            summary["compile_backend"] = comp.backend
+            summary["compiled_blocks"] = len(comp.blocks)
+            summary["compile_time_sec"] = compile_seconds()[0] - compile_at_start
+            summary["compile_steps"] = sum(1 for c in stats.compile_sec if c > 0)
+            summary["compile_fallback"] = comp.disabled_reason or "none"
+        elif self._compile_asked:
+            summary["compile_backend"] = "off (GT_COMPILE=0)"
         metrics.close()
         self.last_stats = stats
         runtime.print0(format_summary(summary))
@@ -586,11 +639,31 @@ class DistributedTrainer:
         if self.scheduler is not None:
             self.scheduler.step()
 
+    def _compile_fallback(self, comp) -> None:
+        """Some rank failed to compile a block: every rank turns compilation off (collective:
+        every rank gets here alike, from the agreed flush)."""
+        failures: list = [list(comp.failures)]
+        if self.rt.world_size > 1:
+            failures = [None] * self.rt.world_size
+            dist.all_gather_object(failures, list(comp.failures))
+        reason = "; ".join(f"rank {r}: {f}" for r, fs in enumerate(failures) for f in fs)
+        comp.turn_off(reason)
+        runtime.print0(
+            f"spmdgt.train: torch.compile failed ({reason}); every rank trains eagerly from "
+            f"step {self.global_step} on (the failing block ran eagerly until then)"
+        )
+
     def _log_metrics(self, stats: RunStats, metrics: MetricsLogger) -> list[float]:
         """All-reduce pending losses (one collective), write the steps' scalars, return the
         newly reduced losses."""
         start = len(stats.global_losses)
-        new = stats.flush_losses(self._comm_device())
+        comp = self.wrapped.compiled
+        # Compile failures on ranks that ran the block eagerly meanwhile (ddp/fsdp): agreed in
+        # the flush's own all-reduce (one more number), the same decision on every rank.
+        check = comp is not None and comp.active and comp.fallback_on_rank
+        new = stats.flush_losses(self._comm_device(), flag=bool(comp.failures) if check else None)
+        if check and stats.flag_anywhere:
+            self._compile_fallback(comp)
         if metrics.writer is None:
             return new
         memory = dict(zip(stats.memory_steps, stats.memory))
