@@ -25,6 +25,7 @@ interceptor's start-up; with none of these set nothing here is imported):
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["disable", "enable", "is_enabled", "maybe_enable_from_env", "stats"]
@@ -33,12 +34,17 @@ _pass: Any = None
 _atexit = False
 
 
-def enable(backend: str | None = None, every: int | None = None, hot_at: int | None = None) -> None:
+def enable(
+    backend: str | Callable[..., Any] | None = None,
+    every: int | None = None,
+    hot_at: int | None = None,
+) -> None:
     """Turn tier 1 on for this rank (every rank must: the decisions are collective).
 
     Turns the interceptor on if it is off (level ``native`` when it builds: the sampling then
     costs what the C++ log costs; else ``torch``). ``backend``, ``every``, ``hot_at``: as the
-    ``GT_COMPILE_*`` variables. A no-op with ``GT_COMPILE=0``.
+    ``GT_COMPILE_*`` variables (``backend`` may also be a dynamo backend callable). A no-op
+    with ``GT_COMPILE=0``.
     """
     global _pass
     if compile_disabled():

@@ -23,11 +23,12 @@ _OP_NODES = ("call_function", "call_method", "call_module")
 
 
 class CountingBackend:
-    """A dynamo backend: ``backend(gm, example_inputs) -> callable``."""
+    """A dynamo backend: ``backend(gm, example_inputs) -> callable``; ``name`` is a registered
+    backend's name or a backend callable."""
 
     def __init__(
         self,
-        name: str,
+        name: Any,
         stats: CompileStats,
         on_runtime_error: Callable[[Any, str], None],
     ) -> None:

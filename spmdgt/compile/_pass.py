@@ -39,10 +39,10 @@ _NOT_FUNCTIONS = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_
 class HotFunctionPass:
     """One session of tier 1 on this rank (see the module docstring)."""
 
-    def __init__(self, backend: str = "inductor", every: int = 16, hot_at: int = 8) -> None:
+    def __init__(self, backend: Any = "inductor", every: int = 16, hot_at: int = 8) -> None:
         import torch
 
-        self.backend_name = backend
+        self.backend_name = backend if isinstance(backend, str) else _name_of(backend)
         self.every = every
         self.hot_at = hot_at
         self.stats = CompileStats()
@@ -140,7 +140,7 @@ class HotFunctionPass:
                 error = e
             finally:
                 self.backend.code = None
-            reason = f"compile error: {type(error).__name__}: {_first_line(error)}" if error else ""
+            reason = f"compile error: {_describe(error)}" if error else ""
             failed = any_rank(error is not None, f"compile of {code.co_name}", _where(code))
         st.compile_ns += time.perf_counter_ns() - t0
         where = _where(code)
@@ -202,8 +202,21 @@ def _library_roots(torch: Any) -> tuple[tuple[str, ...], tuple[str, ...], str]:
     return tuple(sorted(lib)), generated, eval_frame.__file__
 
 
+def _name_of(fn: Any) -> str:
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
 def _where(code: CodeType) -> str:
     return f"{code.co_name} ({os.path.basename(code.co_filename)}:{code.co_firstlineno})"
+
+
+def _describe(e: BaseException) -> str:
+    """``Outer: Root: message`` (dynamo wraps the backend's error; its own first line says
+    only which backend raised)."""
+    root = getattr(e, "inner_exception", None) or e.__cause__
+    if root is None or root is e:
+        return f"{type(e).__name__}: {_first_line(e)}"
+    return f"{type(e).__name__}: {type(root).__name__}: {_first_line(root)}"
 
 
 def _first_line(e: BaseException | None) -> str:
