@@ -213,3 +213,16 @@ def test_fallback_on_one_rank_is_a_fallback_on_every_rank(tmp_path):
     assert st0["fallbacks"] == {"another rank's compile failed": 1}
     [(reason, n)] = st1["fallbacks"].items()
     assert n == 1 and "only rank 1 fails" in reason
+
+
+def test_python_level_sampler_finds_the_same_function(compile_pass, monkeypatch):
+    from spmdgt.interceptor._mode import get_interceptor
+
+    monkeypatch.setenv("GT_INTERCEPT", "torch")  # the function mode samples, not the C++ code
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+    compile_pass()
+    assert get_interceptor().level == "torch"
+    out = _call_until_compiled(small, a, b)
+    torch.testing.assert_close(small(a, b), out)
+    st = gt_compile.stats()
+    assert st["compiled"] == 1 and st["fallbacks"] == {}, st
