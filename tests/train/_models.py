@@ -83,3 +83,62 @@ def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
         v = v.full_tensor() if hasattr(v, "full_tensor") else v
         out[k] = v.detach().clone()
     return out
+
+
+# A stack of residual blocks in a ModuleList named ``layers`` (torchtitan's layout): what
+# ``compile=True`` compiles block by block. FFN=12 splits evenly for tensor parallelism;
+# HIDDEN=11 leaves FSDP's dim-0 shards uneven (6/5).
+FFN, N_LAYERS = 12, 2
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int = HIDDEN, ffn: int = FFN) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, ffn)
+        self.down = nn.Linear(ffn, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class Stack(nn.Module):
+    def __init__(self, layers: int = N_LAYERS) -> None:
+        super().__init__()
+        self.inp = nn.Linear(IN, HIDDEN)
+        self.layers = nn.ModuleList(Block() for _ in range(layers))
+        self.out = nn.Linear(HIDDEN, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.out(h)
+
+
+def make_stack(seed: int = 0) -> Stack:
+    torch.manual_seed(seed)
+    return Stack()
+
+
+def reference_stack(
+    dataset: TensorDataset, global_batch: int, steps: int, max_grad_norm: float
+) -> tuple[dict[str, torch.Tensor], list[float], dict[str, torch.Tensor]]:
+    """One-process eager torch on ``Stack``: final state, per-step losses, and the gradients
+    of one more forward/backward on the first global batch with the final weights."""
+    model = make_stack()
+    opt = make_optimizer(model)
+    x, y = dataset.tensors
+    losses = []
+    for step in range(steps):
+        lo = step * global_batch
+        loss = F.mse_loss(model(x[lo : lo + global_batch]), y[lo : lo + global_batch])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    F.mse_loss(model(x[:global_batch]), y[:global_batch]).backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return state, losses, grads
