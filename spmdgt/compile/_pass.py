@@ -48,6 +48,7 @@ class HotFunctionPass:
         self.stats = CompileStats()
         self._roots = _library_roots(torch)
         self._kinds: dict[CodeType, int] = {}
+        self._decided: set[CodeType] = set()  # codes on_hot has ruled on (once each)
         self.backend = CountingBackend(backend, self.stats, self._runtime_fallback)
         self.hook = FrameHook(self._compile_frame, self._is_user, self.backend)
         self.sampler = CodeSampler(every, hot_at, self.classify, self.on_hot)
@@ -98,6 +99,9 @@ class HotFunctionPass:
         from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 
         for code in codes:
+            if code in self._decided:  # counts restart when the interceptor restarts
+                continue
+            self._decided.add(code)
             where = _where(code)
             if code.co_name == "<module>":
                 reason = "module-level code (tier 2's lazy regions will serve it)"

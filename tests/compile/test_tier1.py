@@ -226,3 +226,20 @@ def test_python_level_sampler_finds_the_same_function(compile_pass, monkeypatch)
     torch.testing.assert_close(small(a, b), out)
     st = gt_compile.stats()
     assert st["compiled"] == 1 and st["fallbacks"] == {}, st
+
+
+def test_a_restarted_interceptor_does_not_count_a_function_hot_twice(compile_pass):
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+    compile_pass()
+    _call_until_compiled(small, a, b)
+    from spmdgt.interceptor._mode import get_interceptor
+
+    level = get_interceptor().level  # the same level: a mode pushed would be a dynamo guard
+    _control.disable()  # e.g. a tool switched off and on: the sampler's counts restart
+    _control.enable(stats=False, hotpath=False, level=level)
+    for _ in range(10):
+        small(a, b)
+    st = gt_compile.stats()
+    hot = gt_compile._pass.hook.hot  # (the test function may turn hot too: it calls small)
+    assert small.__code__ in hot and st["hot"] == len(hot), st  # each code counted once
+    assert (st["compiled"], st["cache_misses"]) == (1, 1), st
