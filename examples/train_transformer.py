@@ -15,6 +15,8 @@ Tensor parallel: torchrun --nproc_per_node=2 examples/train_transformer.py --str
 Plain torch:   python examples/train_transformer.py --pytorch   (same model, a hand-written
                loop; under torchrun it wraps raw DDP) to compare with the trainer.
 CI size:       python examples/train_transformer.py --dim 32 --layers 1 --steps 3 --seq-len 16
+Compiled:      python examples/train_transformer.py --compile   (torch.compile of each block in
+               torchtitan's order; ``compile: true`` in YAML; GT_COMPILE=0 turns it off)
 """
 
 from __future__ import annotations
@@ -226,7 +228,7 @@ def _train_config(args: argparse.Namespace):
     cfg = load_train_config(args.config) if args.config else None
     strategy = args.strategy or (cfg.strategy if cfg else "ddp")
     if strategy != "placements" or (cfg is not None and cfg.placements):
-        return cfg, strategy
+        return _with_compile(cfg, args, strategy), strategy
     if cfg is not None:  # the user's file: never swap in another plan behind their back
         raise ConfigError(
             f"--strategy placements needs a placements table (module-name glob -> colwise | "
@@ -244,7 +246,23 @@ def _train_config(args: argparse.Namespace):
     plan = load_train_config(EXAMPLE_YAML).placements
     if _is_rank0():
         print(f"--strategy placements: using the placements table of {EXAMPLE_YAML}")
-    return TrainConfig(strategy="placements", placements=plan), strategy
+    cfg = TrainConfig(strategy="placements", placements=plan)
+    return _with_compile(cfg, args, strategy), strategy
+
+
+def _with_compile(cfg, args: argparse.Namespace, strategy: str):
+    """``--compile``, ``--compile-backend`` and ``--activation-checkpointing`` over the config
+    (flags given win; the config's values stay otherwise)."""
+    from spmdgt.train import TrainConfig
+
+    if not (args.compile or args.compile_backend or args.activation_checkpointing):
+        return cfg
+    cfg = cfg or TrainConfig(strategy=strategy)
+    cfg.compile = cfg.compile or args.compile
+    cfg.compile_backend = args.compile_backend or cfg.compile_backend
+    cfg.activation_checkpointing = cfg.activation_checkpointing or args.activation_checkpointing
+    cfg.__post_init__()  # validate again: an unknown backend is a ConfigError naming the key
+    return cfg
 
 
 def run_trainer(args: argparse.Namespace) -> dict:
@@ -297,6 +315,9 @@ def run_pytorch(args: argparse.Namespace) -> dict:
     args.batch_size = args.batch_size or 8
     model, ds = build(args)
     model = model.to(device) if cuda else model
+    if args.compile:  # by hand, as torchtitan does: each block, then DDP around the model
+        for i, block in enumerate(model.layers):
+            model.layers[i] = torch.compile(block, backend=args.compile_backend or "inductor")
     if world > 1:
         model = nn.parallel.DistributedDataParallel(model, device_ids=[device] if cuda else None)
     amp = torch.autocast("cuda" if cuda else "cpu", dtype=torch.bfloat16, enabled=args.amp)
@@ -381,6 +402,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="global gradient-norm clip")
     p.add_argument("--amp", action="store_true", help="bf16 autocast")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile each decoder block (TrainConfig.compile; GT_COMPILE=0 vetoes)",
+    )
+    p.add_argument(
+        "--compile-backend",
+        default=None,
+        help="torch.compile backend; None: the config's, else inductor",
+    )
+    p.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="recompute each block's activations in backward (checkpoint_wrapper)",
+    )
     p.add_argument("--profile", action="store_true", help="torch.profiler traces")
     p.add_argument("--logdir", help="TensorBoard directory")
     p.add_argument("--checkpoint-dir", help="DCP checkpoints (resumes when present)")

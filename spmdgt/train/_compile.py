@@ -201,35 +201,55 @@ def check_backend(name: str) -> None:
         )
 
 
-def _guarded_backend(state: CompileState, block: str) -> Callable:
-    """The configured backend, compiling backward with forward, catching failures."""
-    real = _backend_fn(state.backend)
+class _GuardedBackend:
+    """The configured backend, compiling backward with forward, catching failures.
 
-    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+    One per backend name for the whole process: dynamo guards a compiled graph on the backend
+    object, so a shared object lets every block (and every trainer) reuse one graph where the
+    blocks are alike. Which trainer and block asked is read from ``_calling``, set around each
+    compiled block's call."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.real = _backend_fn(name)
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         import torch._functorch.config as functorch_config
 
         try:
             with functorch_config.patch(force_non_lazy_backward_lowering=True):
-                return real(gm, example_inputs)
+                return self.real(gm, example_inputs)
         except Exception as e:  # any failure of the backend: never a wrong number
+            state, block = getattr(_calling, "who", (None, "<outside a trainer block>"))
             why = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e) else ''}"
-            if not state.fallback_on_rank:
+            if state is None or not state.fallback_on_rank:
                 raise CompileError(
-                    f"torch.compile (backend {state.backend!r}) failed on block {block!r}: "
+                    f"torch.compile (backend {self.name!r}) failed on block {block!r}: "
                     f"{why}; set compile=False (or GT_COMPILE=0) to train eagerly"
                 ) from e
             state.failures.append(f"{block}: {why}")
             return gm.forward  # this rank runs the captured graph eagerly until the ranks agree
 
-    return backend
+
+_calling = threading.local()
+_guarded: dict[str, _GuardedBackend] = {}
+
+
+def _guarded_backend(name: str) -> _GuardedBackend:
+    if name not in _guarded:
+        _guarded[name] = _GuardedBackend(name)
+    return _guarded[name]
 
 
 def _compile_forward(module: nn.Module, name: str, state: CompileState) -> None:
     eager = module.forward
-    compiled = torch.compile(eager, backend=_guarded_backend(state, name))
+    compiled = torch.compile(eager, backend=_guarded_backend(state.backend))
+    who = (state, name)
 
     @functools.wraps(eager)
     def forward(*args: object, **kwargs: object) -> object:
+        before = getattr(_calling, "who", None)
+        _calling.who = who
         try:
             return compiled(*args, **kwargs)
         except CompileError:
@@ -241,6 +261,8 @@ def _compile_forward(module: nn.Module, name: str, state: CompileState) -> None:
             if cause is not None:  # dynamo wraps the backend's error: surface ours
                 raise CompileError(str(cause)) from e
             raise
+        finally:
+            _calling.who = before
 
     module.forward = forward  # an instance attribute: nn.Module.__call__ finds it first
 
