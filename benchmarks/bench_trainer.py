@@ -15,6 +15,20 @@ with the interceptor on, whose times are issue times, a lower bound).
 
     python benchmarks/bench_trainer.py                 # default size, ~2-3 minutes on 2 cores
     python benchmarks/bench_trainer.py --steps 5 --rounds 1 --dim 64   # quick look
+    python benchmarks/bench_trainer.py --compile-only  # just the compile section
+    python benchmarks/bench_trainer.py --compile-only --dim 1024 --layers 8 --seq-len 512 \
+        --batch-size 16 --heads 16 --kv-heads 4        # the issue's GPU size (bf16 on CUDA)
+
+Compile section (world of one, this process; on CUDA with bf16 autocast): one training step of
+the example transformer four ways, side by side: a hand-written eager loop, the same loop with
+each block ``torch.compile``-d by hand (torchtitan's way), the trainer eager, and
+``TrainConfig(compile=True)``. Each compiled side is first compiled cold (dynamo reset,
+inductor's and AOT autograd's caches off) to report its compile time; then ``--compile-rounds``
+rounds alternate the sides (order rotated each round), each side running ``--warmup`` untimed
+steps then ``--steps`` timed ones; the median per side is reported. Loss sequences are compared
+with the eager loop's (same data order). With CUDA, MFU = (6 N + 12 L d s) tokens / step time /
+peak, N the non-embedding parameters (the issue's 10-11% eager / 28% compiled on an H200 comes
+out of the same formula).
 
 Noise: trainer and raw runs alternate for ``--rounds`` rounds (the order flips every round, so
 neither side always runs first), each round gives one mean step time per side, and the table
@@ -456,6 +470,229 @@ def _report_comm(out: dict) -> None:
     )
 
 
+# ----------------------------------------------------------------------------- compile
+
+
+def _peak_flops(dtype_bf16: bool) -> float | None:
+    """Dense peak FLOP/s of the current CUDA device (H100/H200 SXM figures), None if unknown."""
+    import torch
+
+    name = torch.cuda.get_device_name()
+    if "H100" in name or "H200" in name:
+        if dtype_bf16:
+            return 989.4e12
+        return 494.7e12 if torch.backends.cuda.matmul.allow_tf32 else 66.9e12
+    if "A100" in name:
+        return 312e12 if dtype_bf16 else 19.5e12
+    return None
+
+
+def _flops_per_step(model, args) -> float:
+    """6 N T + 12 L d s T (N: parameters outside the embedding; T tokens per step)."""
+    n = sum(p.numel() for name, p in model.named_parameters() if not name.startswith("embed"))
+    tokens = args.batch_size * args.seq_len
+    return 6 * n * tokens + 12 * args.layers * args.dim * args.seq_len * tokens
+
+
+def _compile_model(args, ex):
+    import torch
+
+    torch.manual_seed(0)
+    margs = ex.ModelArgs(
+        dim=args.dim,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        n_kv_heads=args.kv_heads,
+        ffn_dim=2 * args.dim,
+        max_seq_len=args.seq_len,
+    )
+    model = ex.Transformer(margs)
+    n_tok = (args.steps + args.warmup + 2) * args.batch_size * args.seq_len + 1
+    ds = ex.TokenDataset(ex.load_tokens(None, n_tok, 256, 0), args.seq_len)
+    return model, ds
+
+
+def _hand_side(args, ex, compiled: bool) -> dict:
+    """The hand-written loop (same sampler order as the trainer's), blocks compiled by hand."""
+    import torch
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from spmdgt.train._compile import compile_seconds
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    model, ds = _compile_model(args, ex)
+    model = model.to(device)
+    if compiled:
+        for i, block in enumerate(model.layers):
+            model.layers[i] = torch.compile(block, backend=args.compile_backend)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sampler = DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=0)
+    loader = DataLoader(ds, batch_size=args.batch_size, sampler=sampler)
+    amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda)
+    times, losses = [], []
+    c_start = compile_seconds()[0]
+    timed_compile = 0.0
+    t0 = time.perf_counter()
+    for x, y in loader:
+        c0 = compile_seconds()[0]
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with amp:
+            loss = ex.lm_loss(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())  # a sync on CUDA
+        t1 = time.perf_counter()
+        times.append(t1 - t0)
+        if len(times) > args.warmup:
+            timed_compile += compile_seconds()[0] - c0
+        t0 = t1
+        if len(times) == args.warmup + args.steps:
+            break
+    return {
+        "step": statistics.fmean(times[args.warmup :]),
+        "losses": losses,
+        "compile_sec": compile_seconds()[0] - c_start,
+        "compile_in_timed": timed_compile,
+    }
+
+
+def _trainer_side(args, ex, compiled: bool) -> dict:
+    import contextlib
+    import io
+
+    import torch
+
+    from spmdgt.train import DistributedTrainer, OptimizedDataLoader, TrainConfig, TrainingConfig
+
+    model, ds = _compile_model(args, ex)
+    cfg = TrainConfig(
+        compile=compiled,
+        compile_backend=args.compile_backend,
+        training=TrainingConfig(warmup_steps=args.warmup),
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    t = DistributedTrainer(
+        model,
+        opt,
+        loss_fn=ex.lm_loss,
+        max_grad_norm=1.0,
+        config=cfg,
+        use_amp=torch.cuda.is_available(),
+        log_every=args.warmup + args.steps,
+    )
+    loader = OptimizedDataLoader.create(ds, args.batch_size, seed=0, num_workers=0)
+    with contextlib.redirect_stdout(io.StringIO()):
+        s = t.train(loader, max_steps=args.warmup + args.steps)
+    st = t.last_stats
+    return {
+        "step": s["avg_step_time"],
+        "losses": st.global_losses,
+        "compile_sec": s.get("compile_time_sec", 0.0),
+        "compile_in_timed": sum(st.compile_sec[args.warmup :]),
+        "fallback": s.get("compile_fallback", "none"),
+    }
+
+
+_SIDES = {
+    "eager (hand loop)": (_hand_side, False),
+    "hand torch.compile": (_hand_side, True),
+    "trainer eager": (_trainer_side, False),
+    "trainer compile=True": (_trainer_side, True),
+}
+
+
+def _cold_compile(args, ex, name: str) -> dict:
+    """One run of ``name`` from nothing: dynamo reset, inductor/AOT caches off."""
+    import torch
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    torch._dynamo.reset()
+    fn, compiled = _SIDES[name]
+    with (
+        inductor_config.patch(fx_graph_cache=False, autotune_local_cache=False),
+        functorch_config.patch(enable_autograd_cache=False),
+    ):
+        return fn(args, ex, compiled)
+
+
+def compile_section(args) -> dict:
+    """Eager vs hand compile vs ``TrainConfig(compile=True)``, alternating; see the docstring."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    ex = _example()
+    out = {"cold": {}, "runs": {n: [] for n in _SIDES}}
+    for name in ("hand torch.compile", "trainer compile=True"):
+        out["cold"][name] = _cold_compile(args, ex, name)
+    names = list(_SIDES)
+    for i in range(args.compile_rounds):
+        order = names[i % len(names) :] + names[: i % len(names)]
+        for name in order:
+            fn, compiled = _SIDES[name]
+            out["runs"][name].append(fn(args, ex, compiled))
+    model, _ = _compile_model(args, ex)
+    out["flops"] = _flops_per_step(model, args)
+    out["cuda"] = torch.cuda.is_available()
+    out["device"] = torch.cuda.get_device_name() if out["cuda"] else "CPU"
+    out["peak"] = _peak_flops(True) if out["cuda"] else None
+    return out
+
+
+def report_compile(out: dict, args) -> None:
+    dev = out["device"]
+    prec = "bf16 autocast" if out["cuda"] else f"fp32, {args.threads} thread(s)"
+    print(
+        f"\ncompile: one training step (forward, loss, backward, clip, AdamW) of the example "
+        f"transformer dim={args.dim} layers={args.layers} heads={args.heads}/{args.kv_heads} "
+        f"seq={args.seq_len} batch={args.batch_size}, world of one on {dev} ({prec}), backend "
+        f"{args.compile_backend}; {args.steps} timed steps after {args.warmup} warm-up "
+        f"(compile inside the warm-up), median of {args.compile_rounds} alternating rounds"
+    )
+    eager = statistics.median(r["step"] for r in out["runs"]["eager (hand loop)"])
+    hand = statistics.median(r["step"] for r in out["runs"]["hand torch.compile"])
+    ref = out["runs"]["eager (hand loop)"][0]["losses"]
+    hdr = (
+        f"  {'side':<22}{'ms/step':>9}{'range ms':>17}{'vs eager':>10}{'vs hand':>9}"
+        f"{'compile s':>11}{'max |dloss|':>13}" + (f"{'MFU':>7}" if out["peak"] else "")
+    )
+    print(hdr)
+    print("  " + "-" * (len(hdr) - 2))
+    for name, runs in out["runs"].items():
+        steps = [r["step"] for r in runs]
+        med = statistics.median(steps)
+        cold = out["cold"].get(name)
+        comp = f"{cold['compile_sec']:>11.2f}" if cold else f"{'-':>11}"
+        dloss = max(abs(a - b) for r in runs for a, b in zip(r["losses"], ref))
+        line = (
+            f"  {name:<22}{med * 1e3:>9.2f}{f'{min(steps) * 1e3:.2f}..{max(steps) * 1e3:.2f}':>17}"
+            f"{eager / med:>9.2f}x{hand / med:>8.2f}x{comp}{dloss:>13.2e}"
+        )
+        if out["peak"]:
+            line += f"{out['flops'] / med / out['peak'] * 100:>6.1f}%"
+        print(line)
+    tr = statistics.median(r["step"] for r in out["runs"]["trainer compile=True"])
+    leaked = max(r["compile_in_timed"] for rs in out["runs"].values() for r in rs)
+    fallbacks = {r.get("fallback", "none") for r in out["runs"]["trainer compile=True"]}
+    print(
+        f"  targets: trainer compile=True no slower than eager: {tr / eager - 1:+.1%} "
+        f"({'met' if tr <= eager else 'NOT met'}); within 15% of hand compile: "
+        f"{tr / hand - 1:+.1%} ({'met' if tr <= 1.15 * hand else 'NOT met'})"
+    )
+    print(
+        "  (ms/step: median over rounds of each run's mean timed step; range: min..max over "
+        "rounds; vs eager/hand: speed-up\n   against the eager hand loop / the hand-compiled "
+        "loop; compile s: a cold compile (dynamo reset, inductor and AOT caches\n   off), "
+        "dynamo's compile callbacks, forward and backward; max |dloss|: largest per-step loss "
+        "difference\n   from the eager hand loop over every run (same data order); compile "
+        f"seconds inside timed steps: {leaked:.3f};\n   trainer fallbacks: "
+        f"{', '.join(sorted(fallbacks))})"
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dim", type=int, default=128)
@@ -467,8 +704,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--floor-steps", type=int, default=30)
     p.add_argument("--floor-rounds", type=int, default=6)
+    p.add_argument("--heads", type=int, default=4, help="compile section: attention heads")
+    p.add_argument("--kv-heads", type=int, default=2, help="compile section: key/value heads")
+    p.add_argument("--compile-rounds", type=int, default=5)
+    p.add_argument("--compile-backend", default="inductor")
+    p.add_argument("--threads", type=int, default=1, help="compile section: torch threads")
+    p.add_argument("--compile-only", action="store_true", help="only the compile section")
+    p.add_argument("--no-compile", action="store_true", help="skip the compile section")
     args = p.parse_args(argv)
     sys.path.insert(0, str(ROOT))
+    if args.compile_only:
+        report_compile(compile_section(args), args)
+        return
     ctx = mp.get_context("fork")
     with tempfile.TemporaryDirectory() as d:
         init = os.path.join(d, "rdzv")
@@ -483,6 +730,8 @@ def main(argv: list[str] | None = None) -> None:
         for pr in procs:
             pr.join()
     report(out, args)
+    if not args.no_compile:  # after the forked ranks: this process compiles, they never do
+        report_compile(compile_section(args), args)
 
 
 if __name__ == "__main__":

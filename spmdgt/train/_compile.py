@@ -72,7 +72,6 @@ _lock = threading.Lock()
 _seconds = 0.0
 _events = 0
 _started: list[float] = []
-_installed = False
 
 
 def _on_start(_args: object) -> None:
@@ -91,14 +90,14 @@ def compile_seconds() -> tuple[float, int]:
     """(seconds, compilations) torch.compile spent compiling in this process so far.
 
     Counted from dynamo's compile start/end callbacks (outermost compile only: tracing, the
-    backend, and with the trainer's backend the backward too), installed on first use."""
-    global _installed
-    if not _installed:
-        from torch._dynamo.callback import callback_handler
+    backend, and with the trainer's backend the backward too), installed on first use and
+    again after ``torch._dynamo.reset()``, which clears every callback."""
+    from torch._dynamo.callback import callback_handler
 
+    if _on_end not in callback_handler.end_callbacks:
+        _started.clear()
         callback_handler.register_start_callback(_on_start)
         callback_handler.register_end_callback(_on_end)
-        _installed = True
     return _seconds, _events
 
 
