@@ -39,6 +39,7 @@ import sys
 import threading
 from typing import Any
 
+import numpy
 import torch
 import torch.distributed as dist
 
@@ -72,11 +73,18 @@ RankDivergenceError.__module__ = RankTimeoutError.__module__ = "spmdgt"  # gt.Ra
 
 
 _group: Any = None  # the gloo side group for agreement points; None: no exchanges
+# Its gloo backend, called directly: agreement traffic is spmdgt's own, not the program's, so
+# it bypasses the dispatcher and torch functions that the interceptor's levels record.
+_backend: Any = None
+_MAX = dist.AllreduceOptions()
+_MAX.reduceOp = dist.ReduceOp.MAX
 _rank = 0
 _world = 1
 _count = 0  # agreement points passed on this rank
 _last: tuple[int, str] = (0, "none yet")  # this rank's last agreed point, for messages
-_mine = torch.zeros(2, dtype=torch.int64)  # (fingerprint, -fingerprint), see _exchange
+# (fingerprint, -fingerprint), see _exchange: written and read through numpy, so no torch op
+_mine_np = numpy.zeros(2, dtype=numpy.int64)
+_mine = torch.from_numpy(_mine_np)
 _broken = False  # a divergence was raised: later exchanges would pair at random
 _check = False  # GT_CHECK_RANKS
 _lock = threading.Lock()
@@ -110,12 +118,13 @@ def checking() -> bool:
 def setup(rank: int, world: int) -> None:
     """Make the side group (a collective: every rank calls it from ``init``), read
     ``GT_CHECK_RANKS`` and arrange the end-of-program agreement."""
-    global _group, _rank, _world, _count, _last, _broken, _check, _at_exit
+    global _group, _backend, _rank, _world, _count, _last, _broken, _check, _at_exit
     raw = os.environ.get("GT_CHECK_RANKS", "0").strip().lower()
     if raw not in ("", "0", "1", "false", "true", "no", "yes", "off", "on"):
         raise ValueError(f"environment variable GT_CHECK_RANKS={raw!r}: expected 0 or 1")
     kwargs = {"timeout": timeout()} if timeout() is not None else {}
     _group = dist.new_group(backend="gloo", **kwargs)
+    _backend = _group._get_backend(torch.device("cpu"))
     _rank, _world, _count, _last, _broken = rank, world, 0, (0, "none yet"), False
     _check = raw in ("1", "true", "yes", "on")
     if _check:
@@ -179,14 +188,14 @@ def _exchange(what: str, site: str, barrier: bool, detail: str = "") -> None:
         # all-reduce (max) of (h, -h) gives (max h, -min h): the ranks agree iff both are h.
         path, _, rest = site.partition(":")
         h = _fingerprint(f"{n}|{what}@{os.path.basename(path)}:{rest}")
-        _mine[0], _mine[1] = h, -h
+        _mine_np[0], _mine_np[1] = h, -h
         try:
             if barrier:
                 dist.monitored_barrier(_group, timeout=timeout(), wait_all_ranks=True)
-            dist.all_reduce(_mine, op=dist.ReduceOp.MAX, group=_group)
+            _backend.allreduce([_mine], _MAX).wait()
         except RuntimeError as e:
             _fail_timeout(e, doing, n)
-        top, low = _mine.tolist()
+        top, low = _mine_np.tolist()
         if top == h and low == -h:
             _last = (n, doing)
             return

@@ -54,8 +54,15 @@ def mesh_for(workers: list[int] | None, signal: str | None = None):
 
 
 def mesh_ranks(mesh) -> list[int]:
-    """Global ranks of a 1-D (or flattened n-D) mesh, in mesh order."""
-    return mesh.mesh.flatten().tolist()
+    """Global ranks of a 1-D (or flattened n-D) mesh, in mesh order.
+
+    Kept on the mesh after the first call: a host read asks on every call, and reading the
+    mesh tensor runs torch ops the instruction log would show as the program's."""
+    ranks = mesh.__dict__.get("_gt_ranks")
+    if ranks is None:
+        ranks = mesh.mesh.flatten().tolist()
+        mesh.__dict__["_gt_ranks"] = ranks
+    return list(ranks)
 
 
 def clear() -> None:
