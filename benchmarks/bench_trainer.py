@@ -22,8 +22,8 @@ with the interceptor on, whose times are issue times, a lower bound).
 Compile section (world of one, this process; on CUDA with bf16 autocast): one training step of
 the example transformer four ways, side by side: a hand-written eager loop, the same loop with
 each block ``torch.compile``-d by hand (torchtitan's way), the trainer eager, and
-``TrainConfig(compile=True)``. Each compiled side is first compiled cold (dynamo reset,
-inductor's and AOT autograd's caches off) to report its compile time; then ``--compile-rounds``
+``TrainConfig(compile=True)``. Each compiled side is first compiled cold (in
+a fresh process with an empty inductor cache) to report its compile time; then ``--compile-rounds``
 rounds alternate the sides (order rotated each round), each side running ``--warmup`` untimed
 steps then ``--steps`` timed ones; the median per side is reported. Loss sequences are compared
 with the eager loop's (same data order). With CUDA, MFU = (6 N + 12 L d s) tokens / step time /
@@ -604,19 +604,30 @@ _SIDES = {
 }
 
 
-def _cold_compile(args, ex, name: str) -> dict:
-    """One run of ``name`` from nothing: dynamo reset, inductor/AOT caches off."""
+def _cold_compile_child(args, name: str, cache_dir: str, conn) -> None:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir  # before torch is imported here
     import torch
-    import torch._functorch.config as functorch_config
-    import torch._inductor.config as inductor_config
 
-    torch._dynamo.reset()
+    torch.set_num_threads(args.threads)
+    sys.path.insert(0, str(ROOT))
     fn, compiled = _SIDES[name]
-    with (
-        inductor_config.patch(fx_graph_cache=False, autotune_local_cache=False),
-        functorch_config.patch(enable_autograd_cache=False),
-    ):
-        return fn(args, ex, compiled)
+    out = fn(args, _example(), compiled)
+    conn.send({k: v for k, v in out.items() if k != "losses"})
+    conn.close()
+
+
+def _cold_compile(args, name: str) -> dict:
+    """One run of ``name`` in a fresh process with an empty inductor cache directory, so
+    each side's compile time is a cold one (no kernel or graph compiled by the other side)."""
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as cache:
+        parent, child = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_cold_compile_child, args=(args, name, cache, child))
+        proc.start()
+        child.close()
+        out = parent.recv()
+        proc.join()
+    return out
 
 
 def compile_section(args) -> dict:
@@ -627,7 +638,7 @@ def compile_section(args) -> dict:
     ex = _example()
     out = {"cold": {}, "runs": {n: [] for n in _SIDES}}
     for name in ("hand torch.compile", "trainer compile=True"):
-        out["cold"][name] = _cold_compile(args, ex, name)
+        out["cold"][name] = _cold_compile(args, name)
     names = list(_SIDES)
     for i in range(args.compile_rounds):
         order = names[i % len(names) :] + names[: i % len(names)]
@@ -685,7 +696,7 @@ def report_compile(out: dict, args) -> None:
     print(
         "  (ms/step: median over rounds of each run's mean timed step; range: min..max over "
         "rounds; vs eager/hand: speed-up\n   against the eager hand loop / the hand-compiled "
-        "loop; compile s: a cold compile (dynamo reset, inductor and AOT caches\n   off), "
+        "loop; compile s: a cold compile (a fresh process, empty inductor\n   cache dir), "
         "dynamo's compile callbacks, forward and backward; max |dloss|: largest per-step loss "
         "difference\n   from the eager hand loop over every run (same data order); compile "
         f"seconds inside timed steps: {leaked:.3f};\n   trainer fallbacks: "

@@ -32,9 +32,11 @@ from tests._dist import run_ranks
 from tests.train._models import (
     full_state,
     make_dataset,
+    make_model,
     make_optimizer,
     make_stack,
     reference_stack,
+    reference_train,
 )
 
 GLOBAL_BATCH, STEPS, CLIP = 8, 4, 0.5
@@ -209,3 +211,32 @@ def test_compile_config_errors_name_the_key(tmp_path):
     ok.write_text("compile: true\ncompile_backend: aot_eager\nactivation_checkpointing: true\n")
     cfg = load_train_config(ok)
     assert cfg.compile and cfg.compile_backend == "aot_eager" and cfg.activation_checkpointing
+
+
+def _mlp_fsdp(rank, world):
+    """No block list: FSDP's units (up, down, norm) are compiled one by one."""
+    model = make_model()
+    trainer = DistributedTrainer(
+        model,
+        make_optimizer(model),
+        strategy="fsdp",
+        loss_fn=F.mse_loss,
+        max_grad_norm=CLIP,
+        config=TrainConfig(compile=True, compile_backend="aot_eager"),
+    )
+    per_rank = GLOBAL_BATCH // world
+    loader = OptimizedDataLoader.create(make_dataset(), per_rank, shuffle=False)
+    with contextlib.redirect_stdout(io.StringIO()):
+        trainer.train(loader, max_steps=STEPS)
+    blocks = trainer.wrapped.compiled.blocks
+    return full_state(trainer.model), trainer.last_stats.global_losses, blocks
+
+
+def test_model_without_block_list_compiles_fsdp_units(tmp_path):
+    results = run_ranks(_mlp_fsdp, 2, tmp_path, timeout=240)
+    ref, ref_losses = reference_train(make_dataset(), GLOBAL_BATCH, STEPS, max_grad_norm=CLIP)
+    for state, losses, compiled in results:
+        assert compiled == ["up", "down", "norm"]
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **TOL)
+        for k, v in ref.items():
+            torch.testing.assert_close(state[k], v, **TOL, msg=lambda m, k=k: f"{k}: {m}")
