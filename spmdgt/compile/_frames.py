@@ -64,6 +64,7 @@ class FrameHook:
         from torch._dynamo.types import ConvertFrameReturn, FrameAction, FrameExecStrategy
 
         self.hot: set[CodeType] = set()
+        self.hot_keys: set[str] = set()  # agreed hot on another rank; found by name here
         self.fallen: set[CodeType] = set()
         self._compile_frame = compile_frame
         self._is_user = is_user
@@ -85,6 +86,8 @@ class FrameHook:
     # -- per frame ------------------------------------------------------------------------------
     def on_frame(self, frame: Any, cache_entry: Any, frame_state: Any) -> Any:
         code = frame.f_code
+        if self.hot_keys and self._hot_by_key(code):
+            self.hot.add(code)
         if code in self.hot or (code.co_name.startswith(_RESUME) and self.hot):
             if code in self.fallen:
                 return self._skip
@@ -97,6 +100,23 @@ class FrameHook:
         if self._is_user(code):
             self._marked_user.add(code)
         return self._skip
+
+    def _hot_by_key(self, code: CodeType) -> bool:
+        import os
+
+        key = f"{os.path.basename(code.co_filename)}:{code.co_firstlineno}:{code.co_qualname}"
+        if key in self.hot_keys:
+            self.hot_keys.discard(key)
+            return True
+        return False
+
+    def lift_marks(self) -> None:
+        """Forget every SKIP mark but the fallen's, so a code turned hot elsewhere reaches the
+        callback again at its next call."""
+        codes = list(self._marked - self.fallen)
+        self._set_default(codes)
+        self._marked.difference_update(codes)
+        self._marked_user.difference_update(codes)
 
     def fall_back(self, code: CodeType) -> None:
         """Run ``code`` eagerly from now on (outside a frame callback too)."""

@@ -52,13 +52,17 @@ class HotFunctionPass:
         self.backend = CountingBackend(backend, self.stats, self._runtime_fallback)
         self.hook = FrameHook(self._compile_frame, self._is_user, self.backend)
         self.sampler = CodeSampler(every, hot_at, self.classify, self.on_hot)
+        self._by_key: dict[str, CodeType] = {}  # codes this rank proposed (see on_hot)
         self._ic: Any = None
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self, interceptor: Any) -> None:
         """Sample ``interceptor``'s op stream (it must be enabled)."""
+        from spmdgt.runtime import _agree
+
         self._ic = interceptor
         interceptor.set_sampler(self.sampler)
+        _agree.on_agreed(self._on_agreed)
 
     def stop(self) -> None:
         """Stop sampling, remove the hook and its marks (compiled code is dropped by dynamo
@@ -95,7 +99,35 @@ class HotFunctionPass:
 
     # -- hot ------------------------------------------------------------------------------------
     def on_hot(self, codes: list[CodeType]) -> None:
-        """Codes that reached the threshold (same op on every rank)."""
+        """Codes that reached the threshold on this rank. Op counts differ between ranks (a
+        rank outside a sub-mesh, an empty shard, a fallback's gather run ops the others do
+        not), so on more than one rank hotness is a proposal: at the next agreement point
+        (a creation, a host read) every rank takes the union of the ranks' hot codes
+        (``runtime._agree.propose``), and each compiles them at their next call, which comes
+        at the same point of the program everywhere."""
+        from spmdgt.runtime import _agree
+
+        if _agree._group is None:
+            self._make_hot(codes)
+            return
+        for code in codes:
+            if code not in self._decided:
+                key = _key(code)
+                self._by_key[key] = code
+                _agree.propose(key)
+
+    def _on_agreed(self, keys: set[str]) -> None:
+        codes, missing = [], []
+        for key in sorted(keys):
+            code = self._by_key.get(key)
+            (codes.append(code) if code is not None else missing.append(key))
+        if missing:  # hot on another rank only: this rank finds the code at its next call
+            self.hook.hot_keys.update(missing)
+            self.hook.lift_marks()
+            self.hook.install()
+        self._make_hot(codes)
+
+    def _make_hot(self, codes: list[CodeType]) -> None:
         from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 
         for code in codes:
@@ -208,6 +240,11 @@ def _library_roots(torch: Any) -> tuple[tuple[str, ...], tuple[str, ...], str]:
 
 def _name_of(fn: Any) -> str:
     return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def _key(code: CodeType) -> str:
+    """A code's name that is the same on every rank (file base name: paths differ by node)."""
+    return f"{os.path.basename(code.co_filename)}:{code.co_firstlineno}:{code.co_qualname}"
 
 
 def _where(code: CodeType) -> str:

@@ -37,6 +37,7 @@ import os
 import re
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy
@@ -51,6 +52,8 @@ __all__ = [
     "call_site",
     "checking",
     "end",
+    "on_agreed",
+    "propose",
     "setup",
     "timeout",
 ]
@@ -83,7 +86,7 @@ _world = 1
 _count = 0  # agreement points passed on this rank
 _last: tuple[int, str] = (0, "none yet")  # this rank's last agreed point, for messages
 # (fingerprint, -fingerprint), see _exchange: written and read through numpy, so no torch op
-_mine_np = numpy.zeros(2, dtype=numpy.int64)
+_mine_np = numpy.zeros(3, dtype=numpy.int64)
 _mine = torch.from_numpy(_mine_np)
 _broken = False  # a divergence was raised: later exchanges would pair at random
 _check = False  # GT_CHECK_RANKS
@@ -139,6 +142,7 @@ def forget() -> None:
     """Drop all state (a forked child, ``gt.shutdown()``): the side group is not ours."""
     global _group, _count, _broken
     _group, _count, _broken = None, 0, False
+    _proposals.clear()
 
 
 # -- the exchange -----------------------------------------------------------------------------
@@ -186,20 +190,58 @@ def _exchange(what: str, site: str, barrier: bool, detail: str = "") -> None:
         # One fingerprint a rank: a hash of the point's number, description and call site
         # (with the file's base name: checkouts on different nodes differ in path). One
         # all-reduce (max) of (h, -h) gives (max h, -min h): the ranks agree iff both are h.
+        # The third slot says whether any rank has proposals waiting (see ``propose``).
         path, _, rest = site.partition(":")
         h = _fingerprint(f"{n}|{what}@{os.path.basename(path)}:{rest}")
-        _mine_np[0], _mine_np[1] = h, -h
+        _mine_np[0], _mine_np[1], _mine_np[2] = h, -h, 1 if _proposals else 0
         try:
             if barrier:
                 dist.monitored_barrier(_group, timeout=timeout(), wait_all_ranks=True)
             _backend.allreduce([_mine], _MAX).wait()
         except RuntimeError as e:
             _fail_timeout(e, doing, n)
-        top, low = _mine_np.tolist()
+        top, low, pending = _mine_np.tolist()
         if top == h and low == -h:
             _last = (n, doing)
+            if pending:
+                _settle_proposals()
             return
         _diverged(n, doing)
+
+
+# -- proposals: per-rank observations turned into one decision at an agreement point -------------
+_proposals: set[str] = set()
+_listeners: list[Callable[[set[str]], None]] = []
+
+
+def propose(key: str) -> None:
+    """Offer ``key`` for a decision every rank must take at the same point of the program
+    (the compile pass: "this function is hot"). What each rank observes may differ (op counts
+    differ on a sub-mesh); at the next agreement point every rank receives the union of all
+    ranks' proposals, in the same order, through the ``on_agreed`` listeners. A world of one
+    decides at once."""
+    if _group is None:
+        for fn in list(_listeners):
+            fn({key})
+        return
+    _proposals.add(key)
+
+
+def on_agreed(fn: Callable[[set[str]], None]) -> None:
+    """Call ``fn(keys)`` on every rank when proposals are settled (see ``propose``)."""
+    if fn not in _listeners:
+        _listeners.append(fn)
+
+
+def _settle_proposals() -> None:
+    # every rank is here, after the same agreement point: swap the proposals (rare: only when
+    # some rank has any) and hand the union to the listeners
+    everyone: list[Any] = [None] * _world
+    dist.all_gather_object(everyone, sorted(_proposals), group=_group)
+    _proposals.clear()
+    keys = {k for ks in everyone for k in (ks or ())}
+    for fn in list(_listeners):
+        fn(keys)
 
 
 def _diverged(n: int, mine: str) -> None:

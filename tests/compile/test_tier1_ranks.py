@@ -1,0 +1,50 @@
+"""Tier 1 on several ranks: op counts differ between ranks, decisions do not.
+
+A rank outside a sub-mesh, an empty shard or a fallback's gather runs ops the other ranks do
+not, so each rank finds a function hot at a different op. Hotness is then a proposal, settled
+at the next agreement point (a creation or a host read of a spmdgt tensor): every rank
+compiles the union at the same next call, and none raises ``RankDivergenceError``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tests._dist import run_ranks
+
+
+def _work(a, b, extra):
+    c = torch.zeros_like(a)
+    for _ in range(4):
+        c = c * b + a
+    for _ in range(extra):  # this rank's own additional ops: its samples come sooner
+        c = c + 0.0
+    return c
+
+
+def _uneven_ranks(rank, world):
+    import spmdgt as gt
+    import spmdgt.compile as gt_compile
+
+    extra = 12 if rank == 1 else 0
+    a, b = torch.full((8, 8), 0.5), torch.full((8, 8), 0.25)
+    ref = _work(a, b, extra)
+    gt_compile.enable(backend="aot_eager", every=2, hot_at=4)
+    try:
+        outs, compiled_at = [], []
+        for _ in range(8):
+            outs.append(_work(a, b, extra))
+            compiled_at.append(gt_compile.stats()["compiled"])
+            gt.zeros(2)  # an agreement point
+        st = gt_compile.stats()
+    finally:
+        gt_compile.disable()
+    return compiled_at, st["compiled"], all(torch.equal(o, ref) for o in outs)
+
+
+def test_ranks_that_count_different_ops_compile_at_the_same_call(tmp_path):
+    (at0, n0, ok0), (at1, n1, ok1) = run_ranks(_uneven_ranks, 2, tmp_path, timeout=240)
+    assert ok0 and ok1
+    assert n0 == n1 == 1
+    assert at0 == at1, (at0, at1)  # the same call on both ranks
+    assert at0[0] == 0  # proposed during the first calls, compiled only after an agreement
