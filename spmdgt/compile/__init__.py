@@ -9,7 +9,11 @@ eager (on every rank when any rank failed). Functions the user compiled are left
 ``docs/compilation.md``; machinery: ``_pass`` (decisions), ``_frames`` (dynamo's frame hook),
 ``_backend`` (the counted backend), ``_consensus`` (the agreement), ``_stats`` (the counters).
 
-Tier 2 (lazy regions: YAML ``compile: true``, ``GT_WORKER_BATCH_SIZE``) is not built yet.
+Tier 2, lazy regions (YAML ``compile: true`` scopes, ``GT_WORKER_BATCH_SIZE=N`` or
+``enable_regions()``): ops on large plain tensors are recorded, their results are placeholders,
+and at a sync point the region runs as one compiled graph (``_lazy``: the hook and sync points;
+``_region``: recording and placeholders; ``_graphs``: keys, caps, compile, fallback;
+``_lazy_ops``: what may be recorded).
 
 Environment (read by ``maybe_enable_from_env``, which ``import spmdgt`` reaches through the
 interceptor's start-up; with none of these set nothing here is imported):
@@ -20,6 +24,10 @@ interceptor's start-up; with none of these set nothing here is imported):
     GT_COMPILE_SAMPLE_EVERY=n    top-level ops between stack samples (default 16)
     GT_COMPILE_HOT_SAMPLES=n     samples that make a function hot (default 8)
     GT_DEBUG_COMPILE=1           print each decision, rank-prefixed
+    GT_WORKER_BATCH_SIZE=n       tier 2 everywhere, a region runs at n recorded ops at most
+    GT_LAZY_MIN_NUMEL=n          elements a tensor needs for its ops to be recorded (65536)
+    GT_LAZY_CACHE=n              tier-2 graphs kept (LRU, default 64)
+    GT_LAZY_REGION_GRAPHS=n      graphs per region (scope name) before it runs eagerly (8)
 """
 
 from __future__ import annotations
@@ -28,9 +36,19 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["disable", "enable", "is_enabled", "maybe_enable_from_env", "stats"]
+__all__ = [
+    "disable",
+    "disable_regions",
+    "enable",
+    "enable_regions",
+    "is_enabled",
+    "maybe_enable_from_env",
+    "regions_enabled",
+    "stats",
+]
 
 _pass: Any = None
+_regions: Any = None  # tier 2's LazyPass, made by enable_regions() or the first compile scope
 _atexit = False
 
 
@@ -52,7 +70,6 @@ def enable(
         return
     if _pass is not None:
         return
-    from spmdgt import debug
     from spmdgt.compile._pass import HotFunctionPass
     from spmdgt.interceptor import _control
     from spmdgt.interceptor._mode import get_interceptor
@@ -76,7 +93,10 @@ def enable(
 
         atexit.register(disable)
         _atexit = True
-    debug.set_compilation_stats_provider(p.snapshot)
+    _provide()
+    if _regions is not None:
+        _note("tier 1 on: lazy regions off (dynamo's frames would read pending results)")
+        disable_regions()
     _note(
         f"compile pass on (tier 1, backend {p.backend_name}, a sample every {p.every} ops, "
         f"hot at {p.hot_at} samples, interceptor level {ic.level})"
@@ -89,9 +109,7 @@ def disable() -> None:
     p, _pass = _pass, None
     if p is not None:
         p.stop()
-        from spmdgt import debug
-
-        debug.set_compilation_stats_provider(None)
+        _provide()
 
 
 def is_enabled() -> bool:
@@ -99,9 +117,87 @@ def is_enabled() -> bool:
     return _pass is not None
 
 
+def enable_regions(
+    batch: int | None = None, backend: str | Callable[..., Any] | None = None
+) -> bool:
+    """Turn tier 2 on for this rank: lazy regions inside ``compile: true`` scopes, and, with
+    ``batch`` (``GT_WORKER_BATCH_SIZE``), everywhere, a region running at ``batch`` recorded
+    ops at most. Returns whether it is on: not with ``GT_COMPILE=0`` nor while tier 1 runs."""
+    global _regions
+    if compile_disabled() or _pass is not None:
+        _note("lazy regions off: " + ("GT_COMPILE=0" if _pass is None else "tier 1 is on"))
+        return False
+    if _regions is not None:
+        return True
+    import spmdgt.compile._lazy as lazy
+
+    _regions = lazy.LazyPass(
+        backend=backend or os.environ.get("GT_COMPILE_BACKEND") or "inductor",
+        batch=batch,
+        min_numel=lazy.env_int("GT_LAZY_MIN_NUMEL", lazy.MIN_NUMEL),
+        cache=lazy.env_int("GT_LAZY_CACHE", 64),
+        per_region=lazy.env_int("GT_LAZY_REGION_GRAPHS", 8),
+    )
+    _regions.start()
+    from spmdgt.tensor import _scope
+
+    _scope.lazy_hook = on_scope  # scope changes are sync points
+    _provide()
+    global _atexit
+    if not _atexit:
+        import atexit
+
+        atexit.register(disable)
+        atexit.register(disable_regions)
+        _atexit = True
+    where = f"everywhere, {batch} ops at most" if batch else "in compile: true scopes"
+    _note(
+        f"lazy regions on ({where}; tensors of {_regions.min_numel}+ elements; {_regions.backend})"
+    )
+    return True
+
+
+def disable_regions() -> None:
+    """Turn tier 2 off: the open region runs, the hook goes, the graphs are dropped."""
+    global _regions
+    lz, _regions = _regions, None
+    if lz is not None:
+        lz.stop()
+        _provide()
+
+
+def regions_enabled() -> bool:
+    """Whether tier 2 runs on this rank."""
+    return _regions is not None
+
+
+def on_scope(name: str, entering: bool, compiles: bool) -> None:
+    """``_scope``'s call at each push and pop while tier 2 runs, or for a ``compile: true``
+    scope (which turns tier 2 on at its first entry)."""
+    if _regions is None and not (compiles and entering and enable_regions()):
+        return
+    _regions.on_scope(name, entering, compiles)
+
+
 def stats() -> dict[str, Any]:
-    """This rank's compile counters (``_stats.CompileStats``); empty when the pass is off."""
-    return _pass.snapshot() if _pass is not None else {}
+    """This rank's compile counters (``_stats.CompileStats``, tier 2's under ``regions``);
+    empty when no tier is on."""
+    out: dict[str, Any] = _pass.snapshot() if _pass is not None else {}
+    if _regions is not None:
+        out = dict(out)
+        reg = _regions.snapshot()
+        out["regions"] = reg
+        out["compiled_ops"] = out.get("compiled_ops", 0) + reg["compiled_ops"]
+    return out
+
+
+def _provide() -> None:
+    """Point ``get_worker_stats`` at these counters while a tier runs."""
+    from spmdgt import debug
+
+    debug.set_compilation_stats_provider(
+        stats if _pass is not None or _regions is not None else None
+    )
 
 
 def compile_disabled() -> bool:
@@ -110,9 +206,14 @@ def compile_disabled() -> bool:
 
 
 def maybe_enable_from_env() -> bool:
-    """``GT_AUTO_COMPILE=1`` (and not ``GT_COMPILE=0``): ``enable()``. Returns whether on."""
+    """``GT_AUTO_COMPILE=1``: ``enable()``; else ``GT_WORKER_BATCH_SIZE=n``:
+    ``enable_regions(n)`` (neither with ``GT_COMPILE=0``). Returns whether tier 1 is on."""
     raw = (os.environ.get("GT_AUTO_COMPILE") or "").strip().lower()
     if raw in ("", "0", "false", "no", "off"):
+        if (os.environ.get("GT_WORKER_BATCH_SIZE") or "").strip():
+            from spmdgt.compile._lazy import env_int
+
+            enable_regions(batch=env_int("GT_WORKER_BATCH_SIZE", 1))
         return False
     enable()
     return is_enabled()

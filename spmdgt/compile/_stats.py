@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-__all__ = ["CompileStats"]
+__all__ = ["CompileStats", "RegionStats"]
 
 
 class CompileStats:
@@ -56,4 +56,58 @@ class CompileStats:
             "compile_time_s": self.compile_ns * 1e-9,
             "graph_runs": self.graph_runs,
             "compiled_ops": self.compiled_ops,
+        }
+
+
+class RegionStats:
+    """Counters of tier 2, the lazy regions (``compilation["regions"]``).
+
+    - ``regions_seen``: regions that reached a sync point with ops recorded; ``dead``: those
+      whose results were all dropped by the program (nothing ran); ``ops_captured``: calls
+      recorded; ``flushes``: sync points that ended a region, by reason (``item``, ``numpy``,
+      ``__bool__`` ... the call that needed a value, ``batch size``, ``scope end``, ``grad
+      mode``, ``scope change``);
+    - ``compiled``: graphs compiled; ``cache_size``: graphs held now; ``cache_hits`` /
+      ``cache_misses``: regions whose key was / was not in the cache; ``evictions``: graphs
+      dropped by the LRU cap; ``dynamic_floats``: float slots turned into graph inputs;
+    - ``graph_runs`` / ``compiled_ops``: runs of compiled graphs and their op nodes times runs;
+      ``eager_runs``: regions run eagerly (a fallback or a cap); ``fallbacks``: by reason
+      (``compile error: ...``, ``runtime error: ...``, ``region graph cap (n)``, ``another
+      rank's compile failed``); ``compile_time_s``.
+    """
+
+    def __init__(self) -> None:
+        self.regions_seen = 0
+        self.dead = 0
+        self.ops_captured = 0
+        self.flushes: Counter[str] = Counter()
+        self.compiled = 0
+        self.cache_hits = 0
+        self.cache_misses = 0
+        self.evictions = 0
+        self.dynamic_floats = 0
+        self.graph_runs = 0
+        self.compiled_ops = 0
+        self.eager_runs = 0
+        self.fallbacks: Counter[str] = Counter()
+        self.compile_ns = 0
+
+    def snapshot(self, cache_size: int) -> dict[str, Any]:
+        """A plain dict (picklable)."""
+        return {
+            "regions_seen": self.regions_seen,
+            "dead": self.dead,
+            "ops_captured": self.ops_captured,
+            "flushes": dict(self.flushes),
+            "compiled": self.compiled,
+            "cache_size": cache_size,
+            "cache_hits": self.cache_hits,
+            "cache_misses": self.cache_misses,
+            "evictions": self.evictions,
+            "dynamic_floats": self.dynamic_floats,
+            "graph_runs": self.graph_runs,
+            "compiled_ops": self.compiled_ops,
+            "eager_runs": self.eager_runs,
+            "fallbacks": dict(self.fallbacks),
+            "compile_time_s": self.compile_ns * 1e-9,
         }

@@ -49,6 +49,7 @@ _ENV_VARS = (
     "GT_PROFILE",
     "GT_INTERCEPT",
     "GT_AUTO_COMPILE",
+    "GT_WORKER_BATCH_SIZE",
     *_debuglog.COMPONENTS,
 )
 
@@ -233,7 +234,7 @@ def maybe_enable_from_env() -> bool:
             hotpath=stats,
             level=level,
         )
-    if _truthy("GT_AUTO_COMPILE"):
+    if _truthy("GT_AUTO_COMPILE") or env.get("GT_WORKER_BATCH_SIZE"):
         # The compile pass reads this stream; it sits above the interceptor, imported only
         # when asked (``import spmdgt`` starts the tools here).
         from spmdgt import compile as gt_compile

@@ -4,20 +4,40 @@ from __future__ import annotations
 
 __all__ = ["current", "current_backward", "pop", "push"]
 
-# (signal name, backward signal override or None). Module-level on purpose: the op path reads
-# ``_stack`` with one truthiness test, and a rank runs its program on one thread.
-_stack: list[tuple[str, str | None]] = []
+# (signal name, backward signal override or None, whether a ``compile: true`` scope).
+# Module-level on purpose: the op path reads ``_stack`` with one truthiness test, and a rank
+# runs its program on one thread.
+_stack: list[tuple[str, str | None, bool]] = []
 
 # Listeners, each called with the innermost signal name (or None) after every push/pop: the
 # compiled interceptor (it cannot ask Python per op) and, later, the compile pass (``compile:
 # true`` scopes). Empty when nothing listens, so a scope costs one loop over an empty list.
 listeners: list = []
 
+# The compile pass's tier 2 (``spmdgt.compile.on_scope``) once a ``compile: true`` scope was
+# entered or tier 2 was turned on: scope changes are its sync points. None until then.
+lazy_hook = None
+
+
+def _compiles(name: str) -> bool:
+    from spmdgt.config._signals import lookup
+
+    cfg = lookup(name)
+    return bool(cfg is not None and cfg.compile)
+
 
 def push(name: str, backward: str | None = None) -> None:
     if not isinstance(name, str) or not name:
         raise TypeError(f"a signal name must be a non-empty string, got {name!r}")
-    _stack.append((name, backward))
+    global lazy_hook
+    compiles = _compiles(name)
+    if compiles and lazy_hook is None:
+        from spmdgt import compile as gt_compile
+
+        lazy_hook = gt_compile.on_scope
+    if lazy_hook is not None:
+        lazy_hook(name, True, compiles)  # before the push: the open region is the outer scope's
+    _stack.append((name, backward, compiles))
     for fn in listeners:
         fn(name)
 
@@ -32,6 +52,8 @@ def pop(name: str | None = None) -> str:
             f"signal.exit({name!r}) does not match the innermost scope {top!r}; "
             "scopes must be left in the reverse order they were entered"
         )
+    if lazy_hook is not None:
+        lazy_hook(top, False, _stack[-1][2])  # the scope's region runs inside the scope
     _stack.pop()
     for fn in listeners:
         fn(_stack[-1][0] if _stack else None)
@@ -46,7 +68,7 @@ def current_backward() -> str | None:
     """The backward signal of the innermost scope: its override, else its config's."""
     if not _stack:
         return None
-    name, override = _stack[-1]
+    name, override, _ = _stack[-1]
     if override is not None:
         return override
     from spmdgt.config._signals import lookup

@@ -1,0 +1,218 @@
+"""Tier 2 of the compile pass: lazy regions (``compile: true`` scopes, ``GT_WORKER_BATCH_SIZE``).
+
+While a region is open, capturable calls (``_lazy_ops``) on tensors of at least
+``GT_LAZY_MIN_NUMEL`` elements (65536: below that a compiled graph's launch costs more than it
+saves), and every capturable call on a pending result, are recorded instead of run; the program
+gets placeholders (``_region``). At a sync point the region runs as one compiled graph
+(``_graphs``) and the placeholders are filled. Sync points: a call that needs a value or that
+the region cannot hold (``.item()``, ``.numpy()``, ``print``, ``bool()``, ``backward``, an
+in-place op, a view, ``out=``, a random op, a sharded or unknown argument, any call the table
+does not know), a change of grad mode, the end (or start) of a scope, and
+``GT_WORKER_BATCH_SIZE`` recorded ops. Small pure calls on real tensors run eagerly without
+ending the region (they cannot see or change what it holds).
+
+Capture needs a hook before each op: the interceptor's before-op hooks (``_mode``), added while
+a region can open (inside a ``compile: true`` scope; always with ``GT_WORKER_BATCH_SIZE``) and
+removed after, so the rest of the program pays nothing.
+
+While a region holds ops, ``torch.compiler`` is set to the ``force_eager`` stance: a function
+the user compiled, called with a pending result, would otherwise read it from C++ before it is
+filled; run eagerly, its ops reach the hook, which fills the result first. Tier 2 stays off
+while tier 1 (``GT_AUTO_COMPILE``) is on, for the same reason (dynamo's frames bypass the hook).
+
+Tensor subclasses (``gt.Tensor``/``DTensor`` inputs) end the region and run eagerly: sharded
+regions are not compiled (yet). Plain regions have no collectives, so a rank's fallback is its
+own and needs no agreement: every rank's results are eager-exact or graph-exact either way.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from spmdgt.compile import _lazy_ops
+from spmdgt.compile._graphs import Graphs
+from spmdgt.compile._region import NOFLUSH, Region, fill
+from spmdgt.compile._stats import RegionStats
+
+__all__ = ["LazyPass"]
+
+MIN_NUMEL = 65536  # elements; the study's break-even for one compiled graph over eager ops
+DEFAULT_BATCH = 256  # ops a region holds at most when GT_WORKER_BATCH_SIZE is not set
+
+
+class LazyPass:
+    """This rank's tier 2: the open region, the graphs, the hook and the scope depth."""
+
+    def __init__(
+        self,
+        backend: Any = "inductor",
+        batch: int | None = None,
+        min_numel: int = MIN_NUMEL,
+        cache: int = 64,
+        per_region: int = 8,
+        keys: int = 1024,
+    ) -> None:
+        from spmdgt.compile import _note
+
+        self.backend = backend
+        self.everywhere = batch is not None  # GT_WORKER_BATCH_SIZE: regions outside scopes too
+        self.batch = batch or DEFAULT_BATCH
+        self.min_numel = min_numel
+        self.stats = RegionStats()
+        self.graphs = Graphs(backend, self.stats, cache, per_region, keys, _note)
+        self.region = Region(min_numel)
+        self.scopes: list[str] = []
+        self.busy = False
+        self.hooked = False
+        self._stance: Any = None
+        self._note = _note
+
+    # -- switch -----------------------------------------------------------------------------
+    def start(self) -> None:
+        if self.everywhere:
+            self._hook(True)
+
+    def stop(self) -> None:
+        self.flush("disable")
+        self._hook(False)
+        self.graphs.clear()
+
+    def _hook(self, on: bool) -> None:
+        from spmdgt.interceptor import _mode
+
+        if on and not self.hooked:
+            _mode.add_before_op_hook(self.before_op)
+            self.hooked = True
+        elif not on and self.hooked:
+            _mode.remove_before_op_hook(self.before_op)
+            self.hooked = False
+
+    def on_scope(self, name: str, entering: bool, compiles: bool) -> None:
+        """A signal scope starts or ends (``_scope``): a sync point; ``compile: true`` scopes
+        open the hook while they last."""
+        if self.region.nodes:
+            self.flush("scope end" if compiles and not entering else "scope change")
+        if not compiles:
+            return
+        if entering:
+            self.scopes.append(name)
+            self._hook(True)
+        else:
+            if self.scopes:
+                self.scopes.pop()
+            if not self.scopes and not self.everywhere:
+                self._hook(False)
+
+    # -- per op -----------------------------------------------------------------------------
+    def before_op(self, func: Any, types: Any, args: tuple, kwargs: dict | None) -> Any:
+        from spmdgt.interceptor._mode import PASS
+
+        if self.busy:
+            return PASS
+        v = _lazy_ops.verdict(func, kwargs)
+        if v == _lazy_ops.SAFE:
+            return PASS
+        reg = self.region
+        if v == _lazy_ops.CAPTURE:
+            got = reg.record(func, args, kwargs or {})
+            if got is NOFLUSH:
+                return PASS
+            if got is None and reg.nodes:
+                self.flush("grad mode" if reg.grad != _grad() else f"uncapturable {_name(func)}")
+                reg = self.region
+                got = reg.record(func, args, kwargs or {})  # it may start the next region
+            if got is None or got is NOFLUSH:
+                return PASS
+            self.stats.ops_captured += 1
+            if len(reg.nodes) == 1:
+                self._open()
+            if len(reg.nodes) >= self.batch:
+                self.flush("batch size")
+            return got
+        if reg.nodes:
+            self.flush(_name(func))
+        return PASS
+
+    # -- sync -------------------------------------------------------------------------------
+    def flush(self, reason: str) -> None:
+        """Run the open region (compiled, else eagerly) and fill its placeholders."""
+        reg = self.region
+        if not reg.nodes:
+            return
+        self.region = Region(self.min_numel)  # stale placeholders never match a new region
+        self.busy = True
+        plan = None
+        try:
+            st = self.stats
+            st.regions_seen += 1
+            st.flushes[reason] += 1
+            plan = reg.take()
+            if plan is None:
+                st.dead += 1
+                return
+            fill(plan, self.graphs.run(plan, self.scopes[-1] if self.scopes else "batch"))
+            plan = None
+        finally:
+            if plan is not None:  # the program's own error propagates: no result is kept
+                _poison(plan)
+            self.busy = False
+            self._close()
+
+    def _open(self) -> None:
+        """A region holds ops: user-compiled code runs eagerly until it is filled."""
+        import torch
+        from torch._dynamo import eval_frame
+
+        self._stance = eval_frame._stance
+        torch.compiler.set_stance("force_eager")
+
+    def _close(self) -> None:
+        st, self._stance = self._stance, None
+        if st is not None:
+            import torch
+
+            torch.compiler.set_stance(
+                st.stance,
+                skip_guard_eval_unsafe=st.skip_guard_eval_unsafe,
+                force_backend=st.backend,
+            )
+
+    def snapshot(self) -> dict[str, Any]:
+        return self.stats.snapshot(len(self.graphs))
+
+
+def _grad() -> bool:
+    import torch
+
+    return torch.is_grad_enabled()
+
+
+def _name(func: Any) -> str:
+    return getattr(func, "__name__", None) or type(func).__name__
+
+
+def _poison(plan: Any) -> None:
+    """A region whose run raised: its float results hold NaN, never stale memory."""
+    import torch
+
+    with torch._C.DisableTorchFunction(), torch.no_grad():
+        for p in plan.outputs:
+            p.__dict__.pop("_gt_lazy", None)
+            if p.dtype.is_floating_point or p.dtype.is_complex:
+                p.fill_(float("nan"))
+            else:
+                p.zero_()
+
+
+def env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"environment variable {name}={raw!r}: expected an integer >= 1")
+    return value

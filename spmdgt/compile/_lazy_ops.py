@@ -1,0 +1,167 @@
+"""Which torch-level calls a lazy region may record, and the shape of their results.
+
+Only calls that are *pure* (a fresh result, no mutation, no aliasing of an input, no RNG) and
+return one tensor are capturable: running them later, inside a compiled graph, gives what
+running them now would. Everything else reaching the region (in-place ops, views, ``out=``,
+random ops, host reads, collectives, calls this table does not know) is a sync point: the
+region runs first, then the call runs eagerly. ``SAFE`` calls read metadata a placeholder
+already has (shape, dtype, device) and need no sync.
+
+Result metadata (shape, dtype, strides) comes from running the call on meta tensors once per
+(call, input metadata, constants) and is cached (``out_meta``), so a placeholder costs one
+``empty_strided``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["CAPTURE", "DYNAMIC_FLOAT", "OTHER", "SAFE", "out_meta", "verdict"]
+
+CAPTURE, SAFE, OTHER = 0, 1, 2
+
+_T = torch.Tensor
+_POINTWISE = [
+    "add",
+    "sub",
+    "mul",
+    "div",
+    "true_divide",
+    "neg",
+    "abs",
+    "exp",
+    "exp2",
+    "expm1",
+    "log",
+    "log1p",
+    "log2",
+    "log10",
+    "sqrt",
+    "rsqrt",
+    "sin",
+    "cos",
+    "tan",
+    "tanh",
+    "sinh",
+    "cosh",
+    "asin",
+    "acos",
+    "atan",
+    "atan2",
+    "sigmoid",
+    "erf",
+    "erfc",
+    "reciprocal",
+    "square",
+    "pow",
+    "maximum",
+    "minimum",
+    "clamp",
+    "clip",
+    "where",
+    "lerp",
+    "addcmul",
+    "addcdiv",
+    "floor",
+    "ceil",
+    "trunc",
+    "frac",
+    "sign",
+    "relu",
+    "eq",
+    "ne",
+    "lt",
+    "le",
+    "gt",
+    "ge",
+    "logical_and",
+    "logical_or",
+    "logical_not",
+    "logical_xor",
+    "fmod",
+    "remainder",
+    "hypot",
+    "rsub",
+]
+# reductions: fused by inductor (the order of a float sum may change: see the tolerance)
+_REDUCE = ["sum", "mean", "amax", "amin", "softmax", "log_softmax"]
+_FUNCTIONAL = (F.gelu, F.silu, F.relu, F.softplus, F.leaky_relu, F.elu, F.mish, F.softmax,
+               F.log_softmax, F.hardtanh, F.sigmoid, F.tanh)  # fmt: skip
+# Tensor-only spellings of the operators (``x * 2`` arrives as ``Tensor.mul``)
+_DUNDER = "__rsub__ __rdiv__ __rtruediv__ __rpow__ __pow__ __mod__ __rmod__ __and__ __or__ __xor__"
+
+
+def _build() -> dict[Any, int]:
+    table: dict[Any, int] = {}
+    for name in _POINTWISE + _REDUCE:
+        for owner in (torch, _T):
+            fn = getattr(owner, name, None)
+            if fn is not None:
+                table[fn] = CAPTURE
+    for name in _DUNDER.split():
+        fn = getattr(_T, name, None)
+        if fn is not None:
+            table[fn] = CAPTURE
+    for fn in _FUNCTIONAL:
+        table[fn] = CAPTURE
+    for fn in (_T.size, _T.dim, _T.numel, _T.__len__, _T.ndimension, _T.nelement,
+               _T.is_floating_point, _T.is_complex, _T.element_size, _T.get_device):  # fmt: skip
+        table[fn] = SAFE
+    for attr in ("shape", "dtype", "device", "ndim", "is_cuda", "layout", "is_sparse"):
+        table[getattr(_T, attr).__get__] = SAFE
+    return table
+
+
+_TABLE = _build()
+# add/sub/mul/div: a Python float argument becomes a graph input (a 0-d tensor of the result's
+# dtype) once its value changes, as dynamo's automatic dynamic does. The arithmetic is the
+# same: eager casts the scalar to the result's dtype (float32/float64) before the kernel too.
+DYNAMIC_FLOAT = frozenset(
+    getattr(o, n) for o in (torch, _T) for n in ("add", "sub", "mul", "div") if hasattr(o, n)
+) | {_T.__rsub__, _T.__rdiv__, _T.__rtruediv__}
+_INPLACE_KW = ("inplace", "out")
+
+
+def verdict(func: Any, kwargs: dict | None) -> int:
+    """CAPTURE, SAFE or OTHER for this call (``out=``/``inplace=True`` make it OTHER)."""
+    try:
+        v = _TABLE.get(func, OTHER)
+    except TypeError:  # an unhashable callable
+        return OTHER
+    if v == CAPTURE and kwargs:
+        for k in _INPLACE_KW:
+            if kwargs.get(k):
+                return OTHER
+    return v
+
+
+_META_CAP = 4096
+_MISSING = object()
+_meta: OrderedDict[Any, Any] = OrderedDict()
+
+
+def out_meta(key: Any, func: Any, args: tuple, kwargs: dict) -> tuple | None:
+    """``(shape, stride, dtype)`` of ``func``'s result on these inputs (tensors in ``args`` /
+    ``kwargs`` are plain tensors; ``key`` names the call, its input metadata and constants), or
+    None when the result is not one tensor. Run on meta tensors; raises what the call raises."""
+    got = _meta.get(key, _MISSING)
+    if got is not _MISSING:
+        _meta.move_to_end(key)
+        return got
+
+    def meta(a: Any) -> Any:
+        if isinstance(a, torch.Tensor):
+            return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
+        return a
+
+    with torch._C.DisableTorchFunction():
+        out = func(*[meta(a) for a in args], **{k: meta(v) for k, v in kwargs.items()})
+    got = (tuple(out.shape), tuple(out.stride()), out.dtype) if type(out) is _T else None
+    _meta[key] = got
+    if len(_meta) > _META_CAP:
+        _meta.popitem(last=False)
+    return got

@@ -1,0 +1,295 @@
+"""One lazy region: the ops recorded since the last sync point, and their placeholders.
+
+``Region.record`` turns a capturable call (``_lazy_ops``) into a ``_Node`` and hands back a
+*placeholder*: a real tensor of the result's shape, strides, dtype and device, not yet filled.
+The placeholder carries its node in the attribute ``_gt_lazy`` (so a later op finds it without
+any table keyed by ``id()``: ids are reused once an object dies), and the node holds only a
+weak reference to the placeholder, so a result the program drops is not computed at all.
+
+``Region.take`` ends the region at a sync point: it keeps the nodes a live placeholder needs,
+and describes them as a ``Plan`` (the graph's structure, where each input comes from, the
+inputs' metadata, grad mode, constants) for ``_graphs`` to key, compile and run; ``fill``
+then puts the results into the placeholders (``copy_`` where a result needs grad, so the
+placeholder's ``grad_fn`` leads into the compiled backward; ``set_`` otherwise).
+
+Region inputs are held strongly until the region runs (their ids are stable while held, so the
+de-duplication by id below is sound), and their version counters are checked at the sync: an
+input changed in place behind the function layer (C++ code) raises instead of giving a result
+computed from the changed value.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from spmdgt.compile import _lazy_ops
+
+__all__ = ["Plan", "Region", "fill"]
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_CONST = (int, bool, str, type(None), torch.dtype)
+NOFLUSH = object()  # ``record``: not captured, and pure: no need to end the region
+
+
+class _Node:
+    __slots__ = ("args", "func", "index", "kwargs", "meta", "ref", "region", "rg")
+
+    def __init__(self, func, args, kwargs, meta, rg, index, region) -> None:
+        self.func = func
+        self.args = args
+        self.kwargs = kwargs
+        self.meta = meta  # (shape, stride, dtype)
+        self.rg = rg
+        self.ref: Any = None
+        self.index = index
+        self.region = region
+
+
+class Plan:
+    """What a region computes, ready to be keyed (``base`` and ``floats``) and built."""
+
+    __slots__ = ("base", "float_dtypes", "floats", "grad", "inputs", "nodes", "ops", "outputs")
+
+    def __init__(self) -> None:
+        self.nodes: list[tuple] = []  # (func, args, kwargs) with descriptors remapped
+        self.inputs: list[torch.Tensor] = []
+        self.outputs: list[Any] = []  # live placeholders, in output order
+        self.grad = False
+        self.floats: list[float] = []  # values of the float slots (graph inputs if dynamic)
+        self.float_dtypes: list[torch.dtype] = []
+        self.base: Any = None
+        self.ops = 0
+
+
+def _ckey(v: Any) -> Any:
+    """A constant's part of the key (floats by their bits, so nan and -0.0 key exactly)."""
+    if type(v) is float:
+        return ("F", v.hex())
+    if type(v) in (tuple, list):
+        return (type(v).__name__, tuple(_ckey(x) for x in v))
+    return (type(v).__name__, v)
+
+
+class Region:
+    """The ops recorded since the last sync point (see the module docstring)."""
+
+    def __init__(self, min_numel: int) -> None:
+        self.min_numel = min_numel
+        self.nodes: list[_Node] = []
+        self.inputs: list[torch.Tensor] = []
+        self.versions: list[int] = []
+        self._pos: dict[int, int] = {}  # id(input) -> index; the input is held in self.inputs
+        self.floats: list[float] = []
+        self.grad = False
+        self.device: torch.device | None = None
+
+    def record(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """The placeholder for ``func(*args, **kwargs)``; ``NOFLUSH`` for a small pure call
+        on real tensors (it runs eagerly, the region goes on); None when the call cannot be
+        captured (the caller ends the region and runs it eagerly)."""
+        big = False
+        lazy = False
+        device = None
+        rg = False
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, torch.Tensor):
+                if type(a) not in _PLAIN:
+                    return None
+                node = a.__dict__.get("_gt_lazy")
+                if node is not None:
+                    lazy = True
+                    rg = rg or node.rg
+                else:
+                    rg = rg or a.requires_grad
+                    if a.numel() >= self.min_numel:
+                        big = True
+                if device is None:
+                    device = a.device
+                elif a.device != device:
+                    return None
+        if not lazy and not big:
+            return NOFLUSH
+        if device is None or (self.device is not None and device != self.device):
+            return None
+        grad = torch.is_grad_enabled()
+        if self.nodes and grad != self.grad:
+            return None  # grad mode changed: the region ends here
+        if torch.is_inference_mode_enabled() or torch.is_autocast_enabled(device.type):
+            return None
+        dyn = func in _lazy_ops.DYNAMIC_FLOAT
+        adesc, mkey = [], [func]
+        for i, a in enumerate(args):
+            d = self._desc(a, dyn and i < 2)
+            if d is None:
+                return None
+            adesc.append(d)
+            mkey.append(_mkey(a, d))
+        kdesc = []
+        for k, a in kwargs.items():
+            d = self._desc(a, False)
+            if d is None:
+                return None
+            kdesc.append((k, d))
+            mkey.append((k, _mkey(a, d)))
+        try:
+            meta = _lazy_ops.out_meta(tuple(mkey), func, args, kwargs)
+        except Exception:
+            meta = None  # let eager raise the program's own error
+        if meta is None:
+            return None
+        shape, stride, dtype = meta
+        rg = grad and rg and (dtype.is_floating_point or dtype.is_complex)
+        self.grad = grad
+        self.device = device
+        adesc = [self._commit(d) for d in adesc]
+        kdesc = [(k, self._commit(d)) for k, d in kdesc]
+        node = _Node(func, tuple(adesc), tuple(kdesc), meta, rg, len(self.nodes), self)
+        with torch._C.DisableTorchFunction():
+            p = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+        p._gt_lazy = node
+        node.ref = weakref.ref(p)
+        self.nodes.append(node)
+        return p
+
+    def _desc(self, a: Any, dyn_float: bool) -> tuple | None:
+        """A tentative descriptor (nothing is added to the region until ``_commit``)."""
+        if isinstance(a, torch.Tensor):
+            node = a.__dict__.get("_gt_lazy")
+            if node is not None:
+                return ("n", node.index) if node.region is self else None
+            return ("I", a)
+        t = type(a)
+        if t is float:
+            return ("F", a) if dyn_float else ("c", a)
+        if t in _CONST:
+            return ("c", a)
+        if (t is tuple or t is list) and all(type(x) in (int, float, bool) for x in a):
+            return ("c", a)
+        return None
+
+    def _commit(self, d: tuple) -> tuple:
+        kind, v = d
+        if kind == "I":
+            k = self._pos.get(id(v))
+            if k is None:
+                k = self._pos[id(v)] = len(self.inputs)
+                self.inputs.append(v)
+                self.versions.append(v._version)
+            return ("i", k)
+        if kind == "F":
+            self.floats.append(v)
+            return ("f", len(self.floats) - 1)
+        return d
+
+    def take(self) -> Plan | None:
+        """End the region: the plan of what live placeholders need (None if nothing)."""
+        nodes, inputs, versions, floats = self.nodes, self.inputs, self.versions, self.floats
+        self.nodes, self.inputs, self.versions, self.floats = [], [], [], []
+        self._pos = {}
+        self.device = None
+        live = {}
+        for n in nodes:
+            p = n.ref()
+            if p is not None:
+                live[n.index] = p
+        for i, t in enumerate(inputs):
+            if t._version != versions[i]:
+                for p in live.values():
+                    p.__dict__.pop("_gt_lazy", None)
+                raise RuntimeError(
+                    "spmdgt lazy region: an input was changed in place by code the region "
+                    "cannot see (C++ or a non-torch call) before the region ran; its results "
+                    "would be wrong, so none are given"
+                )
+        if not live:
+            return None
+        needed = set(live)
+        for n in reversed(nodes):
+            if n.index in needed:
+                for d in (*n.args, *(d for _, d in n.kwargs)):
+                    if d[0] == "n":
+                        needed.add(d[1])
+        plan = Plan()
+        plan.grad = self.grad
+        remap: dict[int, int] = {}
+        in_map: dict[int, int] = {}
+        fl_map: dict[int, int] = {}
+        keyed = []
+
+        def desc(d: tuple, n: _Node) -> tuple:
+            kind, v = d
+            if kind == "n":
+                return ("n", remap[v])
+            if kind == "i":
+                if v not in in_map:
+                    in_map[v] = len(plan.inputs)
+                    plan.inputs.append(inputs[v])
+                return ("i", in_map[v])
+            if kind == "f":
+                if v not in fl_map:
+                    fl_map[v] = len(plan.floats)
+                    plan.floats.append(floats[v])
+                    plan.float_dtypes.append(n.meta[2])
+                return ("f", fl_map[v])
+            return d
+
+        outs = []
+        for n in nodes:
+            if n.index not in needed:
+                continue
+            a = tuple(desc(d, n) for d in n.args)
+            k = tuple((name, desc(d, n)) for name, d in n.kwargs)
+            remap[n.index] = len(plan.nodes)
+            plan.nodes.append((n.func, a, k))
+            keyed.append((n.func, _dkey(a), tuple((name, _dkey(d)) for name, d in k)))
+            if n.index in live:
+                outs.append(remap[n.index])
+                plan.outputs.append(live[n.index])
+        ins = tuple(
+            (tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad) for t in plan.inputs
+        )
+        plan.base = (tuple(keyed), ins, tuple(outs), plan.grad, tuple(plan.float_dtypes))
+        plan.ops = len(plan.nodes)
+        return plan
+
+
+def _dkey(d: tuple) -> Any:
+    return ("c", _ckey(d[1])) if d[0] == "c" else d
+
+
+def _mkey(a: Any, d: tuple) -> Any:
+    if d[0] in ("I", "n"):
+        return ("t", tuple(a.shape), a.stride(), a.dtype)
+    if d[0] == "F":
+        return ("f",)
+    return _ckey(a)
+
+
+def fill(plan: Plan, results: Any) -> None:
+    """Put ``results`` into the plan's placeholders (which stop being placeholders)."""
+    grad = plan.grad
+    seen: set[int] = set()
+    with torch._C.DisableTorchFunction():
+        for p, out in zip(plan.outputs, results, strict=True):
+            p.__dict__.pop("_gt_lazy", None)
+            if out.requires_grad:
+                with torch.enable_grad():
+                    p.copy_(out)  # grad_fn: CopyBackwards into the graph's backward
+                continue
+            ptr = out.untyped_storage().data_ptr()
+            if (
+                grad
+                or ptr in seen
+                or out.stride() != p.stride()
+                or out.storage_offset() != 0
+                or any(t.untyped_storage().data_ptr() == ptr for t in plan.inputs)
+            ):
+                with torch.no_grad():
+                    p.copy_(out)
+            else:
+                seen.add(ptr)
+                with torch.no_grad():
+                    p.set_(out)
