@@ -1,0 +1,224 @@
+"""Tier 2 of the compile pass (``spmdgt.compile._lazy``): lazy regions.
+
+Graphs are compiled with ``aot_eager`` (AOTAutograd, eager kernels): the point here is capture,
+sync points, keys and autograd, not inductor's speed, and results then match eager to float
+rounding (1e-6). Tensors are 256x256 (65536 elements: the capture threshold).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import spmdgt.compile as gt_compile
+from tests._dist import run_ranks
+
+N = 256
+
+
+@pytest.fixture
+def regions():
+    """Yields ``enable(batch=None, backend="aot_eager")``; turns tier 2 off afterwards."""
+
+    def enable(batch=1000, backend="aot_eager"):
+        assert gt_compile.enable_regions(batch=batch, backend=backend)
+
+    try:
+        yield enable
+    finally:
+        gt_compile.disable_regions()
+
+
+def chain(x, b, s=0.5):
+    y = x
+    for i in range(6):
+        y = (y * s + b).sin() if i % 2 else y * 0.5 + 1.0
+    return y
+
+
+def _reg():
+    return gt_compile.stats()["regions"]
+
+
+def test_each_sync_point_gives_eager_values(regions, capsys):
+    torch.manual_seed(0)
+    x, b = torch.randn(N, N), torch.randn(N, N)
+    ref = chain(x, b)
+    regions(batch=1000)
+    assert chain(x, b).sum().item() == pytest.approx(ref.sum().item(), rel=1e-6)
+    np.testing.assert_allclose(chain(x, b).numpy(), ref.numpy(), rtol=1e-6, atol=1e-6)
+    assert bool((chain(x, b) > -2).all()) is True
+    y = chain(x, b)[:2, :3]  # a view: uncapturable
+    np.testing.assert_allclose(y.numpy(), ref[:2, :3].numpy(), rtol=1e-6)
+    print(chain(x, b).sum())  # a placeholder printed: aot_eager runs eager's kernels
+    assert capsys.readouterr().out.strip() == str(ref.sum())
+    torch.testing.assert_close(torch.cumsum(chain(x, b), 0), torch.cumsum(ref, 0))
+    st = _reg()
+    assert st["flushes"] == {
+        "item": 2, "numpy": 1, "all": 1, "__getitem__": 1, "__repr__": 1, "cumsum": 1,
+    }  # fmt: skip
+    assert st["regions_seen"] == 7 == st["cache_hits"] + st["cache_misses"]
+    assert st["compiled"] == st["cache_misses"] and st["fallbacks"] == {}
+
+
+def test_autograd_forward_and_grads_match_eager(regions):
+    torch.manual_seed(0)
+    x = torch.randn(N, N, requires_grad=True)
+    b = torch.randn(N, N, requires_grad=True)
+    ref = chain(x, b).mean()
+    ref.backward()
+    rgx, rgb = x.grad.clone(), b.grad.clone()
+    x.grad = b.grad = None
+    regions()
+    with torch.enable_grad():
+        y = chain(x, b)
+        assert "_gt_lazy" in y.__dict__  # still a placeholder
+        loss = y.mean()  # recorded too; backward is the sync point
+        loss.backward()
+    assert loss.grad_fn is not None
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-6)
+    torch.testing.assert_close(x.grad, rgx, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(b.grad, rgb, rtol=1e-6, atol=1e-7)
+    assert _reg()["flushes"] == {"backward": 1} and _reg()["compiled"] == 1
+
+
+def test_a_changing_float_becomes_a_graph_input(regions):
+    x, b = torch.randn(N, N), torch.randn(N, N)
+    scales = (0.5, 0.25, 0.125, 0.0625)
+    refs = [chain(x, b, s).sum().item() for s in scales]
+    regions()
+    for s, ref in zip(scales, refs, strict=True):
+        assert chain(x, b, s).sum().item() == pytest.approx(ref, rel=1e-6)
+    st = _reg()
+    assert st["compiled"] == 2  # the first value baked in, then the slot is an input
+    assert st["dynamic_floats"] == 3 and st["cache_hits"] == 2
+
+
+def test_cache_caps(regions, monkeypatch):
+    monkeypatch.setenv("GT_LAZY_CACHE", "2")
+    monkeypatch.setenv("GT_LAZY_REGION_GRAPHS", "2")
+    regions()
+    for k in range(3):  # three int exponents: three keys
+        x = torch.full((N, N), 2.0)
+        assert (x + 1).pow(k + 1).sum().item() == 3.0 ** (k + 1) * N * N
+    st = _reg()
+    assert st["compiled"] == 2 and st["cache_size"] <= 2
+    assert st["fallbacks"] == {"region graph cap (2)": 1} and st["eager_runs"] == 1
+
+
+def test_dropped_results_are_not_computed_and_ids_do_not_confuse(regions):
+    x = torch.ones(N, N)
+    regions()
+    for _ in range(3):
+        y = x * 3.0
+        del y
+        gc.collect()
+    z = x * 5.0  # may reuse a dead placeholder's id: found by its own node, not by id
+    assert z.sum().item() == 5.0 * N * N
+    st = _reg()
+    assert st["dead"] == 0  # the three dead ones are still pending in the same region
+    assert st["regions_seen"] == 1 and st["ops_captured"] == 5
+
+
+def test_inplace_and_views_flush_and_stay_exact(regions):
+    x = torch.ones(N, N)
+    regions()
+    y = x * 3.0
+    x.mul_(2.0)  # in-place on the region's input: the region runs first
+    assert y.sum().item() == 3.0 * N * N
+    z = x + 1.0
+    z.add_(1.0)  # in-place on a placeholder: filled, then eager
+    v = (x * 2.0).view(-1)
+    assert z[0, 0].item() == 4.0 and v.shape == (N * N,) and v[0].item() == 4.0
+    assert set(_reg()["flushes"]) == {"mul_", "add_", "view", "item"}
+
+
+def test_batch_size_flushes_every_n_ops(regions):
+    x = torch.ones(N, N)
+    regions(batch=4)
+    y = x
+    for _ in range(10):
+        y = y + 1.0
+    assert y.sum().item() == 11.0 * N * N
+    st = _reg()
+    assert st["flushes"] == {"batch size": 2, "item": 1} and st["ops_captured"] == 11
+
+
+def test_compile_true_scope_from_yaml(tmp_path):
+    import spmdgt as gt
+    from spmdgt.config import clear_config
+
+    cfg = tmp_path / "signals.yaml"
+    cfg.write_text("hot:\n  compile: true\ncold: {}\n")
+    gt.load_config(cfg)
+    x, b = torch.randn(N, N), torch.randn(N, N)
+    ref = chain(x, b)
+    try:
+        with gt.signal.context("cold"):
+            chain(x, b)
+        assert not gt_compile.regions_enabled()  # nothing set: nothing on
+        with gt.signal.context("hot"):
+            y = chain(x, b)
+            assert "_gt_lazy" in y.__dict__
+        assert "_gt_lazy" not in y.__dict__  # the scope's end ran the region
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+        assert torch._C._len_torch_function_stack() == 0  # the hook left with the scope
+        assert _reg()["flushes"] == {"scope end": 1} and _reg()["compiled"] == 1
+    finally:
+        gt_compile.disable_regions()
+        clear_config()
+
+
+def test_nothing_set_imports_nothing_and_compile_0_vetoes(monkeypatch):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GT_")}
+    code = "import sys, spmdgt; print('spmdgt.compile' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == "False", out.stderr
+    monkeypatch.setenv("GT_COMPILE", "0")
+    assert gt_compile.enable_regions() is False and not gt_compile.regions_enabled()
+
+
+def _sharded_and_one_rank_fails(rank, world):
+    import spmdgt as gt
+
+    def flaky(gm, example_inputs):
+        if rank == 1:
+            raise RuntimeError("only rank 1 fails")
+        return gm.forward
+
+    assert gt_compile.enable_regions(backend=flaky)
+    gt.register_config("rows", gt.SignalConfig(shard=gt.ShardConfig(axis=0)))
+    gt.register_config("hot", gt.SignalConfig(compile=True))
+    torch.manual_seed(0)
+    a, b = torch.randn(N, N), torch.randn(N, N)
+    with gt.signal.context("rows"):
+        xs = gt.tensor(a.numpy())
+    with gt.signal.context("hot"):
+        sharded = chain(xs, b).numpy()  # sharded input: eager, exact
+        plain = chain(a, b).sum().item()  # plain: compiled on rank 0, eager on rank 1
+    st = gt_compile.stats()["regions"]
+    gt_compile.disable_regions()
+    return sharded, plain, st
+
+
+def test_two_ranks_sharded_region_and_a_one_rank_compile_failure(tmp_path):
+    env = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
+    res = run_ranks(_sharded_and_one_rank_fails, 2, tmp_path, env=env, timeout=240)
+    torch.manual_seed(0)
+    a, b = torch.randn(N, N), torch.randn(N, N)
+    ref = chain(a, b)
+    for rank, (sharded, plain, st) in enumerate(res):
+        np.testing.assert_allclose(sharded, ref.numpy(), rtol=1e-6, atol=1e-6)
+        assert plain == pytest.approx(ref.sum().item(), rel=1e-6)
+        assert st["regions_seen"] == 1  # the sharded ops were never recorded
+        if rank == 0:
+            assert st["compiled"] == 1 and st["fallbacks"] == {}
+        else:
+            [(reason, n)] = st["fallbacks"].items()
+            assert n == 1 and "only rank 1 fails" in reason and st["eager_runs"] == 1
