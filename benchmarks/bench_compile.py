@@ -12,8 +12,9 @@ best round kept), after a warm-up that is not timed; compile times are reported 
 - ``module``: a module-level small-op loop, pass on and nothing hot: <= 1.3x eager.
 - ``user``: the user's own ``torch.compile`` of the chain with the interceptor and the pass on:
   <= 1.1x its time without them.
-- ``scope2`` (a ``compile: true`` scope on 2 ranks) and ``transformer`` (a training step):
-  hooks for tier 2 and the trainer's ``compile=True``; they say so until those exist.
+- ``scope2``: the chain in a ``compile: true`` scope (tier 2): sharded on 2 forked ranks
+  against eager on 2 ranks, and on 1 process (plain tensors) against eager and hand compile.
+- ``transformer`` (a training step): a hook for the trainer's ``compile=True``.
 
 How the pass is toggled between variants without recompiling: the pass stays alive; "off" is
 its frame hook out and the interceptor off (pure eager), "on" is the interceptor back on (the
@@ -229,10 +230,78 @@ def case_module(pss: _Pass, rounds: int) -> list[str]:
     ]
 
 
+def _scope_rank(rank: int, world: int, rounds: int, backend: str) -> dict[str, float]:
+    """One rank of ``scope2`` (a forked child: tier 1, inherited from the parent, goes off;
+    tier 2 stays off while tier 1 runs). World 2: the chain on a sharded gt.Tensor (1M rows
+    over the ranks) in a ``compile: true`` scope and in a plain one. World 1: plain tensors,
+    eager, hand ``torch.compile`` and the scope. Alternating rounds; a host read ends a call."""
+    import spmdgt as gt
+    import spmdgt.compile as gt_compile
+
+    gt_compile.disable()
+    torch.set_num_threads(1)
+    assert gt_compile.enable_regions(backend=backend)
+    gt.register_config("rows", gt.SignalConfig(shard=gt.ShardConfig(axis=0)))
+    gt.register_config("hot", gt.SignalConfig(compile=True))
+    gt.register_config("cold", gt.SignalConfig())
+    if world > 1:
+        with gt.signal.context("rows"):
+            x = gt.tensor(torch.randn(N_CHAIN).numpy())
+    else:
+        x = torch.randn(N_CHAIN)
+
+    def scoped(scope: str) -> Callable[[], object]:
+        def call() -> object:
+            with gt.signal.context(scope):
+                y = chain(x)
+            return y.sum().item()
+
+        return call
+
+    variants = {"eager": scoped("cold"), "scope": scoped("hot")}
+    if world == 1:
+        hand = torch.compile(_copy(chain, "chain_scope_hand"))
+        variants["hand"] = lambda: hand(x).sum().item()
+    t0 = time.perf_counter()
+    for fn in variants.values():
+        fn()  # warm-up; the scope's first call compiles its graphs
+    first = time.perf_counter() - t0
+    best = _rounds({k: (lambda f=f: _best(f, 3)) for k, f in variants.items()}, rounds)
+    st = gt_compile.stats()["regions"]
+    best.update(first=first, captured=st["ops_captured"], compiled=st["compiled"])
+    best["fallbacks"] = st["fallbacks"]
+    return best
+
+
 def case_scope2(pss: _Pass, rounds: int) -> list[str]:
-    # Hook for tier 2: the chain in a YAML `compile: true` scope, sharded over 2 ranks
-    # (forked gloo ranks as tests/_dist.py starts them), eager vs the scope compiled.
-    return ["scope2  (a `compile: true` scope on 2 ranks) not measured: tier 2 is not built yet"]
+    # The chain in a YAML `compile: true` scope: sharded over 2 forked gloo ranks (as
+    # tests/_dist.py starts them) against eager on 2 ranks; and on one process, plain tensors,
+    # against eager and hand torch.compile.
+    import tempfile
+    from pathlib import Path
+
+    from tests._dist import run_ranks
+
+    backend = pss.p.backend_name
+    env = {"TORCHINDUCTOR_COMPILE_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    lines = []
+    with tempfile.TemporaryDirectory() as tmp:
+        two = run_ranks(_scope_rank, 2, Path(tmp), rounds, backend, env=env, timeout=600)
+    for r, b in enumerate(two):
+        lines.append(
+            f"scope2  rank {r}/2 sharded: eager {b['eager'] * 1e3:8.2f} ms  compile: true "
+            f"scope {b['scope'] * 1e3:8.2f} ms  speed-up {b['eager'] / b['scope']:.2f}x "
+            f"(ops captured {b['captured']}: sharded regions run eagerly)"
+        )
+    with tempfile.TemporaryDirectory() as tmp:
+        [b] = run_ranks(_scope_rank, 1, Path(tmp), rounds, backend, env=env, timeout=600)
+    lines.append(
+        f"scope1  1 rank plain: eager {b['eager'] * 1e3:8.2f} ms  hand compile "
+        f"{b['hand'] * 1e3:8.2f} ms ({b['eager'] / b['hand']:.2f}x)  compile: true scope "
+        f"{b['scope'] * 1e3:8.2f} ms ({b['eager'] / b['scope']:.2f}x; warm-up incl. compiles "
+        f"{b['first']:.1f}s; graphs {b['compiled']}, fallbacks {b['fallbacks']})"
+    )
+    return lines
 
 
 def case_transformer(pss: _Pass, rounds: int) -> list[str]:
