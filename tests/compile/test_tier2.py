@@ -63,7 +63,7 @@ def test_each_sync_point_gives_eager_values(regions, capsys):
     assert st["flushes"] == {
         "item": 2, "numpy": 1, "all": 1, "__getitem__": 1, "__repr__": 2, "cumsum": 1,
     }  # fmt: skip
-    assert st["regions_seen"] == 7 == st["cache_hits"] + st["cache_misses"]
+    assert st["regions_seen"] == 8 == st["cache_hits"] + st["cache_misses"]
     assert st["compiled"] == st["cache_misses"] and st["fallbacks"] == {}
 
 
