@@ -123,7 +123,6 @@ _TABLE = _build()
 DYNAMIC_FLOAT = frozenset(
     getattr(o, n) for o in (torch, _T) for n in ("add", "sub", "mul", "div") if hasattr(o, n)
 ) | {_T.__rsub__, _T.__rdiv__, _T.__rtruediv__}
-_INPLACE_KW = ("inplace", "out")
 
 
 def verdict(func: Any, kwargs: dict | None) -> int:
@@ -132,10 +131,10 @@ def verdict(func: Any, kwargs: dict | None) -> int:
         v = _TABLE.get(func, OTHER)
     except TypeError:  # an unhashable callable
         return OTHER
-    if v == CAPTURE and kwargs:
-        for k in _INPLACE_KW:
-            if kwargs.get(k):
-                return OTHER
+    # "is not None"/"is True", never truth: an out= tensor's truth is ambiguous (a sharded
+    # one's is even a host read, an agreement point on one rank's branch)
+    if v == CAPTURE and kwargs and (kwargs.get("out") is not None or kwargs.get("inplace") is True):
+        return OTHER
     return v
 
 
