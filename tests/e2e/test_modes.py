@@ -1,9 +1,13 @@
-"""A chosen subset of the suite, run again with the compile pass on (``GT_AUTO_COMPILE=1``).
+"""A chosen subset of the suite, run again with each tier of the compile pass on.
 
 Every test that passes eager must pass with the pass on: the exactness and signal tests on 2,
 3 and 4 ranks (sub-meshes, empty shards, fallbacks, where ranks run different numbers of ops).
-A fresh pytest process, so the pass is on from ``import spmdgt`` as a user's run has it;
-``GT_DEBUG_COMPILE=1`` shows that functions did get compiled there.
+A fresh pytest process each, so the pass is on from ``import spmdgt`` as a user's run has it;
+``GT_DEBUG_COMPILE=1`` shows that functions or regions did get compiled there.
+
+- tier 1: ``GT_AUTO_COMPILE=1`` (inductor);
+- tier 2: ``GT_WORKER_BATCH_SIZE=16`` with ``GT_LAZY_MIN_NUMEL=1``, so the tests' small tensors
+  are recorded too (hundreds of regions: ``aot_eager`` keeps the compiles short).
 """
 
 from __future__ import annotations
@@ -13,14 +17,27 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 SUBSET = ["tests/core/test_exactness_dist.py", "tests/core/test_signals_dist.py"]
 
 
-def test_subset_passes_with_auto_compile():
-    env = {**os.environ, "GT_AUTO_COMPILE": "1", "GT_DEBUG_COMPILE": "1", "OMP_NUM_THREADS": "1"}
+MODES = {
+    "tier1": ({"GT_AUTO_COMPILE": "1"}, " compiled "),
+    "tier2": (
+        {"GT_WORKER_BATCH_SIZE": "16", "GT_LAZY_MIN_NUMEL": "1", "GT_COMPILE_BACKEND": "aot_eager"},
+        "region batch: compiled",
+    ),
+}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_subset_passes_with_the_pass_on(mode):
+    extra, proof = MODES[mode]
+    env = {**os.environ, **extra, "GT_DEBUG_COMPILE": "1", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", *SUBSET]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
-    assert " compiled " in out, out[-3000:]  # the pass did compile functions in the subset
+    assert proof in out, out[-3000:]  # the pass did compile in the subset
