@@ -227,6 +227,15 @@ def _two_rank(rank: int, world: int, init: str, q: bool, out) -> None:
         5,
         1e6,
     )
+    # the header alone (one agreement point) against the smallest collective gloo runs
+    tiny = torch.zeros(2, dtype=torch.int64)
+    run(
+        "2 ranks: one agreement point vs 16 B all_reduce",
+        lambda: dist.all_reduce(tiny),
+        lambda: _agree.agree("bench", site="bench"),
+        50,
+        1e6,
+    )
     # GT_CHECK_RANKS=1: the same calls with the check on (baseline: spmdgt, check off)
     _agree._install_redistribute_check()
 
@@ -288,7 +297,9 @@ def two_rank_vs_dtensor(q: bool) -> None:
     for p in procs:
         p.join()
     for name, tb, to in results:
-        base = "spmdgt" if "GT_CHECK_RANKS" in name else "DTensor"
+        base = "DTensor"
+        if "GT_CHECK_RANKS" in name or "agreement" in name:
+            base = "spmdgt" if "GT_CHECK_RANKS" in name else "gloo"
         print(f"{name:<46} {base:<7} {tb:9.2f} us   spmdgt {to:9.2f} us   ratio {to / tb:5.2f}x")
         if name.startswith("2 ranks: sum()"):
             print(f"{'':<46} target: no worse than DTensor (ratio ~1.0 within noise)")
