@@ -18,6 +18,7 @@ import torch
 from torch import no_grad
 
 from spmdgt import signal
+from spmdgt._core.session import session
 from spmdgt.config import (
     ConfigError,
     ShardConfig,
@@ -73,6 +74,7 @@ __all__ = [
     "ConfigError",
     "RankDivergenceError",
     "RankTimeoutError",
+    "session",
     "ShardConfig",
     "SignalConfig",
     "Tensor",

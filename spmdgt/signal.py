@@ -15,19 +15,31 @@ from contextlib import contextmanager
 
 import torch
 
+from spmdgt._core import scope as _scope
 from spmdgt.config._signals import lookup
 from spmdgt.runtime._state import get_runtime
-from spmdgt.tensor import _scope
 from spmdgt.tensor._creation import agree_on_creation
 from spmdgt.tensor._placement import signal_target
 
 __all__ = ["context", "current_signal", "enter", "exit", "tensor"]
 
 
+def _push(name: str, backward: str | None) -> None:
+    # the config says whether the scope compiles (``compile: true``); the first such scope
+    # brings in the compile pass's lazy regions, which see every scope change from then on
+    cfg = lookup(name) if isinstance(name, str) and name else None
+    compiles = bool(cfg is not None and cfg.compile)
+    if compiles and _scope.lazy_hook is None:
+        from spmdgt import compile as gt_compile
+
+        _scope.lazy_hook = gt_compile.on_scope
+    _scope.push(name, backward, compiles)
+
+
 @contextmanager
 def context(name: str, backward: str | None = None) -> Iterator[None]:
     """Scope ``name``; ``backward`` overrides the config's backward signal for the scope."""
-    _scope.push(name, backward)
+    _push(name, backward)
     try:
         yield
     finally:
@@ -36,7 +48,7 @@ def context(name: str, backward: str | None = None) -> Iterator[None]:
 
 def enter(name: str, backward: str | None = None) -> None:
     """Enter scope ``name`` (pair with ``exit``); prefer ``context``."""
-    _scope.push(name, backward)
+    _push(name, backward)
 
 
 def exit(name: str | None = None) -> None:

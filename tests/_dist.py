@@ -35,20 +35,10 @@ def _context():
 
 
 def reset_spmdgt() -> None:
-    """Forget all process-wide spmdgt state inherited from the parent."""
-    import spmdgt.runtime._state as state
-    from spmdgt.config import clear_config
+    """Forget all process-wide spmdgt state inherited from the parent (``spmdgt.session``)."""
+    import spmdgt
 
-    state._runtime = None
-    state._owns_process_group = False
-    state._world_mesh = None
-    try:
-        from spmdgt.tensor import _meshes
-
-        _meshes.clear()
-    except ImportError:
-        pass
-    clear_config()
+    spmdgt.session.reset()
 
 
 def rank_env(rank: int, world: int) -> dict[str, str]:

@@ -36,6 +36,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from spmdgt._core.session import session
+
 __all__ = [
     "disable",
     "disable_regions",
@@ -139,7 +141,7 @@ def enable_regions(
         per_region=lazy.env_int("GT_LAZY_REGION_GRAPHS", 8),
     )
     _regions.start()
-    from spmdgt.tensor import _scope
+    from spmdgt._core import scope as _scope
 
     _scope.lazy_hook = on_scope  # scope changes are sync points
     _provide()
@@ -233,8 +235,17 @@ def _env_int(name: str, default: int) -> int:
 
 
 def _note(msg: str) -> None:
-    from spmdgt.interceptor import _debuglog
+    from spmdgt._core import debuglog as _debuglog
 
     _debuglog.verbose(msg)
     if _debuglog.COMPILE:
         _debuglog.debug("compile", msg)
+
+
+def _forget() -> None:
+    # the session's reset: both tiers off (tier 2's open region runs first)
+    disable_regions()
+    disable()
+
+
+session.register("compile", _forget)

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from types import CodeType
 from typing import Any
 
-from spmdgt.interceptor import _debuglog
+from spmdgt._core import debuglog as _debuglog
 
 __all__ = ["FrameHook"]
 

@@ -24,11 +24,11 @@ import time
 from types import CodeType
 from typing import Any
 
+from spmdgt._core import debuglog as _debuglog
 from spmdgt.compile._backend import CountingBackend
 from spmdgt.compile._consensus import any_rank
 from spmdgt.compile._frames import FrameHook
 from spmdgt.compile._stats import CompileStats
-from spmdgt.interceptor import _debuglog
 from spmdgt.interceptor._sampler import LIBRARY, STOP, USER, CodeSampler
 
 __all__ = ["HotFunctionPass"]

@@ -17,6 +17,7 @@ import os
 import warnings
 from dataclasses import dataclass, field
 
+from spmdgt._core.session import session
 from spmdgt.config._errors import ConfigError
 from spmdgt.config._yaml import from_dict, load_mapping
 
@@ -164,3 +165,6 @@ def clear_config() -> None:
     global _env_loaded
     _registry.clear()
     _env_loaded = False
+
+
+session.register("signals", clear_config)

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from spmdgt.interceptor import _debuglog
+from spmdgt._core import debuglog as _debuglog
+from spmdgt._core.debuglog import debug, verbose
 from spmdgt.interceptor._control import (
     disable,
     enable,
@@ -27,7 +28,6 @@ from spmdgt.interceptor._control import (
     tool,
     tools,
 )
-from spmdgt.interceptor._debuglog import debug, verbose
 from spmdgt.interceptor._events import OpEvent, Sink, TensorSpec, classify
 
 __all__ = [

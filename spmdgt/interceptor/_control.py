@@ -38,7 +38,8 @@ import sys
 import time
 from typing import Any
 
-from spmdgt.interceptor import _debuglog
+from spmdgt._core import debuglog as _debuglog
+from spmdgt._core.session import session
 
 __all__ = ["disable", "enable", "is_enabled", "maybe_enable_from_env", "tool", "tools"]
 
@@ -263,3 +264,6 @@ def _register_atexit() -> None:
     global _atexit_registered
     atexit.register(disable)
     _atexit_registered = True
+
+
+session.register("interceptor", disable)  # the mode popped, every tool flushed and closed

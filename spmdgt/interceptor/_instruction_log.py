@@ -42,7 +42,7 @@ from __future__ import annotations
 import os
 from typing import IO
 
-from spmdgt.interceptor import _debuglog
+from spmdgt._core import debuglog as _debuglog
 from spmdgt.interceptor._events import COLUMNS, OpEvent, dtype_short, event_of
 
 __all__ = [

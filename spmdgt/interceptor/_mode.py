@@ -48,6 +48,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from spmdgt._core import scope as _scope
 from spmdgt.interceptor._events import OVERHEAD, OpEvent, Sink, classify
 from spmdgt.interceptor._events import op_name as _op_name
 
@@ -255,7 +256,7 @@ class Interceptor:
         self._next_tick = 0
         self._mode: Any = None
         self._names: dict[Any, tuple[str, str]] = {}
-        self._signal: Callable[[], str | None] = _no_signal
+        self._signal: Callable[[], str | None] = _scope.current
         self._opt_hooks: list[Any] = []
         self._tick_callbacks: list[Callable[[], None]] = []
         self._lock = threading.RLock()
@@ -412,8 +413,6 @@ class Interceptor:
             self._sync_keep()
             signal = _signal_provider()()
             ext.set_signal(signal)
-            from spmdgt.tensor import _scope
-
             _scope.listeners.append(ext.set_signal)
             if self.sampler is not None:
                 self.sampler.attach_native(ext)
@@ -449,8 +448,6 @@ class Interceptor:
     def stop(self, close_sinks: bool = True) -> None:
         """Pop the mode, deliver what is buffered, and (by default) close and drop the sinks."""
         if self.active and self._native is not None:
-            from spmdgt.tensor import _scope
-
             if self._native.set_signal in _scope.listeners:
                 _scope.listeners.remove(self._native.set_signal)
             if self.sampler is not None:
@@ -553,16 +550,11 @@ def _pop_mode(mode: Any) -> None:
     mode.__exit__(None, None, None)
 
 
-def _no_signal() -> None:
-    return None
-
-
 def _signal_provider() -> Callable[[], str | None]:
-    try:
-        from spmdgt.signal import current_signal
-    except ImportError:  # the signal layer is optional to the interceptor
-        return _no_signal
-    return current_signal
+    # the scope stack is the bottom layer's (``spmdgt._core.scope``): no import upward
+    from spmdgt._core import scope
+
+    return scope.current
 
 
 def _comm_bytes(ins: tuple, outs: tuple) -> int:

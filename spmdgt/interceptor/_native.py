@@ -42,7 +42,7 @@ import platform
 import sys
 from types import ModuleType
 
-from spmdgt.interceptor import _debuglog
+from spmdgt._core import debuglog as _debuglog
 
 __all__ = ["NativeLogSink", "available", "build_dir", "cache_key", "error", "load"]
 

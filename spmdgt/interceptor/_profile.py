@@ -133,7 +133,7 @@ class profile:  # named like torch.profiler.profile, which it wraps
             return
         from torch.profiler import ProfilerActivity
 
-        from spmdgt.interceptor import _debuglog
+        from spmdgt._core import debuglog as _debuglog
         from spmdgt.interceptor._mode import get_interceptor
 
         # every activity at once: toggling CPU alone makes torch warn about GPU tracks

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from spmdgt._core.session import session
 from spmdgt.runtime import _agree
 
 __all__ = ["Runtime", "get_runtime", "init", "shutdown"]
@@ -201,6 +202,18 @@ def _forget_after_fork() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+def _reset() -> None:
+    # the session's part: a process group spmdgt made is destroyed (not a collective: no
+    # end-of-program agreement, so one rank may reset alone), then everything is forgotten
+    _agree.forget()
+    if _owns_process_group and dist.is_initialized():
+        dist.destroy_process_group()
+    _forget_after_fork()
+
+
+session.register("runtime", _reset)
 
 
 def shutdown() -> None:

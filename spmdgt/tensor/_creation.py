@@ -17,10 +17,11 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from spmdgt.interceptor import _debuglog
+from spmdgt._core import debuglog as _debuglog
+from spmdgt._core import scope as _scope
 from spmdgt.runtime import _agree
 from spmdgt.runtime._state import get_runtime
-from spmdgt.tensor import _draw, _scope
+from spmdgt.tensor import _draw
 from spmdgt.tensor._dtypes import to_dtype
 from spmdgt.tensor._placement import creation_target, intent, signal_target
 
@@ -94,9 +95,23 @@ def _note_placement(what: str, shape: tuple[int, ...], target) -> None:
     _debuglog.debug("tensor", msg)
 
 
+def _current_backward() -> str | None:
+    """The backward signal of the innermost scope: its override, else its config's."""
+    top = _scope.innermost()
+    if top is None:
+        return None
+    name, override, _ = top
+    if override is not None:
+        return override
+    from spmdgt.config._signals import lookup
+
+    cfg = lookup(name)
+    return cfg.backward_signal if cfg is not None else None
+
+
 def _backward_hook(t: torch.Tensor) -> None:
     """Give the gradients of ``t`` the placement of the scope's backward signal."""
-    name = _scope.current_backward()
+    name = _current_backward()
     if name is None or not t.requires_grad:
         return
     from spmdgt.config._signals import lookup

@@ -26,7 +26,7 @@ import weakref
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from spmdgt.interceptor import _debuglog
+from spmdgt._core import debuglog as _debuglog
 
 __all__ = ["counts", "run_global", "run_inplace", "tag_views", "write_through"]
 

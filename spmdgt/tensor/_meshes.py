@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import warnings
 
+from spmdgt._core.session import session
 from spmdgt.runtime._state import get_runtime, world_mesh
 
 __all__ = ["clear", "mesh_for", "mesh_ranks"]
@@ -69,3 +70,6 @@ def clear() -> None:
     """Forget cached sub-meshes (after the process group is destroyed)."""
     _cache.clear()
     _warned.clear()
+
+
+session.register("meshes", clear)

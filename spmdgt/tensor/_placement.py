@@ -12,10 +12,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from spmdgt._core import scope as _scope
 from spmdgt.config._errors import ConfigError
 from spmdgt.config._signals import SignalConfig, lookup
 from spmdgt.runtime._state import get_runtime, world_mesh
-from spmdgt.tensor import _scope
 from spmdgt.tensor._meshes import mesh_for
 
 if TYPE_CHECKING:

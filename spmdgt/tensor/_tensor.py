@@ -18,10 +18,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
 
-from spmdgt.interceptor import _debuglog
+from spmdgt._core import debuglog as _debuglog
+from spmdgt._core import scope as _scope
 from spmdgt.runtime import _agree
 from spmdgt.runtime._state import get_runtime
-from spmdgt.tensor import _dynamo, _fallback, _optable, _scope
+from spmdgt.tensor import _dynamo, _fallback, _optable
 from spmdgt.tensor._meshes import mesh_ranks
 
 __all__ = ["Tensor", "global_value", "move", "place", "place_local"]

@@ -81,3 +81,27 @@ def test_tensor_of_a_sharded_tensor_uses_its_global_value(tmp_path):
     for placements, b, a in run_ranks(_retensor, 2, tmp_path):
         assert str(placements) == "(Shard(dim=1),)"
         torch.testing.assert_close(torch.tensor(b), torch.tensor(a))
+
+
+def test_session_reset_forgets_every_part():
+    # the one object that owns process-wide state: a test or a forked child calls reset()
+    # instead of poking private globals
+    import spmdgt as gt
+    import spmdgt.compile  # registers its part
+    from spmdgt import interceptor
+    from spmdgt._core import scope
+    from spmdgt.config import get_config
+
+    parts = ["compile", "interceptor", "meshes", "runtime", "signals", "scopes"]
+    assert gt.session.parts() == parts  # upper layers forgotten first
+    gt.register_config("s", gt.SignalConfig(shard=gt.ShardConfig(axis=0)))
+    gt.signal.enter("s")
+    interceptor.enable(stats=True)
+    gt.device_mesh()
+    assert get_config("s") is not None and scope.current() == "s" and interceptor.is_enabled()
+    gt.session.reset()
+    import spmdgt.runtime._state as state
+
+    assert scope.current() is None and not interceptor.is_enabled()
+    assert get_config("s") is None
+    assert state._runtime is None and state._world_mesh is None

@@ -6,7 +6,7 @@ import torch
 
 import spmdgt.interceptor as interceptor
 from spmdgt import debug
-from spmdgt.interceptor import _debuglog
+from spmdgt._core import debuglog as _debuglog
 from spmdgt.interceptor._instruction_log import COLUMNS, rank_path
 from spmdgt.interceptor._logreader import parse_line, read_log
 from spmdgt.interceptor._stats import HotPathDetector

@@ -7,7 +7,8 @@ import torch
 
 import spmdgt.interceptor as interceptor
 from spmdgt import debug
-from spmdgt.interceptor import _control, _debuglog, _native
+from spmdgt._core import debuglog as _debuglog
+from spmdgt.interceptor import _control, _native
 from spmdgt.interceptor._instruction_log import COLUMNS
 from spmdgt.interceptor._logreader import read_log
 from spmdgt.interceptor._mode import get_interceptor
@@ -184,7 +185,7 @@ def test_signal_scopes_reach_the_native_log(tmp_path):
     finally:
         interceptor.disable()
         get_interceptor().level = "torch"
-    from spmdgt.tensor import _scope
+    from spmdgt._core import scope as _scope
 
     assert _scope.listeners == []  # off again: scopes cost one empty loop
     arith = ("aten.mul.Tensor", "aten.add.Tensor", "aten.sub.Tensor", "aten.div.Tensor")

@@ -11,7 +11,7 @@ GT had a client, a dispatcher and workers; an SPMD rank is all three at once. Th
 Lines go to stderr as ``[gt r1 sharding +2.318s] message``. Call sites guard with the
 module-level flag so a disabled component costs one global read::
 
-    from spmdgt.interceptor import _debuglog
+    from spmdgt._core import debuglog as _debuglog
     if _debuglog.SHARDING:
         _debuglog.debug("sharding", f"redistribute {src} -> {dst}")
 

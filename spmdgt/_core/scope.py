@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["current", "current_backward", "pop", "push"]
+__all__ = ["current", "innermost", "pop", "push"]
 
 # (signal name, backward signal override or None, whether a ``compile: true`` scope).
 # Module-level on purpose: the op path reads ``_stack`` with one truthiness test, and a rank
@@ -15,26 +15,16 @@ _stack: list[tuple[str, str | None, bool]] = []
 listeners: list = []
 
 # The compile pass's tier 2 (``spmdgt.compile.on_scope``) once a ``compile: true`` scope was
-# entered or tier 2 was turned on: scope changes are its sync points. None until then.
+# entered (``spmdgt.signal`` sets it) or tier 2 was turned on: scope changes are its sync
+# points. None until then.
 lazy_hook = None
 
 
-def _compiles(name: str) -> bool:
-    from spmdgt.config._signals import lookup
-
-    cfg = lookup(name)
-    return bool(cfg is not None and cfg.compile)
-
-
-def push(name: str, backward: str | None = None) -> None:
+def push(name: str, backward: str | None = None, compiles: bool = False) -> None:
+    """Enter scope ``name`` (``backward``: its gradients' signal, overriding the config's;
+    ``compiles``: a ``compile: true`` scope, for the compile pass's ``lazy_hook``)."""
     if not isinstance(name, str) or not name:
         raise TypeError(f"a signal name must be a non-empty string, got {name!r}")
-    global lazy_hook
-    compiles = _compiles(name)
-    if compiles and lazy_hook is None:
-        from spmdgt import compile as gt_compile
-
-        lazy_hook = gt_compile.on_scope
     if lazy_hook is not None:
         lazy_hook(name, True, compiles)  # before the push: the open region is the outer scope's
     _stack.append((name, backward, compiles))
@@ -64,14 +54,18 @@ def current() -> str | None:
     return _stack[-1][0] if _stack else None
 
 
-def current_backward() -> str | None:
-    """The backward signal of the innermost scope: its override, else its config's."""
-    if not _stack:
-        return None
-    name, override, _ = _stack[-1]
-    if override is not None:
-        return override
-    from spmdgt.config._signals import lookup
+def _forget() -> None:
+    global lazy_hook
+    _stack.clear()
+    listeners.clear()
+    lazy_hook = None
 
-    cfg = lookup(name)
-    return cfg.backward_signal if cfg is not None else None
+
+def innermost() -> tuple[str, str | None, bool] | None:
+    """The innermost scope's ``(name, backward override, compiles)``, or None."""
+    return _stack[-1] if _stack else None
+
+
+from spmdgt._core.session import session  # noqa: E402  (below: the part's functions exist)
+
+session.register("scopes", _forget)
