@@ -235,12 +235,8 @@ def maybe_enable_from_env() -> bool:
             hotpath=stats,
             level=level,
         )
-    if _truthy("GT_AUTO_COMPILE") or env.get("GT_WORKER_BATCH_SIZE"):
-        # The compile pass reads this stream; it sits above the interceptor, imported only
-        # when asked (``import spmdgt`` starts the tools here).
-        from spmdgt import compile as gt_compile
-
-        want = gt_compile.maybe_enable_from_env() or want
+    # GT_AUTO_COMPILE / GT_WORKER_BATCH_SIZE: the compile pass sits above the interceptor and
+    # reads this stream; ``import spmdgt`` starts it after this (``spmdgt._boot_tools``).
     if env.get("GT_PROFILE"):
         from spmdgt.interceptor._profile import profile
 
