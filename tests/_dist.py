@@ -35,10 +35,15 @@ def _context():
 
 
 def reset_spmdgt() -> None:
-    """Forget all process-wide spmdgt state inherited from the parent (``spmdgt.session``)."""
+    """Forget the parent's rank, process group, meshes, signals and scopes (``spmdgt.session``).
+
+    The tools (interceptor, compile pass) stay as the parent's ``import spmdgt`` set them
+    from the environment, as a torchrun rank's own import would: turning them off here would
+    flush the parent's buffered log lines a second time and leave ``GT_AUTO_COMPILE`` runs
+    without the pass."""
     import spmdgt
 
-    spmdgt.session.reset()
+    spmdgt.session.reset("runtime", "meshes", "signals", "scopes")
 
 
 def rank_env(rank: int, world: int) -> dict[str, str]:

@@ -32,11 +32,15 @@ class Session:
         """The registered parts, in the order they are forgotten."""
         return list(reversed(self._parts))
 
-    def reset(self) -> None:
-        """Forget every part, upper layers first (the compile pass before the interceptor it
-        reads, the interceptor before the runtime): as a fresh ``import spmdgt``."""
+    def reset(self, *parts: str) -> None:
+        """Forget every part (or only ``parts``), upper layers first (the compile pass before
+        the interceptor it reads, the interceptor before the runtime)."""
+        unknown = set(parts) - set(self._parts)
+        if unknown:
+            raise ValueError(f"unknown session parts {sorted(unknown)}; known: {self.parts()}")
         for name in self.parts():
-            self._parts[name]()
+            if not parts or name in parts:
+                self._parts[name]()
 
     def __repr__(self) -> str:
         return f"Session(parts={self.parts()})"

@@ -3,7 +3,7 @@
 Every test that passes eager must pass with the pass on: the exactness and signal tests on 2,
 3 and 4 ranks (sub-meshes, empty shards, fallbacks, where ranks run different numbers of ops).
 A fresh pytest process each, so the pass is on from ``import spmdgt`` as a user's run has it;
-``GT_DEBUG_COMPILE=1`` shows that the pass ran there (tier 2: that regions got compiled).
+``GT_DEBUG_COMPILE=1`` shows that functions or regions did get compiled there.
 
 - tier 1: ``GT_AUTO_COMPILE=1`` (inductor);
 - tier 2: ``GT_WORKER_BATCH_SIZE=16`` with ``GT_LAZY_MIN_NUMEL=1``, so the tests' small tensors
@@ -24,10 +24,7 @@ SUBSET = ["tests/core/test_exactness_dist.py", "tests/core/test_signals_dist.py"
 
 
 MODES = {
-    # tier 1's decisions follow sampled op counts, so which test functions turn hot in this
-    # subset varies between runs (tests/compile checks that hot functions do compile): the
-    # proof here is that the pass ran
-    "tier1": ({"GT_AUTO_COMPILE": "1"}, "compile pass on (tier 1"),
+    "tier1": ({"GT_AUTO_COMPILE": "1"}, "] compiled "),
     "tier2": (
         {"GT_WORKER_BATCH_SIZE": "16", "GT_LAZY_MIN_NUMEL": "1", "GT_COMPILE_BACKEND": "aot_eager"},
         "region batch: compiled",
@@ -49,4 +46,4 @@ def test_subset_passes_with_the_pass_on(mode):
             if ln.startswith(("FAILED", "ERROR")) or "Error:" in ln or "timed out" in ln
         ]
         raise AssertionError("\n".join(keep[-60:]) + "\n...\n" + out[-3000:])
-    assert proof in out, out[-3000:]
+    assert proof in out, out[-3000:]  # the pass did compile in the forked ranks
