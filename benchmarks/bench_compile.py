@@ -26,11 +26,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 import types
 from collections.abc import Callable
 
 import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the scope2 case's ranks
 
 N_CHAIN = 1_000_000
 
@@ -305,11 +308,20 @@ def case_scope2(pss: _Pass, rounds: int) -> list[str]:
 
 
 def case_transformer(pss: _Pass, rounds: int) -> list[str]:
-    # Hook for the trainer: one training step of examples/train_transformer.py, eager vs hand
-    # torch.compile vs TrainConfig(compile=True) and GT_AUTO_COMPILE=1 (MFU on a GPU).
-    return [
-        "transformer (a training step) not measured: TrainConfig(compile=True) is not built yet"
-    ]
+    """One training step of examples/train_transformer.py: eager, hand ``torch.compile``,
+    ``TrainConfig(compile=True)`` and ``GT_AUTO_COMPILE=1`` (MFU on a GPU). It lives in
+    ``bench_trainer.py``'s compile section, which this runs (each side's cold compile in a
+    fresh process; its own table)."""
+    import subprocess
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    cmd = [sys.executable, os.path.join(here, "bench_trainer.py"), "--compile-only"]
+    cmd += ["--compile-rounds", str(rounds)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        return [f"transformer: bench_trainer.py --compile-only failed:\n{proc.stderr[-2000:]}"]
+    text = proc.stdout[proc.stdout.index("compile: one training step") :]
+    return ["transformer " + text.rstrip()]
 
 
 CASES: dict[str, Callable[[_Pass, int], list[str]]] = {
