@@ -82,10 +82,12 @@ def enable(
 
         level = os.environ.get("GT_INTERCEPT") or ("native" if _native.available() else "torch")
         _control.enable(stats=False, hotpath=False, level=level)
+    from spmdgt.compile._lazy import env_int
+
     p = HotFunctionPass(
         backend=backend or os.environ.get("GT_COMPILE_BACKEND") or "inductor",
-        every=every or _env_int("GT_COMPILE_SAMPLE_EVERY", 16),
-        hot_at=hot_at or _env_int("GT_COMPILE_HOT_SAMPLES", 8),
+        every=every or env_int("GT_COMPILE_SAMPLE_EVERY", 16),
+        hot_at=hot_at or env_int("GT_COMPILE_HOT_SAMPLES", 8),
     )
     p.start(ic)
     _pass = p
@@ -219,19 +221,6 @@ def maybe_enable_from_env() -> bool:
         return False
     enable()
     return is_enabled()
-
-
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(f"environment variable {name}={raw!r}: expected an integer >= 1")
-    return value
 
 
 def _note(msg: str) -> None:
