@@ -318,7 +318,9 @@ _TIMEOUT_WORDS = ("Timed out", "timed out", "Connection closed by peer", "Connec
 
 def translate(e: BaseException, op: object) -> BaseException:
     """A collective's timeout or lost peer inside ``op`` becomes a :class:`RankTimeoutError`
-    naming the op, the call site and this rank's last agreement point; others pass as they are."""
+    naming the op, the call site and this rank's last agreement point (its ``__cause__`` is
+    ``e``); any other error is returned as it is, so ``raise translate(e, op)`` in an
+    ``except`` block re-raises it unchanged."""
     if _group is None or isinstance(e, (RankTimeoutError, RankDivergenceError)):
         return e
     text = str(e)

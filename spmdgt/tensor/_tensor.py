@@ -110,10 +110,7 @@ class Tensor(DTensor):
             else:
                 out = _run(func, args, kwargs, route)
         except Exception as e:  # a collective's timeout names the op (GT_TIMEOUT); free if none
-            err = _agree.translate(e, func)
-            if err is e:
-                raise
-            raise err from e
+            raise _agree.translate(e, func)  # noqa: B904 (e, or a timeout error caused by e)
         finally:
             if not implicit:
                 _set_implicit(False)
@@ -216,10 +213,7 @@ def _read(t: DTensor, what: str) -> torch.Tensor:
     try:
         return global_value(t)
     except Exception as e:
-        err = _agree.translate(e, what)
-        if err is e:
-            raise
-        raise err from e
+        raise _agree.translate(e, what)  # noqa: B904 (e, or a timeout error caused by e)
 
 
 def global_value(t: torch.Tensor) -> torch.Tensor:
