@@ -19,7 +19,6 @@ import itertools
 import math
 import os
 import time
-import warnings
 from collections.abc import Callable, Iterable
 
 import torch
@@ -28,6 +27,17 @@ from torch import nn
 
 from spmdgt import interceptor, runtime
 from spmdgt.config import ConfigError
+from spmdgt.train._batches import (
+    agree_on_group,
+    batch_size_of,
+    check_loader,
+    check_same_batch,
+    describe,
+    loader_len,
+    num_samples,
+    num_tokens,
+    to_device,
+)
 from spmdgt.train._checkpoint import (
     find_latest,
     load_checkpoint,
@@ -252,7 +262,7 @@ class DistributedTrainer:
                 "with a loss_fn, batches must be (inputs, targets) pairs; got "
                 f"{type(batch).__name__}"
             )
-        return _to(inputs, self.device), _to(targets, self.device)
+        return to_device(inputs, self.device), to_device(targets, self.device)
 
     def _loss(self, inputs: object, targets: torch.Tensor | None) -> torch.Tensor:
         out = self.model(inputs)
@@ -266,7 +276,7 @@ class DistributedTrainer:
         else:
             loss = out
         if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
-            raise ValueError(f"the loss must be a scalar tensor, got {_describe(loss)}")
+            raise ValueError(f"the loss must be a scalar tensor, got {describe(loss)}")
         if hasattr(loss, "full_tensor"):  # a DTensor loss (tensor parallel) -> plain
             loss = loss.full_tensor()
         return loss
@@ -276,66 +286,6 @@ class DistributedTrainer:
         if dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=dtype)
-
-    def _check_loader(self, loader: Iterable, what: str = "training") -> int | None:
-        """Every rank must run equally many batches, or a collective would hang: check once.
-
-        Collective in a world of more than one, whatever the loader: every rank gathers every
-        rank's length (-1 for a loader without ``len``), so a sized loader on one rank and an
-        unsized one on another is an error too, not a branch taken by some ranks only."""
-        n = _len(loader)
-        if self.rt.world_size > 1:
-            t = torch.tensor([-1 if n is None else n], device=self._comm_device())
-            out = [torch.zeros_like(t) for _ in range(self.rt.world_size)]
-            dist.all_gather(out, t)
-            lens = [int(x.item()) for x in out]
-            if len(set(lens)) > 1:
-                raise ValueError(
-                    f"ranks have different numbers of {what} batches per epoch, which would "
-                    "hang the first collective one rank skips: "
-                    + ", ".join(
-                        f"rank {r}: {'no len()' if v < 0 else v}" for r, v in enumerate(lens)
-                    )
-                    + "; use OptimizedDataLoader.create (DistributedSampler pads evenly)"
-                )
-        return n
-
-    def _agree_on_group(self, pending: list, where: str) -> int:
-        """How many of an unsized loader's batches every rank has for this step (collective).
-
-        The minimum over ranks: a rank holding more drops its extra batches with a warning,
-        as ``DistributedSampler(drop_last=True)`` would, since the others cannot match them."""
-        have = len(pending)
-        if self.rt.world_size == 1:
-            return have
-        t = torch.tensor([have], device=self._comm_device())
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        agreed = int(t.item())
-        if agreed < have:
-            warnings.warn(
-                f"rank {self.rt.rank}: dropped {have - agreed} batch(es) at {where}: another "
-                "rank's loader (no len()) ran out first; shard data evenly "
-                "(OptimizedDataLoader.create) so every rank has as many batches",
-                stacklevel=3,
-            )
-        return agreed
-
-    def _check_same_batch(self, inputs: object) -> None:
-        """Tensor parallelism needs the same batch on every rank; check the first one."""
-        if self.rt.world_size == 1 or not isinstance(inputs, torch.Tensor):
-            return
-        t = torch.stack([inputs.double().sum(), (inputs.double() ** 2).sum()]).to(
-            self._comm_device()
-        )
-        out = [torch.zeros_like(t) for _ in range(self.rt.world_size)]
-        dist.all_gather(out, t)
-        if any(not torch.equal(o, out[0]) for o in out):
-            raise ValueError(
-                "strategy 'placements' (tensor parallel) needs the same batch on every rank, "
-                "but the first batches differ (checksums: "
-                + ", ".join(f"rank {r}: {o[0].item():.6g}" for r, o in enumerate(out))
-                + "); create the loader with OptimizedDataLoader.create(..., shard=False)"
-            )
 
     def _comm_device(self) -> torch.device:
         return self.device if self.rt.backend == "nccl" else torch.device("cpu")
@@ -409,7 +359,7 @@ class DistributedTrainer:
             if found is not None:
                 self.load_checkpoint(found)
                 runtime.print0(f"resumed from {found} at step {self.global_step}")
-        n_batches = self._check_loader(train_loader)
+        n_batches = check_loader(train_loader, "training", self.rt, self._comm_device())
         dp = self.wrapped.data_parallel_size
         stats = RunStats(first_step=self.global_step)
         compile_at_start = compile_seconds()[0] if self.compile else 0.0
@@ -447,8 +397,8 @@ class DistributedTrainer:
                 if skip and isinstance(sampler, ResumableDistributedSampler):
                     sampler.skip_samples = skip  # the sampler starts after them: no re-reads
                 elif skip:
-                    skip_batches = skip // _bs(train_loader)
-                left = _len(train_loader)
+                    skip_batches = skip // batch_size_of(train_loader)
+                left = loader_len(train_loader)
                 batches = iter(train_loader)
                 for _ in range(skip_batches):
                     next(batches)
@@ -469,7 +419,9 @@ class DistributedTrainer:
                         # ranks whose loaders end at different points would otherwise run
                         # different numbers of collectives and hang.
                         pending = list(itertools.islice(batches, group))
-                        group = self._agree_on_group(pending, f"the end of epoch {epoch}")
+                        group = agree_on_group(
+                            pending, f"the end of epoch {epoch}", self.rt, self._comm_device()
+                        )
                         if group == 0:
                             break
                         source = iter(pending[:group])
@@ -490,10 +442,10 @@ class DistributedTrainer:
                             ) from None
                         inputs, targets = self._unpack(batch)
                         if not checked_batch:
-                            self._check_same_batch(inputs)
+                            check_same_batch(inputs, self.rt, self._comm_device())
                             checked_batch = True
-                        samples += _num_samples(inputs)
-                        tokens += _num_tokens(inputs)
+                        samples += num_samples(inputs)
+                        tokens += num_tokens(inputs)
                         last = micro == group - 1
                         sync = contextlib.nullcontext() if last else self.wrapped.no_sync()
                         with sync:
@@ -704,7 +656,7 @@ class DistributedTrainer:
         Collective: forward passes communicate (FSDP gathers, tensor-parallel reductions, DDP
         buffer broadcasts), so every rank must run as many batches. Sized loaders are checked
         for equal lengths once; for unsized ones ranks agree before each batch."""
-        n_batches = self._check_loader(loader, "validation")
+        n_batches = check_loader(loader, "validation", self.rt, self._comm_device())
         agree = n_batches is None and self.rt.world_size > 1
         self.model.eval()
         total = torch.zeros((), dtype=torch.float64)
@@ -712,7 +664,13 @@ class DistributedTrainer:
         batches = iter(loader)
         while True:
             batch = next(batches, _END)
-            if agree and self._agree_on_group([] if batch is _END else [batch], "validation") == 0:
+            if (
+                agree
+                and agree_on_group(
+                    [] if batch is _END else [batch], "validation", self.rt, self._comm_device()
+                )
+                == 0
+            ):
                 break
             if batch is _END:
                 break
@@ -726,51 +684,3 @@ class DistributedTrainer:
 
 
 _END = object()  # the end of an iterator, for next(it, _END)
-
-
-def _len(loader: object) -> int | None:
-    try:
-        return len(loader)  # type: ignore[arg-type]
-    except TypeError:
-        return None
-
-
-def _bs(loader: object) -> int:
-    return getattr(loader, "batch_size", None) or 1
-
-
-def _to(x: object, device: torch.device) -> object:
-    if isinstance(x, torch.Tensor):
-        return x.to(device, non_blocking=True)
-    if isinstance(x, (list, tuple)):
-        return type(x)(_to(v, device) for v in x)
-    if isinstance(x, dict):
-        return {k: _to(v, device) for k, v in x.items()}
-    return x
-
-
-def _num_samples(x: object) -> int:
-    if isinstance(x, torch.Tensor):
-        return x.shape[0] if x.ndim else 1
-    if isinstance(x, (list, tuple)) and x:
-        return _num_samples(x[0])
-    if isinstance(x, dict) and x:
-        return _num_samples(next(iter(x.values())))
-    return 1
-
-
-def _num_tokens(x: object) -> int:
-    """Token count of an integer id tensor ``[batch, seq, ...]``; 0 when not token ids."""
-    if isinstance(x, torch.Tensor):
-        return x.numel() if x.ndim >= 2 and not x.is_floating_point() else 0
-    if isinstance(x, (list, tuple)) and x:
-        return _num_tokens(x[0])
-    if isinstance(x, dict) and x:
-        return _num_tokens(next(iter(x.values())))
-    return 0
-
-
-def _describe(x: object) -> str:
-    if isinstance(x, torch.Tensor):
-        return f"a tensor of shape {tuple(x.shape)}"
-    return type(x).__name__

@@ -1,0 +1,135 @@
+"""Batches reach every rank alike: the agreements the training loop makes about its data,
+and the small helpers that move and count a batch.
+
+Every check here is a collective in a world of more than one, taken on every rank whatever its
+loader looks like: ranks that ran different numbers of batches would pair a collective with
+nothing and hang."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from spmdgt.runtime import Runtime
+
+__all__ = [
+    "agree_on_group",
+    "batch_size_of",
+    "check_loader",
+    "check_same_batch",
+    "describe",
+    "loader_len",
+    "num_samples",
+    "num_tokens",
+    "to_device",
+]
+
+
+def check_loader(loader: Iterable, what: str, rt: Runtime, device: torch.device) -> int | None:
+    """Every rank must run equally many batches, or a collective would hang: check once.
+
+    Collective in a world of more than one, whatever the loader: every rank gathers every
+    rank's length (-1 for a loader without ``len``), so a sized loader on one rank and an
+    unsized one on another is an error too, not a branch taken by some ranks only."""
+    n = loader_len(loader)
+    if rt.world_size > 1:
+        t = torch.tensor([-1 if n is None else n], device=device)
+        out = [torch.zeros_like(t) for _ in range(rt.world_size)]
+        dist.all_gather(out, t)
+        lens = [int(x.item()) for x in out]
+        if len(set(lens)) > 1:
+            raise ValueError(
+                f"ranks have different numbers of {what} batches per epoch, which would "
+                "hang the first collective one rank skips: "
+                + ", ".join(f"rank {r}: {'no len()' if v < 0 else v}" for r, v in enumerate(lens))
+                + "; use OptimizedDataLoader.create (DistributedSampler pads evenly)"
+            )
+    return n
+
+
+def agree_on_group(pending: list, where: str, rt: Runtime, device: torch.device) -> int:
+    """How many of an unsized loader's batches every rank has for this step (collective).
+
+    The minimum over ranks: a rank holding more drops its extra batches with a warning,
+    as ``DistributedSampler(drop_last=True)`` would, since the others cannot match them."""
+    have = len(pending)
+    if rt.world_size == 1:
+        return have
+    t = torch.tensor([have], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    agreed = int(t.item())
+    if agreed < have:
+        warnings.warn(
+            f"rank {rt.rank}: dropped {have - agreed} batch(es) at {where}: another "
+            "rank's loader (no len()) ran out first; shard data evenly "
+            "(OptimizedDataLoader.create) so every rank has as many batches",
+            stacklevel=3,
+        )
+    return agreed
+
+
+def check_same_batch(inputs: object, rt: Runtime, device: torch.device) -> None:
+    """Tensor parallelism needs the same batch on every rank; check the first one."""
+    if rt.world_size == 1 or not isinstance(inputs, torch.Tensor):
+        return
+    t = torch.stack([inputs.double().sum(), (inputs.double() ** 2).sum()]).to(device)
+    out = [torch.zeros_like(t) for _ in range(rt.world_size)]
+    dist.all_gather(out, t)
+    if any(not torch.equal(o, out[0]) for o in out):
+        raise ValueError(
+            "strategy 'placements' (tensor parallel) needs the same batch on every rank, "
+            "but the first batches differ (checksums: "
+            + ", ".join(f"rank {r}: {o[0].item():.6g}" for r, o in enumerate(out))
+            + "); create the loader with OptimizedDataLoader.create(..., shard=False)"
+        )
+
+
+def loader_len(loader: object) -> int | None:
+    try:
+        return len(loader)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def batch_size_of(loader: object) -> int:
+    return getattr(loader, "batch_size", None) or 1
+
+
+def to_device(x: object, device: torch.device) -> object:
+    if isinstance(x, torch.Tensor):
+        return x.to(device, non_blocking=True)
+    if isinstance(x, (list, tuple)):
+        return type(x)(to_device(v, device) for v in x)
+    if isinstance(x, dict):
+        return {k: to_device(v, device) for k, v in x.items()}
+    return x
+
+
+def num_samples(x: object) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.shape[0] if x.ndim else 1
+    if isinstance(x, (list, tuple)) and x:
+        return num_samples(x[0])
+    if isinstance(x, dict) and x:
+        return num_samples(next(iter(x.values())))
+    return 1
+
+
+def num_tokens(x: object) -> int:
+    """Token count of an integer id tensor ``[batch, seq, ...]``; 0 when not token ids."""
+    if isinstance(x, torch.Tensor):
+        return x.numel() if x.ndim >= 2 and not x.is_floating_point() else 0
+    if isinstance(x, (list, tuple)) and x:
+        return num_tokens(x[0])
+    if isinstance(x, dict) and x:
+        return num_tokens(next(iter(x.values())))
+    return 0
+
+
+def describe(x: object) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a tensor of shape {tuple(x.shape)}"
+    return type(x).__name__
