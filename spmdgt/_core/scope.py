@@ -19,6 +19,11 @@ listeners: list = []
 # points. None until then.
 lazy_hook = None
 
+# Tier 2's sync for a pending sharded result read without an op (``to_local``, ``redistribute``,
+# ``full_tensor``, host reads: ``gt.Tensor`` calls it with the method's name): the open region
+# runs and fills it. None while tier 2 is off.
+lazy_sync = None
+
 
 def push(name: str, backward: str | None = None, compiles: bool = False) -> None:
     """Enter scope ``name`` (``backward``: its gradients' signal, overriding the config's;
@@ -55,10 +60,11 @@ def current() -> str | None:
 
 
 def _forget() -> None:
-    global lazy_hook
+    global lazy_hook, lazy_sync
     _stack.clear()
     listeners.clear()
     lazy_hook = None
+    lazy_sync = None
 
 
 def innermost() -> tuple[str, str | None, bool] | None:

@@ -146,6 +146,7 @@ def enable_regions(
     from spmdgt._core import scope as _scope
 
     _scope.lazy_hook = on_scope  # scope changes are sync points
+    _scope.lazy_sync = _regions.sync  # reads of a pending gt.Tensor that are no op
     _provide()
     global _atexit
     if not _atexit:
@@ -166,6 +167,9 @@ def disable_regions() -> None:
     global _regions
     lz, _regions = _regions, None
     if lz is not None:
+        from spmdgt._core import scope as _scope
+
+        _scope.lazy_sync = None
         lz.stop()
         _provide()
 

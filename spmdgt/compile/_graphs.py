@@ -21,6 +21,7 @@ keeps that key eager; a graph that raises while it runs is rerun eagerly with th
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import Counter, OrderedDict
 from typing import Any
@@ -78,7 +79,7 @@ class Graphs:
             if d:
                 args.append(torch.tensor(v, dtype=dt, device=plan.inputs[0].device))
         entry.runs += 1
-        with torch._C.DisableTorchFunction(), torch.set_grad_enabled(plan.grad):
+        with torch._C.DisableTorchFunction(), torch.set_grad_enabled(plan.grad), _layouts(plan):
             if entry.fn is None:
                 st.eager_runs += 1
                 return entry.gm(*args)
@@ -87,6 +88,15 @@ class Graphs:
             try:
                 return entry.fn(*args)
             except Exception as e:
+                if plan.comm:
+                    # the other ranks ran (or wait in) this graph's collectives: an eager
+                    # rerun here alone would pair with the wrong ones
+                    raise RuntimeError(
+                        f"spmdgt lazy region {region!r}: its compiled graph, which moves data "
+                        f"between ranks, failed on this rank ({type(e).__name__}: "
+                        f"{_first_line(e)}); it cannot be rerun eagerly on one rank. Run with "
+                        "GT_COMPILE=0 to run it eagerly on every rank."
+                    ) from e
                 out = entry.gm(*args)  # raises the program's own error if it is one
                 entry.fn = None
                 self._fallback(f"runtime error: {type(e).__name__}: {_first_line(e)}", region)
@@ -123,6 +133,7 @@ class Graphs:
             for v, dt, d in zip(plan.floats, plan.float_dtypes, dyn, strict=True):
                 if d:
                     args.append(torch.tensor(v, dtype=dt, device=plan.inputs[0].device))
+            fn, error = None, None
             try:
                 from torch._dynamo.backends.registry import lookup_backend
 
@@ -130,17 +141,30 @@ class Graphs:
                     torch._C.DisableTorchFunction(),
                     _paused(),
                     torch.set_grad_enabled(plan.grad),
+                    _layouts(plan),
                 ):
                     fn = lookup_backend(self.backend)(gm, args)
+            except Exception as e:
+                error = f"compile error: {type(e).__name__}: {_first_line(e)}"
+            if plan.mesh is not None:
+                # every rank compiles this key now (sharded keys are global): if any failed,
+                # every rank runs it eagerly, as a graph's collectives may be ordered otherwise
+                from spmdgt.compile._consensus import any_rank
+
+                what = f"compile of lazy region {region} ({plan.ops} ops)"
+                if any_rank(error is not None, what, region) and error is None:
+                    fn, error = None, "another rank's compile failed"
+            if error is None:
                 entry = _Entry(fn, gm, region, plan.ops)
                 st.compiled += 1
                 self._per_region[region] += 1
                 self._note(
                     f"region {region}: compiled {plan.ops} ops, {len(plan.outputs)} outputs "
                     f"in {(time.perf_counter_ns() - t0) * 1e-9:.2f}s"
+                    + (" (sharded)" if plan.mesh is not None else "")
                 )
-            except Exception as e:
-                self._fallback(f"compile error: {type(e).__name__}: {_first_line(e)}", region)
+            else:
+                self._fallback(error, region)
         st.compile_ns += time.perf_counter_ns() - t0
         self._cache[key] = entry
         if len(self._cache) > self.cap:
@@ -163,6 +187,11 @@ class Graphs:
         return sum(1 for e in self._cache.values() if e.fn is not None)
 
 
+# Calls whose FX name does not resolve (``Tensor.__pow__`` is a wrapper FX names
+# ``torch._tensor.pow``): the same call under a name the generated code can reach
+_SPELLING = {torch.Tensor.__pow__: torch.Tensor.pow}
+
+
 def _build(plan: Plan, dyn: tuple[bool, ...]) -> Any:
     """The FX graph of the plan: its inputs, then its dynamic floats, as placeholders."""
     import torch.fx as fx
@@ -183,9 +212,19 @@ def _build(plan: Plan, dyn: tuple[bool, ...]) -> Any:
         return v
 
     for func, a, k in plan.nodes:
+        func = _SPELLING.get(func, func)
         vals.append(g.call_function(func, tuple(arg(d) for d in a), {n: arg(d) for n, d in k}))
     g.output(tuple(vals[i] for i in plan.base[2]))  # the live results, in node order
     return fx.GraphModule(torch.nn.Module(), g)
+
+
+def _layouts(plan: Plan) -> Any:
+    """A sharded plan runs with DTensor's implicit replication on, as ``gt.Tensor`` ops do."""
+    if plan.mesh is None:
+        return contextlib.nullcontext()
+    from spmdgt.compile._sharded import implicit
+
+    return implicit()
 
 
 class _paused:

@@ -61,6 +61,10 @@ class LazyPass:
         self.min_numel = min_numel
         self.stats = RegionStats()
         self.graphs = Graphs(backend, self.stats, cache, per_region, keys, _note)
+        # sharded regions' graphs apart: their cache sees the same keys in the same order on
+        # every rank (plain regions' keys may differ per rank), so every rank hits, misses,
+        # compiles and evicts alike, and a compile is an agreement point
+        self.sharded = Graphs(backend, self.stats, cache, per_region, keys, _note)
         self.region = Region(min_numel)
         self.scopes: list[str] = []
         self.busy = False
@@ -77,6 +81,7 @@ class LazyPass:
         self.flush("disable")
         self._hook(False)
         self.graphs.clear()
+        self.sharded.clear()
 
     def _hook(self, on: bool) -> None:
         from spmdgt.interceptor import _mode
@@ -135,6 +140,11 @@ class LazyPass:
         return PASS
 
     # -- sync -------------------------------------------------------------------------------
+    def sync(self, what: str) -> None:
+        """A pending ``gt.Tensor`` is read without an op (``to_local`` ...): run the region."""
+        if not self.busy:
+            self.flush(what)
+
     def flush(self, reason: str) -> None:
         """Run the open region (compiled, else eagerly) and fill its placeholders."""
         reg = self.region
@@ -151,7 +161,8 @@ class LazyPass:
             if plan is None:
                 st.dead += 1
                 return
-            fill(plan, self.graphs.run(plan, self.scopes[-1] if self.scopes else "batch"))
+            graphs = self.graphs if plan.mesh is None else self.sharded
+            fill(plan, graphs.run(plan, self.scopes[-1] if self.scopes else "batch"))
             plan = None
         finally:
             if plan is not None:  # the program's own error propagates: no result is kept
@@ -179,7 +190,7 @@ class LazyPass:
             )
 
     def snapshot(self) -> dict[str, Any]:
-        return self.stats.snapshot(len(self.graphs))
+        return self.stats.snapshot(len(self.graphs) + len(self.sharded))
 
 
 def _grad() -> bool:
@@ -199,6 +210,7 @@ def _poison(plan: Any) -> None:
     with torch._C.DisableTorchFunction(), torch.no_grad():
         for p in plan.outputs:
             p.__dict__.pop("_gt_lazy", None)
+            p = getattr(p, "_local_tensor", p)  # a sharded placeholder: its shard
             if p.dtype.is_floating_point or p.dtype.is_complex:
                 p.fill_(float("nan"))
             else:

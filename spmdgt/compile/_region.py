@@ -24,12 +24,14 @@ import weakref
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
-from spmdgt.compile import _lazy_ops
+from spmdgt.compile import _lazy_ops, _sharded
 
 __all__ = ["Plan", "Region", "fill"]
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_NoSubclass = torch._C.DisableTorchFunctionSubclass
 _CONST = (int, bool, str, type(None), torch.dtype)
 NOFLUSH = object()  # ``record``: not captured, and pure: no need to end the region
 
@@ -51,7 +53,8 @@ class _Node:
 class Plan:
     """What a region computes, ready to be keyed (``base`` and ``floats``) and built."""
 
-    __slots__ = ("base", "float_dtypes", "floats", "grad", "inputs", "nodes", "ops", "outputs")
+    __slots__ = ("base", "comm", "float_dtypes", "floats", "grad", "inputs", "mesh", "nodes",
+                 "ops", "outputs")  # fmt: skip
 
     def __init__(self) -> None:
         self.nodes: list[tuple] = []  # (func, args, kwargs) with descriptors remapped
@@ -62,6 +65,8 @@ class Plan:
         self.float_dtypes: list[torch.dtype] = []
         self.base: Any = None
         self.ops = 0
+        self.mesh: Any = None  # sharded plans: the inputs' mesh (see _sharded)
+        self.comm = False  # a sharded plan holds collectives
 
 
 def _ckey(v: Any) -> Any:
@@ -85,26 +90,46 @@ class Region:
         self.floats: list[float] = []
         self.grad = False
         self.device: torch.device | None = None
+        self.mesh: Any = None  # the mesh of a sharded region (None: plain)
+        self.comm = False  # a sharded region's calls move data between ranks
 
     def record(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """The placeholder for ``func(*args, **kwargs)``; ``NOFLUSH`` for a small pure call
         on real tensors (it runs eagerly, the region goes on); None when the call cannot be
         captured (the caller ends the region and runs it eagerly)."""
+        # metadata reads of a gt.Tensor (shape, stride, numel) would each run its
+        # __torch_function__: read them as the DTensor's own
+        with _NoSubclass():
+            return self._record(func, args, kwargs)
+
+    def _record(self, func: Any, args: tuple, kwargs: dict) -> Any:
         big = False
         lazy = False
         device = None
         rg = False
+        mesh = None  # the DTensor arguments' one mesh (a sharded call)
+        plain = False  # a real plain tensor with dims (not a scalar) among the arguments
         for a in (*args, *kwargs.values()):
             if isinstance(a, torch.Tensor):
-                if type(a) not in _PLAIN:
-                    return None
                 node = a.__dict__.get("_gt_lazy")
+                if type(a) not in _PLAIN:
+                    if not isinstance(a, DTensor) or getattr(a, "_gt_view", None) is not None:
+                        return None
+                    m = a._spec.mesh
+                    if mesh is None:
+                        mesh = m
+                    elif m is not mesh:
+                        return None
+                elif node is None and (a.dim() or a.requires_grad):
+                    plain = True
                 if node is not None:
                     lazy = True
                     rg = rg or node.rg
                 else:
                     rg = rg or a.requires_grad
-                    if a.numel() >= self.min_numel:
+                    # per rank of the mesh, from global sizes: the same on every rank
+                    n = a.numel() if mesh is None or type(a) in _PLAIN else a.numel() // m.size()
+                    if n >= self.min_numel:
                         big = True
                 if device is None:
                     device = a.device
@@ -114,6 +139,10 @@ class Region:
             return NOFLUSH
         if device is None or (self.device is not None and device != self.device):
             return None
+        if mesh is not None and (plain or not _sharded.recordable(func, mesh)):
+            return None
+        if self.nodes and mesh is not self.mesh:
+            return None  # plain and sharded calls, or two meshes: separate regions
         grad = torch.is_grad_enabled()
         if self.nodes and grad != self.grad:
             return None  # grad mode changed: the region ends here
@@ -134,21 +163,35 @@ class Region:
                 return None
             kdesc.append((k, d))
             mkey.append((k, _mkey(a, d)))
-        try:
-            meta = _lazy_ops.out_meta(tuple(mkey), func, args, kwargs)
-        except Exception:
-            meta = None  # let eager raise the program's own error
-        if meta is None:
-            return None
-        shape, stride, dtype = meta
+        if mesh is None:
+            try:
+                meta = _lazy_ops.out_meta(tuple(mkey), func, args, kwargs)
+            except Exception:
+                meta = None  # let eager raise the program's own error
+            if meta is None:
+                return None
+            shape, stride, dtype = meta
+        else:
+            got = _sharded.out_spec(tuple(mkey), func, args, kwargs)
+            if got is None:
+                return None
+            spec, lshape, lstride, comm = got
+            tm = spec.tensor_meta
+            shape, stride, dtype = tuple(tm.shape), tuple(tm.stride), tm.dtype
+            meta = (shape, stride, dtype)
+            self.comm = self.comm or comm
         rg = grad and rg and (dtype.is_floating_point or dtype.is_complex)
         self.grad = grad
         self.device = device
+        self.mesh = mesh
         adesc = [self._commit(d) for d in adesc]
         kdesc = [(k, self._commit(d)) for k, d in kdesc]
         node = _Node(func, tuple(adesc), tuple(kdesc), meta, rg, len(self.nodes), self)
-        with torch._C.DisableTorchFunction():
-            p = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+        if mesh is None:
+            with torch._C.DisableTorchFunction():
+                p = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+        else:
+            p = _sharded.placeholder(spec, lshape, lstride, device)
         p._gt_lazy = node
         node.ref = weakref.ref(p)
         self.nodes.append(node)
@@ -190,6 +233,7 @@ class Region:
         self.nodes, self.inputs, self.versions, self.floats = [], [], [], []
         self._pos = {}
         self.device = None
+        mesh, comm, self.mesh, self.comm = self.mesh, self.comm, None, False
         live = {}
         for n in nodes:
             p = n.ref()
@@ -214,6 +258,8 @@ class Region:
                         needed.add(d[1])
         plan = Plan()
         plan.grad = self.grad
+        plan.mesh = mesh
+        plan.comm = comm
         remap: dict[int, int] = {}
         in_map: dict[int, int] = {}
         fl_map: dict[int, int] = {}
@@ -249,7 +295,8 @@ class Region:
                 outs.append(remap[n.index])
                 plan.outputs.append(live[n.index])
         ins = tuple(
-            (tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad) for t in plan.inputs
+            (tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad, _sharded.layout(t))
+            for t in plan.inputs
         )
         plan.base = (tuple(keyed), ins, tuple(outs), plan.grad, tuple(plan.float_dtypes))
         plan.ops = len(plan.nodes)
@@ -262,7 +309,7 @@ def _dkey(d: tuple) -> Any:
 
 def _mkey(a: Any, d: tuple) -> Any:
     if d[0] in ("I", "n"):
-        return ("t", tuple(a.shape), a.stride(), a.dtype)
+        return ("t", tuple(a.shape), a.stride(), a.dtype, _sharded.layout(a))
     if d[0] == "F":
         return ("f",)
     return _ckey(a)
@@ -270,10 +317,18 @@ def _mkey(a: Any, d: tuple) -> Any:
 
 def fill(plan: Plan, results: Any) -> None:
     """Put ``results`` into the plan's placeholders (which stop being placeholders)."""
-    grad = plan.grad
+    inputs = plan.inputs
+    if plan.mesh is not None:  # results that need grad are copied in; the rest by shard
+        pairs = _sharded.fill(plan, results)
+        inputs = [getattr(t, "_local_tensor", t) for t in inputs]
+    else:
+        pairs = zip(plan.outputs, results, strict=True)
+    # with a backward, a result that needs no grad may still be saved for it: copied, so that
+    # an in-place change of the placeholder later cannot reach the saved value unseen
+    grad = plan.grad and any(t.requires_grad for t in plan.inputs)
     seen: set[int] = set()
     with torch._C.DisableTorchFunction():
-        for p, out in zip(plan.outputs, results, strict=True):
+        for p, out in pairs:
             p.__dict__.pop("_gt_lazy", None)
             if out.requires_grad:
                 with torch.enable_grad():
@@ -285,11 +340,11 @@ def fill(plan: Plan, results: Any) -> None:
                 or ptr in seen
                 or out.stride() != p.stride()
                 or out.storage_offset() != 0
-                or any(t.untyped_storage().data_ptr() == ptr for t in plan.inputs)
+                or any(t.untyped_storage().data_ptr() == ptr for t in inputs)
             ):
                 with torch.no_grad():
                     p.copy_(out)
-            else:
+            else:  # the result's memory becomes the placeholder's: no copy
                 seen.add(ptr)
                 with torch.no_grad():
                     p.set_(out)

@@ -153,6 +153,19 @@ class Tensor(DTensor):
         out.__class__ = Tensor
         return out
 
+    # -- a pending result of a lazy region (spmdgt.compile) is filled before it is read -----
+    def to_local(self, *, grad_placements=None):
+        """DTensor's ``to_local``, after a pending result is filled."""
+        if _scope.lazy_sync is not None and "_gt_lazy" in self.__dict__:
+            _scope.lazy_sync("to_local")
+        return DTensor.to_local(self, grad_placements=grad_placements)
+
+    def redistribute(self, device_mesh=None, placements=None, **kwargs):
+        """DTensor's ``redistribute`` (``full_tensor`` too), after a pending result is filled."""
+        if _scope.lazy_sync is not None and "_gt_lazy" in self.__dict__:
+            _scope.lazy_sync("redistribute")
+        return DTensor.redistribute(self, device_mesh, placements, **kwargs)
+
     # -- GT's contract: the global value, on every rank ------------------------------------
     # Each host read is an agreement point (runtime._agree): the ranks compare the read, the
     # tensor and the call site before any data moves, so a rank that reads another tensor,
@@ -202,6 +215,8 @@ def _tracing(t: DTensor) -> bool:
 def _read(t: DTensor, what: str) -> torch.Tensor:
     """A host read of ``t``: an agreement point on its read, global shape, dtype, placement
     and mesh, and the user's call site; then its global value."""
+    if _scope.lazy_sync is not None and "_gt_lazy" in t.__dict__:
+        _scope.lazy_sync(what)
     if _agree._group is not None and not _tracing(t):
         dtype = str(t.dtype).removeprefix("torch.")
         members = mesh_ranks(t.device_mesh)
