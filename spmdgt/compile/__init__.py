@@ -91,6 +91,9 @@ def enable(
     )
     p.start(ic)
     _pass = p
+    from spmdgt.compile import _region
+
+    _region.tier1 = True
     global _atexit
     if not _atexit:  # the frame hook must be out before the interpreter tears modules down
         import atexit
@@ -98,9 +101,6 @@ def enable(
         atexit.register(disable)
         _atexit = True
     _provide()
-    if _regions is not None:
-        _note("tier 1 on: lazy regions off (dynamo's frames would read pending results)")
-        disable_regions()
     _note(
         f"compile pass on (tier 1, backend {p.backend_name}, a sample every {p.every} ops, "
         f"hot at {p.hot_at} samples, interceptor level {ic.level})"
@@ -112,6 +112,9 @@ def disable() -> None:
     global _pass
     p, _pass = _pass, None
     if p is not None:
+        from spmdgt.compile import _region
+
+        _region.tier1 = False
         p.stop()
         _provide()
 
@@ -128,8 +131,8 @@ def enable_regions(
     ``batch`` (``GT_WORKER_BATCH_SIZE``), everywhere, a region running at ``batch`` recorded
     ops at most. Returns whether it is on: not with ``GT_COMPILE=0`` nor while tier 1 runs."""
     global _regions
-    if compile_disabled() or _pass is not None:
-        _note("lazy regions off: " + ("GT_COMPILE=0" if _pass is None else "tier 1 is on"))
+    if compile_disabled():
+        _note("lazy regions off: GT_COMPILE=0")
         return False
     if _regions is not None:
         return True
@@ -214,16 +217,15 @@ def compile_disabled() -> bool:
 
 
 def maybe_enable_from_env() -> bool:
-    """``GT_AUTO_COMPILE=1``: ``enable()``; else ``GT_WORKER_BATCH_SIZE=n``:
-    ``enable_regions(n)`` (neither with ``GT_COMPILE=0``). Returns whether tier 1 is on."""
+    """``GT_AUTO_COMPILE=1``: ``enable()``; ``GT_WORKER_BATCH_SIZE=n``: ``enable_regions(n)``
+    (both may be set; neither runs with ``GT_COMPILE=0``). Returns whether tier 1 is on."""
     raw = (os.environ.get("GT_AUTO_COMPILE") or "").strip().lower()
-    if raw in ("", "0", "false", "no", "off"):
-        if (os.environ.get("GT_WORKER_BATCH_SIZE") or "").strip():
-            from spmdgt.compile._lazy import env_int
+    if raw not in ("", "0", "false", "no", "off"):
+        enable()
+    if (os.environ.get("GT_WORKER_BATCH_SIZE") or "").strip():
+        from spmdgt.compile._lazy import env_int
 
-            enable_regions(batch=env_int("GT_WORKER_BATCH_SIZE", 1))
-        return False
-    enable()
+        enable_regions(batch=env_int("GT_WORKER_BATCH_SIZE", 1))
     return is_enabled()
 
 

@@ -26,6 +26,7 @@ def any_rank(failed: bool, what: str, site: str) -> bool:
     import torch.distributed as dist
 
     agree.agree(what, site=site)
-    flag = torch.tensor([1 if failed else 0], dtype=torch.int64)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    return bool(flag.item())
+    with torch._C.DisableTorchFunction():  # the agreement's own ops: no hook runs a region here
+        flag = torch.tensor([1 if failed else 0], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return bool(flag.item())

@@ -17,12 +17,16 @@ removed after, so the rest of the program pays nothing.
 
 While a region holds ops, ``torch.compiler`` is set to the ``force_eager`` stance: a function
 the user compiled, called with a pending result, would otherwise read it from C++ before it is
-filled; run eagerly, its ops reach the hook, which fills the result first. Tier 2 stays off
-while tier 1 (``GT_AUTO_COMPILE``) is on, for the same reason (dynamo's frames bypass the hook).
+filled; run eagerly, its ops reach the hook, which fills the result first. The same holds for
+tier 1's compiled functions, so both tiers may run together: placeholders exist only while a
+region is open, and then no compiled frame runs; a tier-1 function called then runs eagerly and
+its ops join the region.
 
-Tensor subclasses (``gt.Tensor``/``DTensor`` inputs) end the region and run eagerly: sharded
-regions are not compiled (yet). Plain regions have no collectives, so a rank's fallback is its
-own and needs no agreement: every rank's results are eager-exact or graph-exact either way.
+Ops on ``gt.Tensor``s of a mesh spanning the world are recorded too (``_sharded``: placements
+from a meta run, collectives inside the graph); their graphs have their own cache, which sees
+the same keys on every rank, and a compile is an agreement point. Plain regions have no
+collectives, so a rank's fallback is its own and needs no agreement: every rank's results are
+eager-exact or graph-exact either way.
 """
 
 from __future__ import annotations
@@ -171,23 +175,21 @@ class LazyPass:
             self._close()
 
     def _open(self) -> None:
-        """A region holds ops: user-compiled code runs eagerly until it is filled."""
-        import torch
+        """A region holds ops: compiled code runs eagerly until it is filled (user-compiled
+        functions by dynamo's ``force_eager`` stance; tier 1's graphs fill it first)."""
         from torch._dynamo import eval_frame
 
         self._stance = eval_frame._stance
-        torch.compiler.set_stance("force_eager")
+        # what torch.compiler.set_stance("force_eager") sets; it refuses while tier 1's frame
+        # hook is in, but the stance only decides how a compiled function's next call runs
+        eval_frame._stance = eval_frame.DynamoStance("force_eager")
 
     def _close(self) -> None:
         st, self._stance = self._stance, None
         if st is not None:
-            import torch
+            from torch._dynamo import eval_frame
 
-            torch.compiler.set_stance(
-                st.stance,
-                skip_guard_eval_unsafe=st.skip_guard_eval_unsafe,
-                force_backend=st.backend,
-            )
+            eval_frame._stance = st
 
     def snapshot(self) -> dict[str, Any]:
         return self.stats.snapshot(len(self.graphs) + len(self.sharded))

@@ -53,6 +53,7 @@ class HotFunctionPass:
         self.hook = FrameHook(self._compile_frame, self._is_user, self.backend)
         self.sampler = CodeSampler(every, hot_at, self.classify, self.on_hot)
         self._by_key: dict[str, CodeType] = {}  # codes this rank proposed (see on_hot)
+        self._eager_keys: set[str] = set()  # fallen back on some rank at run time (agreed)
         self._ic: Any = None
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -117,6 +118,10 @@ class HotFunctionPass:
                 _agree.propose(key)
 
     def _on_agreed(self, keys: set[str]) -> None:
+        fallen = {k.removeprefix(_EAGER) for k in keys if k.startswith(_EAGER)}
+        if fallen:
+            self._fall_back_agreed(fallen)
+            keys = keys - {_EAGER + k for k in fallen}
         codes, missing = [], []
         for key in sorted(keys):
             code = self._by_key.get(key)
@@ -162,6 +167,9 @@ class HotFunctionPass:
     # -- compile --------------------------------------------------------------------------------
     def _compile_frame(self, frame: Any, cache_entry: Any, frame_state: Any) -> Any:
         code = frame.f_code
+        if self._eager_keys and _key(code) in self._eager_keys:
+            self.hook.fallen.add(code)
+            return self.hook._skip
         st = self.stats
         recompile = cache_entry is not None
         t0 = time.perf_counter_ns()
@@ -209,9 +217,29 @@ class HotFunctionPass:
         self.stats.fallbacks[reason] += 1
         if code is not None:
             self.hook.fall_back(code)
+            from spmdgt.runtime import _agree
+
+            if _agree._group is not None:  # the other ranks follow at the next agreement point
+                _agree.propose(_EAGER + _key(code))
         if _debuglog.COMPILE:
             where = _where(code) if code is not None else "?"
             _debuglog.debug("compile", f"fallback {where}: {reason}; eager from now on")
+
+    def _fall_back_agreed(self, keys: set[str]) -> None:
+        """Functions whose graph failed at run time on some rank: eager on every rank from
+        this agreement point on (a compiled graph and an eager run may order collectives
+        differently), also where this rank has not compiled them yet."""
+        self._eager_keys.update(keys)
+        for code in list(self.stats.compiled_codes):
+            if _key(code) in keys and code not in self.hook.fallen:
+                self.hook.fall_back(code)
+                self.stats.fallbacks["another rank's graph failed at run time"] += 1
+                if _debuglog.COMPILE:
+                    _debuglog.debug("compile", f"fallback {_where(code)}: another rank's graph "
+                                    "failed at run time; eager from now on")  # fmt: skip
+
+
+_EAGER = "eager:"  # a proposal's prefix: this function's graph failed at run time
 
 
 def _library_roots(torch: Any) -> tuple[tuple[str, ...], tuple[str, ...], str]:

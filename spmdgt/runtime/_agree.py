@@ -236,8 +236,11 @@ def on_agreed(fn: Callable[[set[str]], None]) -> None:
 def _settle_proposals() -> None:
     # every rank is here, after the same agreement point: swap the proposals (rare: only when
     # some rank has any) and hand the union to the listeners
+    # (its tensor ops are the agreement's own: no function mode sees them, so no lazy region
+    # of the compile pass runs, with its own agreement, inside this one)
     everyone: list[Any] = [None] * _world
-    dist.all_gather_object(everyone, sorted(_proposals), group=_group)
+    with torch._C.DisableTorchFunction():
+        dist.all_gather_object(everyone, sorted(_proposals), group=_group)
     _proposals.clear()
     keys = {k for ks in everyone for k in (ks or ())}
     for fn in list(_listeners):

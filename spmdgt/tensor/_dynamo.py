@@ -61,17 +61,18 @@ def install(cls) -> None:
 def _coerce_tangents_to(cls) -> None:
     """A compiled backward expects each gradient with the metadata (placements) and type it
     guessed; DTensor's own coercion redistributes but declines a change of type, and
-    gradients the autograd engine builds outside spmdgt's calls are plain DTensors. Let it
-    coerce a DTensor to ``cls`` (a redistribute, then spmdgt's class)."""
+    gradients the autograd engine builds outside spmdgt's calls are plain DTensors, while
+    those built inside are ``cls``. Let it coerce between DTensor and ``cls`` (a
+    redistribute, then the expected class)."""
     from torch.distributed.tensor import DTensor
 
     original = DTensor.__coerce_same_metadata_as_tangent__
 
     def coerce(self, flatten_spec, expected_type=None):
-        if expected_type is cls:
+        if expected_type is cls or (expected_type is DTensor and type(self) is cls):
             out = original(self, flatten_spec)
-            if type(out) is DTensor:
-                out.__class__ = cls
+            if type(out) in (DTensor, cls):
+                out.__class__ = expected_type
             return out
         return original(self, flatten_spec, expected_type)
 

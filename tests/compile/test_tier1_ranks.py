@@ -48,3 +48,39 @@ def test_ranks_that_count_different_ops_compile_at_the_same_call(tmp_path):
     assert n0 == n1 == 1
     assert at0 == at1, (at0, at1)  # the same call on both ranks
     assert at0[0] == 0  # proposed during the first calls, compiled only after an agreement
+
+
+def _runtime_failure_on_one_rank(rank, world):
+    import spmdgt as gt
+    import spmdgt.compile as gt_compile
+
+    def backend(gm, example_inputs):  # rank 1's graphs fail when they run, rank 0's do not
+        def run(*args):
+            if rank == 1:
+                raise RuntimeError("kernel failed on rank 1")
+            return gm.forward(*args)
+
+        return run
+
+    a, b = torch.full((8, 8), 0.5), torch.full((8, 8), 0.25)
+    ref = _work(a, b, 0)
+    gt_compile.enable(backend=backend, every=2, hot_at=4)
+    try:
+        ok = True
+        for _ in range(8):
+            ok = ok and torch.equal(_work(a, b, 0), ref)
+            gt.zeros(2)  # an agreement point
+        st = gt_compile.stats()
+    finally:
+        gt_compile.disable()
+    return ok, st["fallbacks"], st["graph_runs"]
+
+
+def test_a_runtime_failure_on_one_rank_is_a_fallback_on_every_rank(tmp_path):
+    (ok0, fb0, runs0), (ok1, fb1, runs1) = run_ranks(
+        _runtime_failure_on_one_rank, 2, tmp_path, timeout=240
+    )
+    assert ok0 and ok1  # eager's values on both ranks, before and after the fallback
+    assert fb1 == {"runtime error: RuntimeError: kernel failed on rank 1": 1}, fb1
+    assert fb0 == {"another rank's graph failed at run time": 1}, fb0
+    assert runs0 == runs1 == 1  # the one failing run; eager on both ranks from then on

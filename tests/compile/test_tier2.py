@@ -216,9 +216,45 @@ def test_two_ranks_sharded_region_and_a_one_rank_compile_failure(tmp_path):
     for rank, (sharded, plain, st) in enumerate(res):
         np.testing.assert_allclose(sharded, ref.numpy(), rtol=1e-6, atol=1e-6)
         assert plain == pytest.approx(ref.sum().item(), rel=1e-6)
-        assert st["regions_seen"] == 1  # the sharded ops were never recorded
+        assert st["regions_seen"] == 1  # sharded ops mixed with plain b are not recorded
         if rank == 0:
             assert st["compiled"] == 1 and st["fallbacks"] == {}
         else:
             [(reason, n)] = st["fallbacks"].items()
             assert n == 1 and "only rank 1 fails" in reason and st["eager_runs"] == 1
+
+
+def _small(a, b):
+    c = torch.zeros_like(a)
+    for _ in range(10):
+        c = c * b + a
+    return c
+
+
+def test_both_tiers_together(regions):
+    # tier 1 compiles _small (hot); tier 2 records the big ops around it, and a hot function
+    # called with a pending result that needs grad takes the graph with a backward
+    torch.manual_seed(0)
+    a, b = torch.rand(8, 8), torch.rand(8, 8)
+    x = torch.randn(300, 300, requires_grad=True)
+    ref_small = _small(a, b)
+    xr = x.detach().clone().requires_grad_()
+    ref = _small(torch.sin(xr) * 0.5 + xr * 0.1, torch.sin(xr) * 0.5 + xr * 0.1).sum()
+    ref.backward()
+    gt_compile.enable(backend="aot_eager", every=2, hot_at=4)
+    try:
+        regions(batch=64)
+        losses = []
+        for _ in range(12):
+            assert torch.equal(_small(a, b), ref_small)
+            y = torch.sin(x) * 0.5 + x * 0.1  # 90,000 elements: recorded
+            losses.append(_small(y, y).sum())
+        total = sum(losses)
+        total.backward()
+        t1, t2 = gt_compile.stats(), _reg()
+    finally:
+        gt_compile.disable()
+    assert total.item() == pytest.approx(12 * ref.item(), rel=1e-5)
+    torch.testing.assert_close(x.grad, 12 * xr.grad, rtol=1e-5, atol=1e-5)
+    assert t1["compiled"] >= 1 and t1["graph_runs"] >= 10 and not t1["fallbacks"], t1
+    assert t2["graph_runs"] >= 10 and not t2["fallbacks"], t2

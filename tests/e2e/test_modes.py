@@ -7,7 +7,9 @@ A fresh pytest process each, so the pass is on from ``import spmdgt`` as a user'
 
 - tier 1: ``GT_AUTO_COMPILE=1`` (inductor);
 - tier 2: ``GT_WORKER_BATCH_SIZE=16`` with ``GT_LAZY_MIN_NUMEL=1``, so the tests' small tensors
-  are recorded too (hundreds of regions: ``aot_eager`` keeps the compiles short).
+  are recorded too, plain and sharded (hundreds of regions: ``aot_eager`` keeps the compiles
+  short);
+- both tiers at once (``aot_eager``).
 """
 
 from __future__ import annotations
@@ -23,18 +25,17 @@ ROOT = Path(__file__).resolve().parents[2]
 SUBSET = ["tests/core/test_exactness_dist.py", "tests/core/test_signals_dist.py"]
 
 
-MODES = {
-    "tier1": ({"GT_AUTO_COMPILE": "1"}, "] compiled "),
-    "tier2": (
-        {"GT_WORKER_BATCH_SIZE": "16", "GT_LAZY_MIN_NUMEL": "1", "GT_COMPILE_BACKEND": "aot_eager"},
-        "region batch: compiled",
-    ),
+_TIER2 = {"GT_WORKER_BATCH_SIZE": "16", "GT_LAZY_MIN_NUMEL": "1", "GT_COMPILE_BACKEND": "aot_eager"}
+MODES = {  # the environment, and what GT_DEBUG_COMPILE prints when that tier did compile
+    "tier1": ({"GT_AUTO_COMPILE": "1"}, ["] compiled "]),
+    "tier2": (_TIER2, ["region batch: compiled", "(sharded)"]),
+    "both": ({**_TIER2, "GT_AUTO_COMPILE": "1"}, ["] compiled ", "(sharded)"]),
 }
 
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_subset_passes_with_the_pass_on(mode):
-    extra, proof = MODES[mode]
+    extra, proofs = MODES[mode]
     env = {**os.environ, **extra, "GT_DEBUG_COMPILE": "1", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", *SUBSET]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
@@ -46,4 +47,5 @@ def test_subset_passes_with_the_pass_on(mode):
             if ln.startswith(("FAILED", "ERROR")) or "Error:" in ln or "timed out" in ln
         ]
         raise AssertionError("\n".join(keep[-60:]) + "\n...\n" + out[-3000:])
-    assert proof in out, out[-3000:]  # the pass did compile in the forked ranks
+    for proof in proofs:
+        assert proof in out, (proof, out[-3000:])  # the pass did compile in the forked ranks
