@@ -328,13 +328,17 @@ class Region:
             if n.index in live:
                 outs.append(remap[n.index])
                 plan.outputs.append(live[n.index])
-        ins = tuple(
-            (tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad, _sharded.layout(t))
-            for t in plan.inputs
-        )
+        ins = tuple(_inkey(t) for t in plan.inputs)
         plan.base = (tuple(keyed), ins, tuple(outs), plan.grad, tuple(plan.float_dtypes))
         plan.ops = len(plan.nodes)
         return plan
+
+
+def _inkey(t: torch.Tensor) -> tuple:
+    spec = _sharded.layout(t)
+    if spec is not None:  # global shape, stride, dtype, placements and mesh
+        return (spec, t.requires_grad)
+    return (tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad)
 
 
 def _dkey(d: tuple) -> Any:
@@ -343,7 +347,8 @@ def _dkey(d: tuple) -> Any:
 
 def _mkey(a: Any, d: tuple) -> Any:
     if d[0] in ("I", "n"):
-        return ("t", tuple(a.shape), a.stride(), a.dtype, _sharded.layout(a))
+        spec = _sharded.layout(a)
+        return ("t", tuple(a.shape), a.stride(), a.dtype) if spec is None else ("d", spec)
     if d[0] == "F":
         return ("f",)
     return _ckey(a)

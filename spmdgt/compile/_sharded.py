@@ -33,44 +33,56 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from spmdgt._core import scope as _scope
+
 __all__ = ["Join", "fill", "implicit", "layout", "out_spec", "recordable", "zeros"]
 
 _CAP = 4096
 _MISSING = object()
 _specs: OrderedDict[Any, Any] = OrderedDict()
-_whole: dict[Any, bool] = {}
+_whole: dict[int, tuple[Any, bool]] = {}
 
 
 def recordable(func: Any, mesh: Any) -> bool:
     """Whether a call on DTensors of ``mesh`` may be recorded: a mesh spanning the world
     (every rank then records it), and an op ``gt.Tensor`` runs as DTensor does (no fallback,
     no mesh move inside the active signal's scope)."""
-    whole = _whole.get(mesh)
-    if whole is None:
+    got = _whole.get(id(mesh))
+    if got is None or got[0] is not mesh:  # keyed by id, the mesh held: hashing one costs
         from spmdgt.runtime._state import get_runtime
 
-        whole = _whole[mesh] = mesh.size() == get_runtime().world_size
-    if not whole:
+        got = _whole[id(mesh)] = (mesh, mesh.size() == get_runtime().world_size)
+    if not got[1]:
         return False
-    from spmdgt._core import scope as _scope
-    from spmdgt.tensor import _optable
-
-    if _optable.route(func) != 0:
+    if _route(func) != 0:
         return False
     if _scope._stack:
-        from spmdgt.tensor._tensor import _signal_mesh
-
         dst = _signal_mesh()[0]
         if dst is not None and dst is not mesh:
             return False
     return True
 
 
+def _route(func: Any) -> int:
+    global _route
+    from spmdgt.tensor._optable import route
+
+    _route = route
+    return route(func)
+
+
+def _signal_mesh() -> Any:
+    global _signal_mesh
+    from spmdgt.tensor._tensor import _signal_mesh as signal_mesh
+
+    _signal_mesh = signal_mesh
+    return signal_mesh()
+
+
 def layout(t: torch.Tensor) -> Any:
-    """A DTensor's part of a region key: its placements and mesh (None for a plain tensor)."""
-    if isinstance(t, DTensor):
-        return (tuple(t._spec.placements), t._spec.mesh)
-    return None
+    """A DTensor's part of a key: its spec (global shape, stride, dtype, placements, mesh;
+    its hash is cached), None for a plain tensor."""
+    return t._spec if isinstance(t, DTensor) else None
 
 
 @contextlib.contextmanager
@@ -124,9 +136,9 @@ def placeholder(spec: Any, shape: tuple, stride: tuple, device: torch.device) ->
 
     with torch._C.DisableTorchFunction():
         loc = torch.empty_strided(shape, stride, dtype=spec.tensor_meta.dtype, device=device)
-    p = DTensor(loc, spec, requires_grad=False)
-    p.__class__ = Tensor
-    return p
+    # DTensor's own constructor (C++), without the call of DTensor.__init__, which does nothing
+    # but costs a torch._disable_dynamo wrapper (~3 us) per placeholder
+    return DTensor.__new__(Tensor, loc, spec, requires_grad=False)
 
 
 def _like(t: torch.Tensor) -> tuple:
