@@ -82,7 +82,7 @@ class _Pass:
         from spmdgt.interceptor import _control
 
         if not self.p._ic.active:
-            _control.enable(stats=False, hotpath=False, level=self.level)
+            _control.enable(stats=False, hotpath=False, level=self.level, sampling_only=True)
         if self.p.hook.hot:
             self.p.hook.install()
 

@@ -81,7 +81,7 @@ def enable(
         from spmdgt.interceptor import _native
 
         level = os.environ.get("GT_INTERCEPT") or ("native" if _native.available() else "torch")
-        _control.enable(stats=False, hotpath=False, level=level)
+        _control.enable(stats=False, hotpath=False, level=level, sampling_only=True)
     from spmdgt.compile._lazy import env_int
 
     p = HotFunctionPass(

@@ -109,6 +109,7 @@ def enable(
     level: str | None = None,
     tape_size: int | None = None,
     trace_dir: str | None = None,
+    sampling_only: bool = False,
 ) -> None:
     """Turn the interceptor on with the given tools (tools already on stay on).
 
@@ -118,6 +119,9 @@ def enable(
     cheap), "aten" (every ATen op) or "native" (compiled observer; falls back to "torch" with a
     verbose line when it cannot be built); ``trace_dir``: besides ``run_dir``, the folder trace
     requests may write into (default ``GT_TRACE_DIR``; a request naming any other is ignored).
+    ``sampling_only``: the caller (the compile pass) needs the stack samples alone: with no
+    tool asked for now or on before, the native observer records nothing (it counts); a later
+    call that asks for a tool restarts it recording.
     """
     from spmdgt.interceptor._mode import env_rank, get_interceptor
     from spmdgt.interceptor._stats import StatsSink
@@ -140,7 +144,9 @@ def enable(
         ic.seq = 0
         ic.phase = "fwd"
         ic.fresh = True
-    ic.start(level)
+    events = getattr(_tools.get("stats"), "events", None) is not None  # Python stats are on
+    tools = stats or instruction_log or run_dir or debug_ops or events or _tools.keys() - {"stats"}
+    ic.start(level, count_only=level == "native" and sampling_only and not tools)
     size = tape_size or int(os.environ.get("GT_TAPE_SIZE", "1000") or 1000)
     if ic.level == "native":
         # Counters cost nothing extra in C++: always on. Hot paths and the tape need every
@@ -152,8 +158,16 @@ def enable(
             counters = _tools["stats"] = ic.add_sink(NativeCounters(ic._native))
         if stats and getattr(counters, "events", True) is None:
             counters.events = ic.add_sink(StatsSink(tape_size=size, hotpath=hotpath))
-    elif (stats or run_dir) and "stats" not in _tools:
-        _tools["stats"] = ic.add_sink(StatsSink(tape_size=size, hotpath=hotpath))
+    else:
+        old = _tools.get("stats")
+        if old is not None and getattr(old, "native", False):
+            # the C++ counters of a native session this one left: they count nothing now
+            ic.remove_sink(old)
+            if getattr(old, "events", None) is not None:
+                ic.remove_sink(old.events)
+            del _tools["stats"]
+        if (stats or run_dir) and "stats" not in _tools:
+            _tools["stats"] = ic.add_sink(StatsSink(tape_size=size, hotpath=hotpath))
     if instruction_log and "log" not in _tools:
         from spmdgt.interceptor._instruction_log import InstructionLogSink, header, rank_path
 

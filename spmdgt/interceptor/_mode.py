@@ -262,6 +262,7 @@ class Interceptor:
         self._lock = threading.RLock()
         self._froze_gc = False  # tick callbacks add/remove sinks
         self._native: Any = None  # the compiled observer while level == "native"
+        self.count_only = False  # native level: counting and sampling only (see start)
         self.fresh = True  # the next start begins a session (native: counters from zero)
         self._batch = _BATCH  # events buffered before a drain (less while an alarm is near)
         self._alarm: tuple[int, Callable[[], None]] | None = None
@@ -387,13 +388,21 @@ class Interceptor:
             self._native.set_keep(1 << 16 if want else 0)
 
     # -- switch -----------------------------------------------------------------------------
-    def start(self, level: str = "torch") -> None:
+    def start(self, level: str = "torch", count_only: bool | None = None) -> None:
         """Start recording (``level`` "torch": cheap, escalating; "aten": every ATen op;
-        "native": the compiled observer, see ``_native``; raises if it is unavailable)."""
+        "native": the compiled observer, see ``_native``; raises if it is unavailable).
+
+        ``count_only`` (native level): the observer counts ops and samples the stack for the
+        compile pass but records nothing (~0.1 us an op instead of ~0.45 us): for the pass
+        alone, with no tool on. None keeps the current choice (a restart keeps it)."""
         if level not in ("torch", "aten", "native"):
             raise ValueError(
                 f"interceptor level must be 'torch', 'aten' or 'native', got {level!r}"
             )
+        if count_only is not None:
+            if self.active and count_only != self.count_only:
+                self.stop(close_sinks=False)  # restarted below in the other mode
+            self.count_only = count_only
         if self.active:
             if level == self.level:
                 return
@@ -409,7 +418,7 @@ class Interceptor:
             if self.fresh:  # enable() began a session; a restart continues its numbering
                 ext.reset_counters()
                 self.fresh = False
-            ext.start(env_rank()[0], self.origin_ns, True, 0)
+            ext.start(env_rank()[0], self.origin_ns, True, 0, count_only=self.count_only)
             self._sync_keep()
             signal = _signal_provider()()
             ext.set_signal(signal)

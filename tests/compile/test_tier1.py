@@ -250,3 +250,23 @@ def test_a_restarted_interceptor_does_not_count_a_function_hot_twice(compile_pas
     hot = gt_compile._pass.hook.hot  # (the test function may turn hot too: it calls small)
     assert small.__code__ in hot and st["hot"] == len(hot), st  # each code counted once
     assert (st["compiled"], st["cache_misses"]) == (1, 1), st
+
+
+def test_the_pass_alone_counts_and_a_tool_turns_recording_on(compile_pass):
+    # With no tool on, the native observer only counts and samples for the pass (~0.1 us an
+    # op instead of a record's ~0.45 us); asking for a tool later restarts it recording.
+    import spmdgt as gt
+    from spmdgt.interceptor._mode import get_interceptor
+
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+    compile_pass()
+    ic = get_interceptor()
+    assert ic.count_only == (ic.level == "native")
+    _call_until_compiled(small, a, b)  # the samples still find the hot function
+    _control.enable(stats=True)
+    assert not ic.count_only and ic.active
+    c = torch.ones(3) * 2.0 + 1.0
+    assert c.sum().item() == 9.0
+    ops = gt.debug.get_worker_stats()[0]["operations"]
+    assert ops["eager"] > 0 and ops["compiled"] > 0, ops
+    assert gt_compile.stats()["compiled"] == 1

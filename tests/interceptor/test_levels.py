@@ -134,3 +134,24 @@ def test_record_function_is_no_op_at_any_level(level, mul):
         interceptor.disable()
         get_interceptor().level = "torch"
     assert dict(stats["top_ops"]) == {mul: 1} and stats["by_kind"] == {"elementwise": 1}
+
+
+@needs_native
+def test_a_switch_from_native_to_torch_counts_with_the_new_level():
+    # the native session's C++ counters were kept as the stats after a switch to the torch
+    # level (they count nothing there): the operation totals then read 0
+    import spmdgt.interceptor as interceptor
+    from spmdgt import debug
+
+    interceptor.enable(stats=True, level="native")
+    try:
+        c = torch.ones(4, 4)
+        for _ in range(10):
+            c = c * 2.0
+        interceptor.enable(stats=True, level="torch")
+        for _ in range(25):
+            c = c + 1.0
+        total = debug.get_worker_stats()[0]["operations"]["total"]
+    finally:
+        interceptor.disable()
+    assert total >= 25, total

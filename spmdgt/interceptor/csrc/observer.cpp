@@ -480,6 +480,9 @@ bool sample_stack() {
   return hot;
 }
 
+bool sample_due(int level);
+void callback_if(bool call, int level);
+
 void on_end(const at::RecordFunction& fn, at::ObserverContext* c) {
   int64_t t1 = now_ns();
   auto* ctx = static_cast<Ctx*>(c);
@@ -555,18 +558,31 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* c) {
       g_next_tick = t1 + kTickNs;
     }
   }
-  // Python sinks run on the rank's own thread, at a top-level op's end. torch's Python bindings
-  // release the GIL around each op, so that thread takes it back here (as torch's own Python
-  // hooks do); a backward worker never waits for the GIL: its records wait for the next drain.
-  bool own = PyGILState_Check() || std::this_thread::get_id() == g_main_thread;
-  if (g_sample_every > 0 && ctx->level == 0 && !t_in_callback &&
+  if (sample_due(ctx->level)) call = true;
+  callback_if(call, ctx->level);
+}
+
+// Every g_sample_every-th level-0 op on the rank's own thread: one stack sample (GIL taken).
+// Whether a code became hot (the Python callback then takes it).
+bool sample_due(int level) {
+  if (g_sample_every > 0 && level == 0 && !t_in_callback &&
       std::this_thread::get_id() == g_main_thread && --g_sample_left <= 0) {
     g_sample_left = g_sample_every;
     PyGILState_STATE st = PyGILState_Ensure();
-    if (sample_stack()) call = true;
+    bool hot = sample_stack();
     PyGILState_Release(st);
+    return hot;
   }
-  if (call && ctx->level == 0 && own) {
+  return false;
+}
+
+// Python sinks run on the rank's own thread, at a top-level op's end. torch's Python bindings
+// release the GIL around each op, so that thread takes it back here (as torch's own Python
+// hooks do); a backward worker never waits for the GIL: its records wait for the next drain.
+void callback_if(bool call, int level) {
+  if (!call) return;
+  bool own = PyGILState_Check() || std::this_thread::get_id() == g_main_thread;
+  if (level == 0 && own) {
     t_in_callback = true;
     try {
       py::gil_scoped_acquire gil;
@@ -581,7 +597,7 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* c) {
     } catch (...) {
     }
     t_in_callback = false;
-  } else if (call) {
+  } else {
     std::lock_guard<std::mutex> g(g_mu);
     g_next_tick = 0;  // retry at the next top-level op on the rank's thread
   }
@@ -591,6 +607,28 @@ std::unique_ptr<at::ObserverContext> on_noop_start(const at::RecordFunction&) {
   return nullptr;
 }
 void on_noop_end(const at::RecordFunction&, at::ObserverContext*) {}
+
+// ---- count only (the compile pass's sampling with no tool on): no inputs, no record ------------
+// RecordFunction without inputs costs ~0.1 us an op against ~0.45 us for a full record; the
+// nesting (what is a top-level op) and the sampling are the full path's.
+struct CountCtx : at::ObserverContext {};
+std::atomic<uint64_t> g_counted{0};  // ops counted (counts() adds them to g_total)
+bool g_count_only = false;
+
+std::unique_ptr<at::ObserverContext> on_count_start(const at::RecordFunction& fn) {
+  if (t_in_callback || g_paused.load(std::memory_order_relaxed)) return nullptr;
+  const CacheSlot& slot = name_id(fn);
+  if (slot.skip) return nullptr;
+  ++t_depth;
+  return std::make_unique<CountCtx>();
+}
+
+void on_count_end(const at::RecordFunction&, at::ObserverContext* c) {
+  if (c == nullptr) return;
+  int level = --t_depth > 0 ? 1 : 0;
+  g_counted.fetch_add(1, std::memory_order_relaxed);
+  if (level == 0) callback_if(sample_due(0), 0);
+}
 
 std::unique_ptr<at::ObserverContext> on_bwd_start(const at::RecordFunction&) {
   ++t_bwd;
@@ -697,7 +735,8 @@ py::tuple spec_tuple(const Spec* s, int n) {
 }
 
 // ---- Python API -----------------------------------------------------------------------------
-void start(int rank, int64_t origin_ns, bool record_outputs, size_t keep, int noop) {
+void start(int rank, int64_t origin_ns, bool record_outputs, size_t keep, int noop,
+           bool count_only) {
   std::lock_guard<std::mutex> g(g_mu);
   if (g_enabled) throw std::runtime_error("native observer already started");
   if (!g_table.loaded) throw std::runtime_error("native observer: set_table() was not called");
@@ -712,6 +751,12 @@ void start(int rank, int64_t origin_ns, bool record_outputs, size_t keep, int no
   g_out.reserve(kFlushEvery * 128);
   g_next_tick = now_ns() + kTickNs;
   g_enabled = true;
+  g_count_only = count_only;
+  if (count_only) {  // the compile pass's sampling alone: counts, nesting, samples; no record
+    g_handle = at::addGlobalCallback(at::RecordFunctionCallback(on_count_start, on_count_end)
+                                         .scopes({at::RecordScope::FUNCTION}));
+    return;
+  }
   if (noop) {  // measurement only: the cost of the callbacks themselves (1: with inputs)
     g_handle = at::addGlobalCallback(at::RecordFunctionCallback(on_noop_start, on_noop_end)
                                          .needsInputs(noop == 1)
@@ -822,6 +867,7 @@ void reset_counters() {
   std::lock_guard<std::mutex> g(g_mu);
   g_seq = 0;
   g_total = 0;
+  g_counted.store(0);
   g_dropped = 0;
   g_stats.clear();
   g_busy = g_child_comm = g_last = 0;
@@ -923,7 +969,7 @@ py::list drain() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("start", &start, py::arg("rank"), py::arg("origin_ns"), py::arg("record_outputs") = true,
-        py::arg("keep") = 0, py::arg("noop") = 0);
+        py::arg("keep") = 0, py::arg("noop") = 0, py::arg("count_only") = false);
   m.def("stop", &stop);
   m.def("reset_counters", &reset_counters);
   m.def("counters", &counters);
@@ -959,7 +1005,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.def("counts", []() {
     std::lock_guard<std::mutex> g(g_mu);
-    return py::make_tuple(g_total, g_dropped);
+    return py::make_tuple(g_total + g_counted.load(), g_dropped);
   });
   m.def("now_ns", &now_ns);
   m.def("set_paused", [](bool p) { g_paused.store(p); });
