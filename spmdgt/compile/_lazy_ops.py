@@ -89,15 +89,21 @@ _POINTWISE = [
 ]
 # reductions: fused by inductor (the order of a float sum may change: see the tolerance)
 _REDUCE = ["sum", "mean", "amax", "amin", "softmax", "log_softmax"]
+# matrix products: not fused themselves, but the pointwise ops around them are (a bias and an
+# activation ride along); on sharded tensors DTensor's collectives come into the graph
+_MATMUL = ["matmul", "mm", "bmm", "addmm"]
 _FUNCTIONAL = (F.gelu, F.silu, F.relu, F.softplus, F.leaky_relu, F.elu, F.mish, F.softmax,
-               F.log_softmax, F.hardtanh, F.sigmoid, F.tanh)  # fmt: skip
+               F.log_softmax, F.hardtanh, F.sigmoid, F.tanh, F.linear)  # fmt: skip
 # Tensor-only spellings of the operators (``x * 2`` arrives as ``Tensor.mul``)
-_DUNDER = "__rsub__ __rdiv__ __rtruediv__ __rpow__ __pow__ __mod__ __rmod__ __and__ __or__ __xor__"
+_DUNDER = (
+    "__rsub__ __rdiv__ __rtruediv__ __rpow__ __pow__ __mod__ __rmod__ __and__ __or__ __xor__ "
+    "__matmul__ __rmatmul__"
+)
 
 
 def _build() -> dict[Any, int]:
     table: dict[Any, int] = {}
-    for name in _POINTWISE + _REDUCE:
+    for name in _POINTWISE + _REDUCE + _MATMUL:
         for owner in (torch, _T):
             fn = getattr(owner, name, None)
             if fn is not None:

@@ -136,7 +136,10 @@ class Region:
         device = None
         rg = False
         mesh = None  # the DTensor arguments' one mesh (a sharded call)
-        plain = False  # a real plain tensor with dims (not a scalar) among the arguments
+        # a real plain tensor that needs grad among the arguments: with sharded ones, gt.Tensor
+        # lifts it (its gradient stays plain), which a graph does not; others are replicated
+        # values in both
+        plain = False
         for a in (*args, *kwargs.values()):
             if isinstance(a, torch.Tensor):
                 node = a.__dict__.get("_gt_lazy")
@@ -148,7 +151,7 @@ class Region:
                         mesh = m
                     elif m is not mesh:
                         return None
-                elif node is None and (a.dim() or a.requires_grad):
+                elif node is None and a.requires_grad:
                     plain = True
                 if node is not None:
                     lazy = True

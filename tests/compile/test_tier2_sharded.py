@@ -148,3 +148,45 @@ def test_runtime_failures(tmp_path):
     for msg in run_ranks(_runtime, 2, tmp_path, True, env=ENV):
         assert "lazy region 'rows'" in msg and "moves data between ranks" in msg, msg
         assert "GT_COMPILE=0" in msg
+
+
+def _mlp(x, w1, b1, w2):
+    return torch.nn.functional.gelu(x @ w1 + b1) @ w2
+
+
+def _matmuls(rank, world):
+    import spmdgt as gt
+    import spmdgt.compile as gt_compile
+
+    assert gt_compile.enable_regions(backend="aot_eager")
+    gt.register_config("rows", gt.SignalConfig(shard=gt.ShardConfig(axis=0), compile=True))
+    gt.register_config("cols", gt.SignalConfig(shard=gt.ShardConfig(axis=1)))
+    xa, _ = _data()
+    g = torch.Generator().manual_seed(1)
+    w1, b1 = torch.randn(COLS, 64, generator=g), torch.randn(64, generator=g)
+    w2 = torch.randn(64, 8, generator=g, requires_grad=True)
+    with gt.signal.context("cols"):
+        w1s = gt.from_numpy(w1.numpy())  # Shard(1): the product moves data in the graph
+    with gt.signal.context("rows"):
+        x = gt.from_numpy(xa.numpy(), requires_grad=True)
+        # plain b1 is a replicated value inside the graph; plain w2 needs grad: not recorded
+        loss = _mlp(x, w1s, b1, w2).sum()
+        loss.backward()
+        out = loss.item(), x.grad.numpy(), w2.grad.numpy()
+    return out, gt_compile.stats()["regions"]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_matmuls_and_plain_values_in_sharded_regions(tmp_path, world):
+    xa, _ = _data()
+    g = torch.Generator().manual_seed(1)
+    w1, b1 = torch.randn(COLS, 64, generator=g), torch.randn(64, generator=g)
+    w2 = torch.randn(64, 8, generator=g, requires_grad=True)
+    x = xa.clone().requires_grad_()
+    ref = _mlp(x, w1, b1, w2).sum()
+    ref.backward()
+    for (value, gx, gw2), st in run_ranks(_matmuls, world, tmp_path, env=ENV):
+        assert value == pytest.approx(ref.item(), rel=1e-5)
+        np.testing.assert_allclose(gx, x.grad.numpy(), rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(gw2, w2.grad.numpy(), rtol=1e-4, atol=1e-4)
+        assert st["compiled"] >= 1 and st["ops_captured"] >= 3 and not st["fallbacks"], st
