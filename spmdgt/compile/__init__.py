@@ -10,10 +10,11 @@ eager (on every rank when any rank failed). Functions the user compiled are left
 ``_backend`` (the counted backend), ``_consensus`` (the agreement), ``_stats`` (the counters).
 
 Tier 2, lazy regions (YAML ``compile: true`` scopes, ``GT_WORKER_BATCH_SIZE=N`` or
-``enable_regions()``): ops on large plain tensors are recorded, their results are placeholders,
-and at a sync point the region runs as one compiled graph (``_lazy``: the hook and sync points;
-``_region``: recording and placeholders; ``_graphs``: keys, caps, compile, fallback;
-``_lazy_ops``: what may be recorded).
+``enable_regions()``): ops on large tensors, plain or sharded, are recorded, their results are
+placeholders, and at a sync point the region runs as one compiled graph (``_lazy``: the hook
+and sync points; ``_region``: recording and placeholders; ``_sharded``: layouts, agreement and
+autograd of graphs over DTensors; ``_graphs``: keys, caps, compile, fallback; ``_lazy_ops``:
+what may be recorded). Both tiers may run at once.
 
 Environment (read by ``maybe_enable_from_env``, which ``import spmdgt`` reaches through the
 interceptor's start-up; with none of these set nothing here is imported):

@@ -12,6 +12,10 @@ inputs' metadata, grad mode, constants) for ``_graphs`` to key, compile and run;
 then puts the results into the placeholders (``copy_`` where a result needs grad, so the
 placeholder's ``grad_fn`` leads into the compiled backward; ``set_`` otherwise).
 
+A region is plain or sharded: calls on ``gt.Tensor``s of one mesh make a sharded region, whose
+placeholders are ``gt.Tensor``s laid out as DTensor's propagation says (``_sharded``); a call
+that would mix the two, or two meshes, ends the region and starts the next.
+
 Region inputs are held strongly until the region runs (their ids are stable while held, so the
 de-duplication by id below is sound), and their version counters are checked at the sync: an
 input changed in place behind the function layer (C++ code) raises instead of giving a result
