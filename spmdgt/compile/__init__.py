@@ -14,7 +14,7 @@ Tier 2, lazy regions (YAML ``compile: true`` scopes, ``GT_WORKER_BATCH_SIZE=N`` 
 placeholders, and at a sync point the region runs as one compiled graph (``_lazy``: the hook
 and sync points; ``_region``: recording and placeholders; ``_sharded``: layouts, agreement and
 autograd of graphs over DTensors; ``_graphs``: keys, caps, compile, fallback; ``_lazy_ops``:
-what may be recorded). Both tiers may run at once.
+what may be recorded). Tier 2 stays off while tier 1 runs.
 
 Environment (read by ``maybe_enable_from_env``, which ``import spmdgt`` reaches through the
 interceptor's start-up; with none of these set nothing here is imported):
@@ -92,9 +92,6 @@ def enable(
     )
     p.start(ic)
     _pass = p
-    from spmdgt.compile import _region
-
-    _region.tier1 = True
     global _atexit
     if not _atexit:  # the frame hook must be out before the interpreter tears modules down
         import atexit
@@ -102,6 +99,9 @@ def enable(
         atexit.register(disable)
         _atexit = True
     _provide()
+    if _regions is not None:  # see enable_regions
+        _note("tier 1 on: lazy regions off (the two together are not exact yet)")
+        disable_regions()
     _note(
         f"compile pass on (tier 1, backend {p.backend_name}, a sample every {p.every} ops, "
         f"hot at {p.hot_at} samples, interceptor level {ic.level})"
@@ -113,9 +113,6 @@ def disable() -> None:
     global _pass
     p, _pass = _pass, None
     if p is not None:
-        from spmdgt.compile import _region
-
-        _region.tier1 = False
         p.stop()
         _provide()
 
@@ -132,8 +129,10 @@ def enable_regions(
     ``batch`` (``GT_WORKER_BATCH_SIZE``), everywhere, a region running at ``batch`` recorded
     ops at most. Returns whether it is on: not with ``GT_COMPILE=0`` nor while tier 1 runs."""
     global _regions
-    if compile_disabled():
-        _note("lazy regions off: GT_COMPILE=0")
+    # Not while tier 1 runs: the OpInfo sweep with both on (every op recorded) found hangs
+    # and rare wrong values on sub-meshes and empty shards, each tier alone none.
+    if compile_disabled() or _pass is not None:
+        _note("lazy regions off: " + ("GT_COMPILE=0" if _pass is None else "tier 1 is on"))
         return False
     if _regions is not None:
         return True
@@ -218,15 +217,17 @@ def compile_disabled() -> bool:
 
 
 def maybe_enable_from_env() -> bool:
-    """``GT_AUTO_COMPILE=1``: ``enable()``; ``GT_WORKER_BATCH_SIZE=n``: ``enable_regions(n)``
-    (both may be set; neither runs with ``GT_COMPILE=0``). Returns whether tier 1 is on."""
+    """``GT_AUTO_COMPILE=1``: ``enable()``; else ``GT_WORKER_BATCH_SIZE=n``:
+    ``enable_regions(n)`` (neither with ``GT_COMPILE=0``; tier 1 wins when both are set).
+    Returns whether tier 1 is on."""
     raw = (os.environ.get("GT_AUTO_COMPILE") or "").strip().lower()
-    if raw not in ("", "0", "false", "no", "off"):
-        enable()
-    if (os.environ.get("GT_WORKER_BATCH_SIZE") or "").strip():
-        from spmdgt.compile._lazy import env_int
+    if raw in ("", "0", "false", "no", "off"):
+        if (os.environ.get("GT_WORKER_BATCH_SIZE") or "").strip():
+            from spmdgt.compile._lazy import env_int
 
-        enable_regions(batch=env_int("GT_WORKER_BATCH_SIZE", 1))
+            enable_regions(batch=env_int("GT_WORKER_BATCH_SIZE", 1))
+        return False
+    enable()
     return is_enabled()
 
 

@@ -15,7 +15,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from spmdgt._core import scope as _scope
 from spmdgt.compile._stats import CompileStats
 
 __all__ = ["CountingBackend"]
@@ -62,9 +61,6 @@ class _Runner:
         self._first = True
 
     def __call__(self, *args: Any) -> Any:
-        sync = _scope.lazy_sync
-        if sync is not None:  # tier 2 runs too: its open region runs first (pending inputs)
-            sync("a tier-1 graph")
         st = self._owner._stats
         st.graph_runs += 1
         st.compiled_ops += self._ops

@@ -17,10 +17,10 @@ removed after, so the rest of the program pays nothing.
 
 While a region holds ops, ``torch.compiler`` is set to the ``force_eager`` stance: a function
 the user compiled, called with a pending result, would otherwise read it from C++ before it is
-filled; run eagerly, its ops reach the hook, which fills the result first. The same holds for
-tier 1's compiled functions, so both tiers may run together: placeholders exist only while a
-region is open, and then no compiled frame runs; a tier-1 function called then runs eagerly and
-its ops join the region.
+filled; run eagerly, its ops reach the hook, which fills the result first. Tier 2 stays off
+while tier 1 (``GT_AUTO_COMPILE``) runs: dynamo's frames of hot functions read their inputs
+from C++ and pick graphs by guards no hook sees, and the OpInfo sweep with both on found hangs
+and rare wrong values on sub-meshes and empty shards.
 
 Ops on ``gt.Tensor``s of a mesh spanning the world are recorded too (``_sharded``: placements
 from a meta run, collectives inside the graph); their graphs have their own cache, which sees
@@ -175,13 +175,14 @@ class LazyPass:
             self._close()
 
     def _open(self) -> None:
-        """A region holds ops: compiled code runs eagerly until it is filled (user-compiled
-        functions by dynamo's ``force_eager`` stance; tier 1's graphs fill it first)."""
+        """A region holds ops: user-compiled functions run eagerly until it is filled
+        (dynamo's ``force_eager`` stance)."""
         from torch._dynamo import eval_frame
 
         self._stance = eval_frame._stance
-        # what torch.compiler.set_stance("force_eager") sets; it refuses while tier 1's frame
-        # hook is in, but the stance only decides how a compiled function's next call runs
+        # what torch.compiler.set_stance("force_eager") sets; it refuses while any dynamo
+        # callback is set (a region opening in the eager part of a function the user compiled),
+        # but the stance only decides how a compiled function's next call runs
         eval_frame._stance = eval_frame.DynamoStance("force_eager")
 
     def _close(self) -> None:

@@ -54,34 +54,6 @@ class _Node:
         self.region = region
 
 
-# Set by ``spmdgt.compile`` while tier 1 runs. Dynamo picks a compiled graph of a hot function
-# by guards it checks in C++ (no hook sees them), ``requires_grad`` among them: a placeholder of
-# a result that will need grad must say so before it is filled, or a graph without backward
-# would be chosen for it (tier 1's graphs fill it before they run, but that is too late).
-tier1 = False
-_anchors: list[torch.Tensor] = []
-
-
-def _anchor() -> torch.Tensor:
-    if not _anchors:
-        _anchors.append(torch.zeros((), requires_grad=True))
-    return _anchors[0]
-
-
-class _Pending(torch.autograd.Function):
-    """A placeholder that requires grad and is no leaf (``fill``'s ``copy_`` then gives it the
-    graph's ``grad_fn``; the anchor it hangs from gets no gradient)."""
-
-    @staticmethod
-    def forward(ctx: Any, anchor: torch.Tensor, meta: tuple) -> torch.Tensor:
-        shape, stride, dtype, device = meta
-        return torch.empty_strided(shape, stride, dtype=dtype, device=device)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
-        return None, None
-
-
 class Plan:
     """What a region computes, ready to be keyed (``base`` and ``floats``) and built."""
 
@@ -215,8 +187,6 @@ class Region:
             shape, stride, dtype = tuple(tm.shape), tuple(tm.stride), tm.dtype
             meta = (shape, stride, dtype)
         rg = grad and rg and (dtype.is_floating_point or dtype.is_complex)
-        if rg and tier1 and mesh is not None:
-            return None  # a sharded placeholder cannot show requires_grad before it is filled
         if mesh is not None:
             self.comm = self.comm or comm
         self.grad = grad
@@ -227,10 +197,7 @@ class Region:
         node = _Node(func, tuple(adesc), tuple(kdesc), meta, rg, len(self.nodes), self)
         if mesh is None:
             with torch._C.DisableTorchFunction():
-                if rg and tier1:
-                    p = _Pending.apply(_anchor(), (shape, stride, dtype, device))
-                else:
-                    p = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+                p = torch.empty_strided(shape, stride, dtype=dtype, device=device)
         else:
             p = _sharded.placeholder(spec, lshape, lstride, device)
         p._gt_lazy = node

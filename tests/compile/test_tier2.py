@@ -225,38 +225,18 @@ def test_two_ranks_sharded_region_and_a_one_rank_compile_failure(tmp_path):
             assert n == 1 and "only rank 1 fails" in reason and st["eager_runs"] == 1
 
 
-def _small(a, b):
-    c = torch.zeros_like(a)
-    for _ in range(10):
-        c = c * b + a
-    return c
-
-
-def test_both_tiers_together(regions):
-    # tier 1 compiles _small (hot); tier 2 records the big ops around it, and a hot function
-    # called with a pending result that needs grad takes the graph with a backward
-    torch.manual_seed(0)
-    a, b = torch.rand(8, 8), torch.rand(8, 8)
-    x = torch.randn(300, 300, requires_grad=True)
-    ref_small = _small(a, b)
-    xr = x.detach().clone().requires_grad_()
-    ref = _small(torch.sin(xr) * 0.5 + xr * 0.1, torch.sin(xr) * 0.5 + xr * 0.1).sum()
-    ref.backward()
-    gt_compile.enable(backend="aot_eager", every=2, hot_at=4)
+def test_tier_2_stays_off_while_tier_1_runs(regions):
+    # the OpInfo sweep with both tiers on found hangs and rare wrong values on sub-meshes and
+    # empty shards (each tier alone: none), so they do not run together yet
+    regions(batch=64)
+    assert gt_compile.regions_enabled()
+    gt_compile.enable(backend="aot_eager")
     try:
-        regions(batch=64)
-        losses = []
-        for _ in range(12):
-            assert torch.equal(_small(a, b), ref_small)
-            y = torch.sin(x) * 0.5 + x * 0.1  # 90,000 elements: recorded
-            losses.append(_small(y, y).sum())
-        total = sum(losses)
-        total.backward()
-        t1, t2 = gt_compile.stats(), _reg()
+        assert gt_compile.is_enabled() and not gt_compile.regions_enabled()
+        assert not gt_compile.enable_regions(batch=64)
+        x = torch.randn(300, 300)
+        y = torch.sin(x) * 0.5
+        assert "_gt_lazy" not in y.__dict__ and torch.equal(y, torch.sin(x) * 0.5)
     finally:
         gt_compile.disable()
         _control.disable()  # tier 1 turned the interceptor on
-    assert total.item() == pytest.approx(12 * ref.item(), rel=1e-5)
-    torch.testing.assert_close(x.grad, 12 * xr.grad, rtol=1e-5, atol=1e-5)
-    assert t1["compiled"] >= 1 and t1["graph_runs"] >= 10 and not t1["fallbacks"], t1
-    assert t2["graph_runs"] >= 10 and not t2["fallbacks"], t2

@@ -8,8 +8,7 @@ A fresh pytest process each, so the pass is on from ``import spmdgt`` as a user'
 - tier 1: ``GT_AUTO_COMPILE=1`` (inductor);
 - tier 2: ``GT_WORKER_BATCH_SIZE=16`` with ``GT_LAZY_MIN_NUMEL=1``, so the tests' small tensors
   are recorded too, plain and sharded (hundreds of regions: ``aot_eager`` keeps the compiles
-  short);
-- both tiers at once (``aot_eager``).
+  short).
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ _TIER2 = {"GT_WORKER_BATCH_SIZE": "16", "GT_LAZY_MIN_NUMEL": "1", "GT_COMPILE_BA
 MODES = {  # the environment, and what GT_DEBUG_COMPILE prints when that tier did compile
     "tier1": ({"GT_AUTO_COMPILE": "1"}, ["] compiled "]),
     "tier2": (_TIER2, ["region batch: compiled", "(sharded)"]),
-    "both": ({**_TIER2, "GT_AUTO_COMPILE": "1"}, ["] compiled ", "(sharded)"]),
 }
 
 
