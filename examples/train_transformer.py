@@ -265,10 +265,28 @@ def _with_compile(cfg, args: argparse.Namespace, strategy: str):
     return cfg
 
 
+def _check_heads_split(args: argparse.Namespace, strategy: str) -> None:
+    """Tensor parallel splits the attention projections by heads (colwise q/k/v): each rank
+    needs whole query and key/value heads, else the attention's reshape fails deep in torch.
+    The same check on every rank (the world size is the same everywhere)."""
+    from spmdgt.config import ConfigError
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if strategy == "placements" and (args.heads % world or args.kv_heads % world):
+        raise ConfigError(
+            f"--strategy placements on {world} ranks splits the attention heads over the "
+            f"ranks: --heads ({args.heads}) and --kv-heads ({args.kv_heads}) must both divide "
+            f"by {world} (e.g. --dim 48 --heads 6 --kv-heads 3 on 3 ranks)",
+            key="heads",
+            value=(args.heads, args.kv_heads),
+        )
+
+
 def run_trainer(args: argparse.Namespace) -> dict:
     from spmdgt.train import DistributedTrainer, OptimizedDataLoader
 
     cfg, strategy = _train_config(args)
+    _check_heads_split(args, strategy)
     args.batch_size = args.batch_size or (cfg.training.batch_size if cfg else 8)
     model, ds = build(args)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)

@@ -85,3 +85,15 @@ def test_example_under_torchrun_fsdp():
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("Training Summary") == 1  # rank 0 only
     assert "strategy: fsdp" in r.stdout and "world_size: 2" in r.stdout
+
+
+def test_placements_with_heads_that_do_not_split_is_a_clear_error(monkeypatch, capsys):
+    # 4 query / 2 key-value heads cannot split over 3 ranks: before, torch's reshape failed
+    # deep in the attention ("shape '[32, 16, -1, 12]' is invalid") on every rank
+    ex = _example()
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(SystemExit) as e:
+        ex.main([*TINY, "--strategy", "placements"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--heads (4) and --kv-heads (2) must both divide by 3" in err, err
