@@ -221,12 +221,22 @@ def maybe_enable_from_env() -> bool:
     ``enable_regions(n)`` (neither with ``GT_COMPILE=0``; tier 1 wins when both are set).
     Returns whether tier 1 is on."""
     raw = (os.environ.get("GT_AUTO_COMPILE") or "").strip().lower()
+    batch = (os.environ.get("GT_WORKER_BATCH_SIZE") or "").strip()
     if raw in ("", "0", "false", "no", "off"):
-        if (os.environ.get("GT_WORKER_BATCH_SIZE") or "").strip():
+        if batch:
             from spmdgt.compile._lazy import env_int
 
             enable_regions(batch=env_int("GT_WORKER_BATCH_SIZE", 1))
         return False
+    if batch and not compile_disabled():
+        import warnings
+
+        warnings.warn(
+            f"spmdgt: GT_WORKER_BATCH_SIZE={batch} is ignored while GT_AUTO_COMPILE is on: the "
+            "two tiers of the compile pass do not run together yet (docs/compilation.md, "
+            "Known limits)",
+            stacklevel=2,
+        )
     enable()
     return is_enabled()
 

@@ -240,3 +240,15 @@ def test_tier_2_stays_off_while_tier_1_runs(regions):
     finally:
         gt_compile.disable()
         _control.disable()  # tier 1 turned the interceptor on
+
+
+def test_both_variables_set_warns_that_tier_2_is_ignored(monkeypatch):
+    monkeypatch.setenv("GT_AUTO_COMPILE", "1")
+    monkeypatch.setenv("GT_WORKER_BATCH_SIZE", "16")
+    try:
+        with pytest.warns(UserWarning, match="GT_WORKER_BATCH_SIZE=16 is ignored"):
+            assert gt_compile.maybe_enable_from_env() is True
+        assert not gt_compile.regions_enabled()
+    finally:
+        gt_compile.disable()
+        _control.disable()
