@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from spmdgt.compile._stats import CompileStats
+from spmdgt.compile._stats import CompileStats, first_line
 
 __all__ = ["CountingBackend"]
 
@@ -77,11 +77,6 @@ class _Runner:
             out = self._gm(*args)  # raises the program's error if it is one
             st.compile_ns += time.perf_counter_ns() - t0
             self._fn = self._gm
-            reason = f"runtime error: {type(e).__name__}: {_first_line(e)}"
+            reason = f"runtime error: {type(e).__name__}: {first_line(e)}"
             self._owner._on_runtime_error(self._code, reason)
             return out
-
-
-def _first_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return lines[0][:160] if lines else ""

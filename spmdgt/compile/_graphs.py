@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from spmdgt.compile._region import Plan
+from spmdgt.compile._stats import first_line
 
 __all__ = ["Graphs"]
 
@@ -94,12 +95,12 @@ class Graphs:
                     raise RuntimeError(
                         f"spmdgt lazy region {region!r}: its compiled graph, which moves data "
                         f"between ranks, failed on this rank ({type(e).__name__}: "
-                        f"{_first_line(e)}); it cannot be rerun eagerly on one rank. Run with "
+                        f"{first_line(e)}); it cannot be rerun eagerly on one rank. Run with "
                         "GT_COMPILE=0 to run it eagerly on every rank."
                     ) from e
                 out = entry.gm(*args)  # raises the program's own error if it is one
                 entry.fn = None
-                self._fallback(f"runtime error: {type(e).__name__}: {_first_line(e)}", region)
+                self._fallback(f"runtime error: {type(e).__name__}: {first_line(e)}", region)
                 return out
 
     # -- keys -------------------------------------------------------------------------------
@@ -145,7 +146,7 @@ class Graphs:
                 ):
                     fn = lookup_backend(self.backend)(gm, args)
             except Exception as e:
-                error = f"compile error: {type(e).__name__}: {_first_line(e)}"
+                error = f"compile error: {type(e).__name__}: {first_line(e)}"
             if plan.mesh is not None:
                 # every rank compiles this key now (sharded keys are global): if any failed,
                 # every rank runs it eagerly, as a graph's collectives may be ordered otherwise
@@ -238,8 +239,3 @@ class _paused:
 
     def __exit__(self, *exc: Any) -> None:
         self._cm.__exit__(*exc)
-
-
-def _first_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return lines[0][:160] if lines else ""

@@ -28,7 +28,7 @@ from spmdgt._core import debuglog as _debuglog
 from spmdgt.compile._backend import CountingBackend
 from spmdgt.compile._consensus import any_rank
 from spmdgt.compile._frames import FrameHook
-from spmdgt.compile._stats import CompileStats
+from spmdgt.compile._stats import CompileStats, first_line
 from spmdgt.interceptor._sampler import LIBRARY, STOP, USER, CodeSampler
 
 __all__ = ["HotFunctionPass"]
@@ -284,13 +284,8 @@ def _describe(e: BaseException) -> str:
     only which backend raised)."""
     root = getattr(e, "inner_exception", None) or e.__cause__
     if root is None or root is e:
-        return f"{type(e).__name__}: {_first_line(e)}"
-    return f"{type(e).__name__}: {type(root).__name__}: {_first_line(root)}"
-
-
-def _first_line(e: BaseException | None) -> str:
-    lines = str(e).strip().splitlines() if e is not None else []
-    return lines[0][:160] if lines else ""
+        return f"{type(e).__name__}: {first_line(e)}"
+    return f"{type(e).__name__}: {type(root).__name__}: {first_line(root)}"
 
 
 class _null:

@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from spmdgt._core import scope as _scope
 
-__all__ = ["Join", "fill", "implicit", "layout", "out_spec", "recordable", "zeros"]
+__all__ = ["Join", "fill", "implicit", "layout", "out_spec", "placeholder", "recordable", "zeros"]
 
 _CAP = 4096
 _MISSING = object()
@@ -185,13 +185,12 @@ def fill(plan: Any, results: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
             for i, o in zip(need, joined, strict=True):
                 results[i] = o
         for p, out in zip(plan.outputs, results, strict=True):
+            p.__dict__.pop("_gt_lazy", None)
             if tuple(out._spec.placements) != tuple(p._spec.placements):
                 out = out.redistribute(p._spec.mesh, p._spec.placements)  # same on every rank
             if out.requires_grad:
-                p.__dict__.pop("_gt_lazy", None)
                 with torch.enable_grad():
                     p.copy_(out)  # grad_fn: CopyBackwards into the graph's backward
             else:
                 rest.append((p._local_tensor, out._local_tensor))
-                p.__dict__.pop("_gt_lazy", None)
     return rest

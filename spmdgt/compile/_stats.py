@@ -21,7 +21,14 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-__all__ = ["CompileStats", "RegionStats"]
+__all__ = ["CompileStats", "RegionStats", "first_line"]
+
+
+def first_line(e: BaseException | None) -> str:
+    """An error's first line, cut at 160 characters: a fallback reason's tail (the counters
+    are keyed by reason, so a long message must not make each key unique)."""
+    lines = str(e).strip().splitlines() if e is not None else []
+    return lines[0][:160] if lines else ""
 
 
 class CompileStats:
