@@ -425,28 +425,95 @@ class NoRule(RuntimeError):
 
 _installed = [False]
 
+# op -> its decomposition, where DTensor has no strategy of its own for it (None otherwise)
+_decomps: dict[object, object] = {}
+
+
+def _own_decomposition(op_call):
+    """The decomposition DTensor would derive ``op_call``'s sharding from, when DTensor has no
+    strategy registered for it; None when it has one.
+
+    DTensor derives such an op's strategy by tracing the decomposition on meta tensors at the
+    *global* shape, then runs the op itself on each rank's *local* shard. Where the
+    decomposition reads a size (``mse_loss_backward``'s ``2 / numel``, a mean's divisor, a
+    variance's ``N - 1``), the local kernel divides by the shard's size: gradients off by the
+    world size, weighted means normalised per rank. Running the decomposition itself on the
+    DTensors computes every size globally, so spmdgt does that."""
+    r = _decomps.get(op_call, False)
+    if r is False:
+        from torch._decomp import decomposition_table
+
+        prop = DTensor._op_dispatcher.sharding_propagator
+        registered = (
+            op_call in prop.op_strategy_funcs
+            or op_call in prop.op_single_dim_strategy_funcs
+            or op_call in prop.op_to_rules
+        )
+        r = None if registered else decomposition_table.get(op_call)
+        _decomps[op_call] = r
+    return r
+
+
+def _nll_mean(op_call, args, kwargs):
+    """``nll_loss`` with ``reduction="mean"`` as one process computes it: the sum of the
+    weighted losses over the global sum of the weights. DTensor's rule averages each rank's
+    own weighted mean, which differs as soon as class weights or ignored targets make the
+    ranks' weight sums unequal."""
+    self, target, weight, _, ignore_index = args
+    total, total_weight = op_call(self, target, weight, 2, ignore_index)  # 2: sum
+    return total / total_weight, total_weight
+
+
+# Ops whose DTensor rule is wrong on sharded inputs for some arguments: op -> (does this call
+# need the rewrite?, the exact rewrite). Each rewrite runs DTensor ops whose rules hold.
+_REWRITES = {
+    torch.ops.aten.nll_loss_forward.default: (lambda args: args[3] == 1, _nll_mean),
+    torch.ops.aten.nll_loss2d_forward.default: (lambda args: args[3] == 1, _nll_mean),
+}
+
+
+def _sharded(spec_args) -> bool:
+    """Does any DTensor argument hold other than a full replica on each rank?"""
+    for spec in spec_args:
+        for p in getattr(spec, "placements", ()):
+            if not p.is_replicate():
+                return True
+    return False
+
 
 def install_propagation_hook() -> None:
     """Wrap DTensor's sharding-propagation entry (called from its C++ dispatcher on a cache
-    miss) so that, inside spmdgt's calls, a failure to find a rule raises ``NoRule``.
+    miss) so that, inside spmdgt's calls:
+
+    - an op whose strategy DTensor would derive from its decomposition, on an input that is
+      not replicated, runs that decomposition on the DTensors (see ``_own_decomposition``):
+      the slow path may return the op's result instead of a sharding, as DTensor's own
+      handling of composite ops there does;
+    - a failure to find a rule raises ``NoRule``.
 
     "Inside spmdgt's calls" is read off DTensor's implicit-replication flag, which spmdgt sets
     for exactly the length of its calls (it is off by default, so DTensor used directly, the
-    trainer's FSDP/TP tensors, keeps DTensor's own errors): one flag, no second state."""
+    trainer's FSDP/TP tensors, keeps DTensor's own behaviour): one flag, no second state."""
     if _installed[0]:
         return
-    from torch.distributed.tensor import DTensor
-
     dispatcher = DTensor._op_dispatcher
     original = dispatcher._propagate_op_sharding_dispatch_slow_path
 
-    def propagate(op_call, *args, **kwargs):
+    def propagate(op_call, args, kwargs, op_info, *rest, **kw):
+        ours = torch._C._get_dtensor_allow_implicit_replication()
+        if ours:
+            decomp = _own_decomposition(op_call)
+            if decomp is not None and _sharded(op_info.schema.args_spec):
+                return decomp(*args, **kwargs)
+            rewrite = _REWRITES.get(op_call)
+            if rewrite is not None and rewrite[0](args) and _sharded(op_info.schema.args_spec):
+                return rewrite[1](op_call, args, kwargs)
         try:
-            return original(op_call, *args, **kwargs)
+            return original(op_call, args, kwargs, op_info, *rest, **kw)
         except NoRule:
             raise
         except Exception as e:
-            if torch._C._get_dtensor_allow_implicit_replication():
+            if ours:
                 raise NoRule(op_call, e) from e
             raise
 
