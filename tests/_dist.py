@@ -70,6 +70,12 @@ def _child(fn, rank, world, init_file, env, args, conn) -> None:
         torch.set_num_threads(1)
         reset_spmdgt()
         torch.seed()  # a fresh process: torch seeds each one at random, as torchrun's are
+        import random
+
+        import numpy as np
+
+        np.random.seed()  # and so do numpy's global stream and Python's random (a fork copies
+        random.seed()  # the parent's state: the ranks would agree for free)
         dist.init_process_group(
             "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world
         )

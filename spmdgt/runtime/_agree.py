@@ -16,6 +16,14 @@ Always on (a world of more than one):
   before any data moves. On a mismatch the ranks swap their descriptions (one more exchange,
   on the error path only) and raise :class:`RankDivergenceError`, each listing every rank's.
 
+After a :class:`RankDivergenceError` every rank has raised at the same exchange, so the
+exchanges stay paired and checking simply goes on: a program that catches the error and runs
+on gets it again at the next point where the ranks differ, and computes only where they agree.
+Where the ranks may no longer pair up (a timeout, a peer that did not answer, a divergence
+some rank met at its end of the program) no rank exchanges again: every later agreement point
+raises at once, saying that an earlier error left the ranks out of step, rather than wait for
+a peer that is gone or compute with ranks that run different programs.
+
 ``GT_CHECK_RANKS=1`` adds an agreement point before every collective spmdgt or DTensor issues
 (every redistribution: op, tensor specs and the user's call site), after a gloo monitored
 barrier that names a rank that does not arrive within ``GT_TIMEOUT``.
@@ -88,7 +96,12 @@ _last: tuple[int, str] = (0, "none yet")  # this rank's last agreed point, for m
 # (fingerprint, -fingerprint), see _exchange: written and read through numpy, so no torch op
 _mine_np = numpy.zeros(3, dtype=numpy.int64)
 _mine = torch.from_numpy(_mine_np)
-_broken = False  # a divergence was raised: later exchanges would pair at random
+# Set once the ranks may no longer pair up their exchanges (a timeout, a peer that did not
+# answer, a divergence some rank met at its end of the program): (the error class, what
+# happened, each rank's description). Every later agreement point raises it without
+# exchanging, since an exchange could wait forever for a peer that is gone, and returning
+# instead would let the ranks compute with different programs. None: exchanges pair up.
+_out_of_step: tuple[type[RuntimeError], str, dict[int, str]] | None = None
 _check = False  # GT_CHECK_RANKS
 _lock = threading.Lock()
 _at_exit = False  # the end-of-program exchange is registered
@@ -121,14 +134,14 @@ def checking() -> bool:
 def setup(rank: int, world: int) -> None:
     """Make the side group (a collective: every rank calls it from ``init``), read
     ``GT_CHECK_RANKS`` and arrange the end-of-program agreement."""
-    global _group, _backend, _rank, _world, _count, _last, _broken, _check, _at_exit
+    global _group, _backend, _rank, _world, _count, _last, _out_of_step, _check, _at_exit
     raw = os.environ.get("GT_CHECK_RANKS", "0").strip().lower()
     if raw not in ("", "0", "1", "false", "true", "no", "yes", "off", "on"):
         raise ValueError(f"environment variable GT_CHECK_RANKS={raw!r}: expected 0 or 1")
     kwargs = {"timeout": timeout()} if timeout() is not None else {}
     _group = dist.new_group(backend="gloo", **kwargs)
     _backend = _group._get_backend(torch.device("cpu"))
-    _rank, _world, _count, _last, _broken = rank, world, 0, (0, "none yet"), False
+    _rank, _world, _count, _last, _out_of_step = rank, world, 0, (0, "none yet"), None
     _check = raw in ("1", "true", "yes", "on")
     if _check:
         _install_redistribute_check()
@@ -140,8 +153,8 @@ def setup(rank: int, world: int) -> None:
 
 def forget() -> None:
     """Drop all state (a forked child, ``gt.shutdown()``): the side group is not ours."""
-    global _group, _count, _broken
-    _group, _count, _broken = None, 0, False
+    global _group, _count, _out_of_step
+    _group, _count, _out_of_step = None, 0, None
     _proposals.clear()
 
 
@@ -169,16 +182,35 @@ def agree(what: str, site: str | None = None, detail: str = "") -> None:
     raises :class:`RankDivergenceError`. ``detail`` is shown in that error but not compared
     (what may differ between ranks, e.g. the placement DTensor keeps on a rank outside a
     sub-mesh). No-op without a side group (a world of one)."""
-    if _group is None or _broken:
+    if _group is None:
         return
-    _exchange(what, call_site() if site is None else site, barrier=_check, detail=detail)
+    site = call_site() if site is None else site
+    if _out_of_step is not None:
+        raise _stopped(_out_of_step, f"{what}{detail} at {site}" if site else f"{what}{detail}")
+    _exchange(what, site, barrier=_check, detail=detail)
 
 
 def before_collective(what: str) -> None:
     """Under ``GT_CHECK_RANKS=1``: agree on ``what`` before a collective, naming a rank that
     does not arrive within ``GT_TIMEOUT`` (a gloo monitored barrier)."""
-    if _check and _group is not None and not _broken:
-        _exchange(what, call_site(), barrier=True)
+    if _check and _group is not None:
+        site = call_site()
+        if _out_of_step is not None:
+            raise _stopped(_out_of_step, f"{what} at {site}")
+        _exchange(what, site, barrier=True)
+
+
+def _stopped(state: tuple[type[RuntimeError], str, dict[int, str]], doing: str) -> RuntimeError:
+    """The error an agreement point raises, without exchanging, once the ranks fell out of
+    step (``state``: see ``_out_of_step``)."""
+    kind, why, rows = state
+    message = (
+        f"rank {_rank}: {doing}: not checked, because an earlier error left the ranks out of "
+        f"step ({why}). Their agreement points no longer pair up, so spmdgt stops here rather "
+        "than compute with ranks that may run different programs; let that error end the "
+        "program."
+    )
+    return RankDivergenceError(message, rows) if kind is RankDivergenceError else kind(message)
 
 
 def _exchange(what: str, site: str, barrier: bool, detail: str = "") -> None:
@@ -248,14 +280,27 @@ def _settle_proposals() -> None:
 
 
 def _diverged(n: int, mine: str) -> None:
-    global _broken
+    global _out_of_step
     texts: list[Any] = [None] * _world
+    answered = True
     try:
         dist.all_gather_object(texts, mine, group=_group)
     except RuntimeError:
-        texts = [mine if r == _rank else "(did not answer)" for r in range(_world)]
-    _broken = True
+        texts = [mine if r == _rank else _NO_ANSWER for r in range(_world)]
+        answered = False
     rows = {r: str(t) for r, t in enumerate(texts)}
+    # Every rank took part in this exchange and raises here, so the next exchange of each rank
+    # pairs with the next of every other: checking goes on. Not so where a peer did not answer
+    # (it may never exchange again) or a rank was at its end of the program (it exchanges no
+    # more): then this rank stops at every later agreement point. Both tests read only what
+    # every rank received alike, so every rank that answered decides the same.
+    ended = [r for r, t in rows.items() if t == _END]
+    if not answered:
+        why = f"a divergence at agreement point #{n} where some rank did not answer"
+        _out_of_step = (RankDivergenceError, why, rows)
+    elif ended:
+        why = f"a divergence at agreement point #{n} where rank(s) {ended} ended the program"
+        _out_of_step = (RankDivergenceError, why, rows)
     lines = "\n".join(f"  rank {r}: {t}" for r, t in rows.items())
     raise RankDivergenceError(
         f"ranks stopped running the same program at agreement point #{n}:\n{lines}\n"
@@ -266,8 +311,7 @@ def _diverged(n: int, mine: str) -> None:
 
 
 def _fail_timeout(e: BaseException, doing: str, n: int) -> None:
-    global _broken
-    _broken = True
+    global _out_of_step
     text = str(e)
     found = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", text)
     if found:  # rank 0's monitored barrier names the ranks that did not arrive
@@ -277,6 +321,8 @@ def _fail_timeout(e: BaseException, doing: str, n: int) -> None:
         who = "rank 0 reported missing ranks (see its error)"
     else:
         who = "no answer from the other ranks"
+    # a peer that did not arrive may never exchange again: no later exchange on this rank
+    _out_of_step = (RankTimeoutError, f"agreement point #{n} timed out: {who}", {})
     raise RankTimeoutError(
         f"rank {_rank}: {who} within {_waited()} at agreement point #{n} ({doing}); this "
         f"rank's last agreed point was {_said(_last)}. A rank is running something else, is stuck "
@@ -293,13 +339,18 @@ def _waited() -> str:
     return f"GT_TIMEOUT={limit.total_seconds():g} s" if limit else "the process-group timeout"
 
 
+_END = "the end of the program (exit or gt.shutdown())"  # its description: no call site
+_NO_ANSWER = "(did not answer)"
+
+
 def end() -> None:
     """The end of the program is an agreement point: a rank still waiting in a read or a
     creation learns that its peer finished, instead of waiting forever."""
-    if _group is None or _broken or not dist.is_initialized():
+    # out of step, a peer may be gone: the error was raised already, waiting here would hang
+    if _group is None or _out_of_step is not None or not dist.is_initialized():
         return
     try:
-        _exchange("the end of the program (exit or gt.shutdown())", "", barrier=_check)
+        _exchange(_END, "", barrier=_check)
     finally:
         forget()
 
@@ -329,9 +380,10 @@ def translate(e: BaseException, op: object) -> BaseException:
     text = str(e)
     if not any(w in text for w in _TIMEOUT_WORDS):
         return e
-    global _broken
-    _broken = True  # the ranks no longer pair up: no later exchange, the exit's included
+    global _out_of_step
     name = getattr(op, "__qualname__", None) or getattr(op, "__name__", None) or str(op)
+    # the ranks no longer pair up: no later exchange, the exit's included
+    _out_of_step = (RankTimeoutError, f"a collective in {name} got no answer", {})
     err = RankTimeoutError(
         f"rank {_rank}: a collective in {name} at {call_site()} got no answer within {_waited()} "
         f"({text.strip().splitlines()[0]}). This rank's last agreement point was {_said(_last)}; "
