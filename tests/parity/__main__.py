@@ -26,6 +26,12 @@ def _parser() -> argparse.ArgumentParser:
     what.add_argument("--sample", type=int, metavar="N", help="N rows drawn with --seed")
     p.add_argument("--seed", type=int, default=0, help="seed of --sample (default 0)")
     p.add_argument("--ops", type=_csv, help="comma-separated op names (OpInfo full names)")
+    p.add_argument(
+        "--family",
+        choices=("opinfo", "train", "all"),
+        default="all",
+        help="OpInfo's ops, the training patterns (train.*), or both (default)",
+    )
     p.add_argument("--variants", type=_csv, default=list(sweep.VARIANTS))
     p.add_argument("--placements", type=_csv, default=list(PLACEMENTS))
     p.add_argument("--worlds", type=lambda s: [int(w) for w in _csv(s)], default=[2, 3])
@@ -48,9 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, why in sweep.excluded():
             print(f"{name:45} {why}")
         return 0
-    rows = sweep.pick_rows(
-        args.ops, args.sample, args.seed, args.variants, args.placements, args.worlds
-    )
+    ops = args.ops if args.ops or args.family == "all" else sweep.family_ops(args.family)
+    rows = sweep.pick_rows(ops, args.sample, args.seed, args.variants, args.placements, args.worlds)
     result = sweep.run_sweep(rows, timeout=args.timeout, progress=not args.quiet)
     before = ledger.read()
     cmp = ledger.compare(result.rows, before)

@@ -115,16 +115,21 @@ def flatten(obj: Any, label: str) -> list[tuple[str, Any]]:
     return [(label, obj)]
 
 
-def _fresh(sample: Any, put: Callable[[torch.Tensor], torch.Tensor]):
+def _fresh(sample: Any, layout: Layout):
     """Fresh copies of the sample's tensors (in-place variants must not touch the sample),
-    those shaped like the first input laid out by ``put``; and the leaves that need grads."""
+    those shaped like the first input laid out by ``layout``, and so are those the sample
+    names in ``placed`` where they have the layout's dim (a training pattern's batch-shaped
+    targets); and the leaves that need grads."""
     shape = primary_tensor(sample).shape
+    placed = getattr(sample, "placed", ())
     leaves: list[tuple[str, torch.Tensor]] = []
 
     def fresh(t: torch.Tensor, label: str) -> torch.Tensor:
         c = t.detach().clone()
         if c.shape == shape:
-            c = put(c)
+            c = layout.put(c)
+        elif label in placed:
+            c = layout.put_out(c)
         if t.requires_grad:
             c.requires_grad_(True)
             leaves.append((label, c))
@@ -250,7 +255,7 @@ def observe(
     leaves: list[tuple[str, torch.Tensor]] = []
     error = None
     try:
-        inp, args, kwargs, leaves = _fresh(job.sample, layout.put)
+        inp, args, kwargs, leaves = _fresh(job.sample, layout)
         items = _forward(job, inp, args, kwargs, layout.put_out)
     except Exception as e:
         error = describe(e)

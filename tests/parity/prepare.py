@@ -107,17 +107,24 @@ def _narrow(sample: Any, rows: int) -> Any | None:
     shape = _primary(sample).shape
     if shape[0] < rows:
         return None
+    placed = getattr(sample, "placed", frozenset())
 
-    def cut(t: torch.Tensor, _label: str) -> torch.Tensor:
-        if t.shape != shape:
+    def cut(t: torch.Tensor, label: str) -> torch.Tensor:
+        batch = label in placed and t.dim() and t.shape[0] == shape[0]  # a batch-shaped target
+        if t.shape != shape and not batch:
             return t
         return t.detach()[:rows].clone().requires_grad_(t.requires_grad)
 
-    return SampleInput(
-        map_tensors(sample.input, cut, ""),
-        args=map_tensors(tuple(sample.args), cut, ""),
-        kwargs=map_tensors(dict(sample.kwargs), cut, ""),
+    parts = (
+        map_tensors(sample.input, cut, "input"),
+        map_tensors(tuple(sample.args), cut, "args"),
+        map_tensors(dict(sample.kwargs), cut, "kwargs"),
     )
+    if placed:  # a training pattern's, with its batch-shaped targets (patterns.py)
+        from tests.parity.patterns import Sample
+
+        return Sample(*parts, placed=placed)
+    return SampleInput(parts[0], args=parts[1], kwargs=parts[2])
 
 
 def _fresh_plain(sample: Any) -> tuple[Any, tuple, dict]:

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from tests.parity import prepare, runner
+from tests.parity import patterns, prepare, runner
 from tests.parity.layouts import PLACEMENTS, min_dim
 from tests.parity.observe import primary_tensor
 from tests.parity.prepare import RowKey, full_name
@@ -54,6 +54,8 @@ __all__ = [
     "SweepResult",
     "all_rows",
     "excluded",
+    "family",
+    "family_ops",
     "pick_rows",
     "run_sweep",
     "summary",
@@ -97,9 +99,22 @@ def excluded() -> tuple[tuple[str, str], ...]:
 
 @cache
 def sweep_ops() -> dict[str, Any]:
-    """The ops the sweep runs, by full name (``name.variant_test_name``)."""
+    """The ops the sweep runs, by full name (``name.variant_test_name``): OpInfo's, then the
+    training patterns (``train.*``, see patterns.py)."""
     left_out = {name for name, _ in excluded()}
-    return {full_name(op): op for op in _op_db() if full_name(op) not in left_out}
+    ops = {full_name(op): op for op in _op_db() if full_name(op) not in left_out}
+    ops.update(patterns.pattern_ops())
+    return ops
+
+
+def family(name: str) -> str:
+    """``train`` for a training pattern's row, ``opinfo`` for an OpInfo op's."""
+    return "train" if name.startswith("train.") else "opinfo"
+
+
+def family_ops(which: str) -> list[str]:
+    """The names of one family's ops (``opinfo`` or ``train``), sorted."""
+    return sorted(n for n in sweep_ops() if family(n) == which)
 
 
 def _variants(op: Any) -> list[str]:
@@ -166,19 +181,26 @@ class SweepResult:
     seconds: float = 0.0
 
 
-def run_sweep(keys: list[RowKey], *, timeout: float = 20.0, progress: bool = True) -> SweepResult:
-    """Run the rows ``keys``: prepare their cases, run them world by world, judge them."""
+def run_sweep(
+    keys: list[RowKey],
+    *,
+    timeout: float = 20.0,
+    progress: bool = True,
+    ops: dict[str, Any] | None = None,
+) -> SweepResult:
+    """Run the rows ``keys``: prepare their cases, run them world by world, judge them.
+    ``ops`` maps the rows' op names to their ops (default: ``sweep_ops()``)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the reference too: two shared cores, and ranks to come
     try:
-        return _run(keys, timeout, progress)
+        return _run(keys, timeout, progress, sweep_ops() if ops is None else ops)
     finally:
         torch.set_num_threads(threads)
 
 
-def _run(keys: list[RowKey], timeout: float, progress: bool) -> SweepResult:
+def _run(keys: list[RowKey], timeout: float, progress: bool, ops: dict[str, Any]) -> SweepResult:
     start = time.monotonic()
-    cases, unrun = prepare.build_cases(keys, sweep_ops(), METADATA_ONLY)
+    cases, unrun = prepare.build_cases(keys, ops, METADATA_ONLY)
     if progress:
         print(
             f"parity: {len(keys)} rows, {len(cases)} cases prepared in "
