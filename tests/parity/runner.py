@@ -37,6 +37,12 @@ from tests.parity.observe import STAGES, Stage, describe, observe
 __all__ = ["CaseRun", "run_cases"]
 
 _READY_TIMEOUT = 90.0  # forking, joining the group, building meshes; 2 shared cores
+# A silent rank whose CPU time still moves is computing, not waiting (DTensor enumerating
+# strategies can take 20 s on a loaded 2-core machine): its case gets more time, in steps of
+# the timeout, up to this many timeouts in all. A rank that waits in a collective or sleeps
+# uses (next to) no CPU, so a real hang is still called after one timeout.
+_SLOW_LIMIT = 10
+_BUSY = 0.2  # share of one core a silent rank must use to count as computing
 _CHUNK = 400  # cases per group: a fresh group now and then keeps leaks from piling up
 
 
@@ -47,6 +53,58 @@ class CaseRun:
     status: str
     observations: list[dict[str, Stage]] = field(default_factory=list)
     note: str = ""
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """CPU time (user + system) of process ``pid`` so far, from /proc; None where unknown."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class _Clock:
+    """One case's time: ``timeout`` seconds, extended while a silent rank computes."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.start = time.monotonic()
+        self.deadline = self.start + timeout
+        self.limit = self.start + _SLOW_LIMIT * timeout
+        self.marks: dict[int, tuple[float, float]] = {}  # pid -> (wall, cpu) last looked at
+
+    def left(self) -> float:
+        return max(0.0, self.deadline - time.monotonic())
+
+    def mark(self, pids: list[int]) -> None:
+        now = time.monotonic()
+        for pid in pids:
+            cpu = _cpu_seconds(pid)
+            if cpu is not None:
+                self.marks[pid] = (now, cpu)
+
+    def busy(self, pids: list[int]) -> bool:
+        """Did any of ``pids`` use CPU since it was last looked at? (Looks again now.)"""
+        now, busy = time.monotonic(), False
+        for pid in pids:
+            cpu = _cpu_seconds(pid)
+            wall0, cpu0 = self.marks.get(pid, (self.start, None))
+            if cpu is not None and cpu0 is not None and cpu - cpu0 >= _BUSY * (now - wall0):
+                busy = True
+            if cpu is not None:
+                self.marks[pid] = (now, cpu)
+        return busy
+
+    def extend(self) -> bool:
+        """More time for a computing rank, unless the case reached its limit."""
+        if time.monotonic() >= self.limit:
+            return False
+        self.deadline = min(self.limit, time.monotonic() + self.timeout)
+        return True
+
+    def spent(self) -> float:
+        return time.monotonic() - self.start
 
 
 class _Lost(Exception):
@@ -161,18 +219,23 @@ class _Group:
         for c in self.conns:
             c.send(msg)
 
-    def gather(self, deadline: float, stage: str, timeout: float) -> list:
-        """One message from every rank, or ``_Lost`` naming who went silent or died."""
+    def gather(self, clock: _Clock, stage: str) -> list:
+        """One message from every rank, or ``_Lost`` naming who went silent or died. A silent
+        rank that is computing (its CPU time moves) gets more time, up to the clock's limit."""
         got: list = [None] * self.world
         pending = {c: r for r, c in enumerate(self.conns)}
+        clock.mark([p.pid for p in self.procs])
         while pending:
-            ready = mpc.wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
+            ready = mpc.wait(list(pending), timeout=clock.left())
             if not ready:
                 silent = sorted(pending.values())
+                if clock.busy([self.procs[r].pid for r in silent]) and clock.extend():
+                    continue
                 where = self._where(silent[0], ask=True)
+                busy = " (computing all along: the limit)" if clock.spent() > clock.timeout else ""
                 raise _Lost(
                     "hang",
-                    f"{_ranks(silent)} silent in {stage} after {timeout:.0f} s"
+                    f"{_ranks(silent)} silent in {stage} after {clock.spent():.0f} s{busy}"
                     + (f" ({where})" if where else "")
                     + _others(got),
                 )
@@ -274,18 +337,18 @@ def _others(got: list) -> str:
 
 
 def _drive(group: _Group, i: int, timeout: float) -> CaseRun:
-    deadline = time.monotonic() + timeout
+    clock = _Clock(timeout)
     obs: list[dict[str, Stage]] = [{} for _ in range(group.world)]
     group.send_all(i)
     for stage in STAGES:
-        msgs = group.gather(deadline, stage, timeout)
+        msgs = group.gather(clock, stage)
         for r, (_, name, error, sig) in enumerate(msgs):
             obs[r][name] = Stage(name, error, sig)
         go = all(m[2] is None for m in msgs) and len({m[3] for m in msgs}) == 1
         group.send_all(go)
         if not go:
             break
-        msgs = group.gather(deadline, f"{stage} (fetching global values)", timeout)
+        msgs = group.gather(clock, f"{stage} (fetching global values)")
         for r, (_, name, payload, error) in enumerate(msgs):
             st = obs[r][name]
             try:
@@ -293,7 +356,7 @@ def _drive(group: _Group, i: int, timeout: float) -> CaseRun:
             except Exception as e:
                 error = error or f"cannot read the value: {describe(e)}"
             st.error = st.error or error
-    done = group.gather(deadline, "the post-case check", timeout)
+    done = group.gather(clock, "the post-case check")
     if not all(m[1] for m in done):
         return CaseRun("disagree", obs, "ranks out of step after the case (unmatched collectives)")
     return CaseRun("ok", obs)
@@ -321,7 +384,8 @@ def run_cases(
 
     results: list[CaseRun | None] = []
     tmp = Path(tempfile.mkdtemp(prefix="gt-parity-"))
-    gloo_timeout = max(3 * timeout, 60.0)  # longer than ours: the parent calls the hang
+    # longer than a computing case may take: the parent, not gloo, calls the hang
+    gloo_timeout = max((_SLOW_LIMIT + 2) * timeout, 60.0)
     group, serial, failed_starts, in_group = None, 0, 0, 0
     i = 0
     try:
@@ -334,7 +398,7 @@ def run_cases(
                 serial += 1
                 group = _Group(world, cases, tmp, serial, gloo_timeout)
                 try:
-                    group.gather(time.monotonic() + _READY_TIMEOUT, "start-up", _READY_TIMEOUT)
+                    group.gather(_Clock(_READY_TIMEOUT), "start-up")
                 except _Lost as e:
                     group.kill()
                     group = None

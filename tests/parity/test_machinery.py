@@ -46,6 +46,15 @@ def _hangs_on_rank_1(x):
     return x * 2
 
 
+def _slow_on_rank_1(x):
+    # Computing (CPU time moving) for longer than the case's timeout: slow, not hung.
+    if _rank() == 1:
+        end = time.monotonic() + 6.0
+        while time.monotonic() < end:
+            sum(range(1000))
+    return x * 2
+
+
 def _dies_on_rank_0(x):
     if _rank() == 0:
         os._exit(7)
@@ -75,6 +84,7 @@ def test_each_outcome_is_named_and_the_run_survives_hangs_and_crashes():
         _case("dropped", _dropped_inplace, "shard1", variant="inplace"),
         _case("hangs", _hangs_on_rank_1),
         _case("after_hang", _sin, "subrep"),
+        _case("slow", _slow_on_rank_1),
         _case("dies", _dies_on_rank_0),
         _case("after_crash", _sin, "shard0_empty"),
     ]
@@ -90,6 +100,7 @@ def test_each_outcome_is_named_and_the_run_survives_hangs_and_crashes():
         "dropped": "differs",
         "hangs": "hang",
         "after_hang": "equal",
+        "slow": "equal",
         "dies": "crash",
         "after_crash": "equal",
     }, got
