@@ -12,7 +12,7 @@ YAML (every section optional; unknown keys are errors naming file and key)::
       max_grad_norm: 1.0
       use_amp: false
       scheduler: {type: linear_warmup, warmup_steps: 100, total_steps: 1000}
-    placements:                    # module-name glob -> colwise | rowwise | replicate
+    placements:        # module-name glob -> colwise | rowwise | replicate | sharded_input
       "layers.*.mlp.up": colwise
       "layers.*.mlp.down": rowwise
     checkpoint: {dir: ckpt, every_steps: 50}
@@ -44,7 +44,7 @@ __all__ = [
 ]
 
 STRATEGIES = ("ddp", "fsdp", "placements")
-PLACEMENT_STYLES = ("colwise", "rowwise", "replicate")
+PLACEMENT_STYLES = ("colwise", "rowwise", "replicate", "sharded_input")
 
 
 def _positive_int(value: object, key: str, *, allow_zero: bool = False) -> None:
@@ -230,7 +230,7 @@ class TrainConfig:
         if self.strategy == "placements" and not self.placements:
             raise ConfigError(
                 "strategy 'placements' needs a non-empty 'placements' table "
-                "(module-name pattern -> colwise | rowwise | replicate)",
+                "(module-name pattern -> colwise | rowwise | replicate | sharded_input)",
                 key="placements",
             )
 

@@ -97,7 +97,7 @@ def _placement_plan(
         for pattern, style in table.items():
             if fnmatch.fnmatchcase(name, pattern):
                 used[pattern] = True
-                if style != "replicate":
+                if style not in ("replicate", "sharded_input"):
                     if not isinstance(module, (nn.Linear, nn.Embedding)):
                         raise ConfigError(
                             f"{style} placement needs an nn.Linear or nn.Embedding, but "
@@ -108,6 +108,7 @@ def _placement_plan(
                     _check_divisible(module, name, pattern, style, world_size)
                     plan[name] = ColwiseParallel() if style == "colwise" else RowwiseParallel()
                 break  # first matching pattern wins
+    _refuse_unplaced_beside_colwise(model, plan, table)
     unused = [p for p, hit in used.items() if not hit]
     if unused:
         names = [n for n, _ in model.named_modules() if n][:12]
@@ -117,6 +118,66 @@ def _placement_plan(
             key=f"placements.{unused[0]}",
         )
     return plan
+
+
+def _refuse_unplaced_beside_colwise(
+    model: nn.Module, plan: dict[str, object], table: dict[str, str]
+) -> None:
+    """Refuse a table that leaves a module with parameters beside a colwise one unnamed.
+
+    Such a module (Qwen3's per-head ``q_norm``/``k_norm`` beside ``q_proj``/``k_proj``) most
+    likely sees the colwise layer's output: this rank's heads only. Its plain parameters'
+    gradients would then cover those heads alone and the ranks' "replicated" weights drift
+    apart, silently. A pre-norm beside them sees the full input instead and is right as a
+    plain module, so naming it ``replicate`` in the table says so and is accepted."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    colwise = {name for name, style in plan.items() if isinstance(style, ColwiseParallel)}
+    named = {
+        name
+        for name, _ in model.named_modules()
+        if name and any(fnmatch.fnmatchcase(name, p) for p in table)
+    }
+    for parent_name, parent in model.named_modules():
+        prefix = f"{parent_name}." if parent_name else ""
+        children = [(prefix + n, c) for n, c in parent.named_children()]
+        beside = [n for n, _ in children if n in colwise]
+        if not beside:
+            continue
+        for name, child in children:
+            if name in named or not any(True for _ in child.parameters()):
+                continue
+            raise ConfigError(
+                f"{name!r} ({type(child).__name__}) has parameters and sits beside the colwise "
+                f"{beside[0]!r}, but the placements table does not name it. If it reads "
+                f"{beside[0]!r}'s output (a per-head norm), it sees only this rank's part and "
+                "its plain gradient would cover that part alone (the ranks' copies would drift "
+                "apart): "
+                f"name it '{name}: sharded_input' (its parameters stay whole, their "
+                "gradients are summed over the ranks). If it reads the full input (a "
+                f"pre-norm), name it '{name}: replicate'",
+                key=f"placements.{name}",
+            )
+
+
+def _sum_gradients_over_ranks(model: nn.Module, table: dict[str, str]) -> None:
+    """``sharded_input`` modules read this rank's part of a colwise output (a per-head norm
+    over this rank's heads), so each rank's gradient of their whole, plain parameters is a
+    partial sum: a hook on each gradient sums it over the ranks before it accumulates (once
+    per backward, so gradient accumulation stays exact). Every rank runs the same backward,
+    so the hooks' all-reduces come in the same order everywhere."""
+    import torch.distributed as dist
+
+    def summed(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad
+
+    for name, module in model.named_modules():
+        style = next((s for p, s in table.items() if fnmatch.fnmatchcase(name, p)), None)
+        if name and style == "sharded_input":
+            for param in module.parameters():
+                param.register_hook(summed)
 
 
 # (is an Embedding, style) -> the attribute holding the dim that style splits
@@ -195,6 +256,7 @@ def wrap_model(
         from torch.distributed.tensor.parallel import parallelize_module
 
         parallelize_module(model, mesh, plan)
+        _sum_gradients_over_ranks(model, table)
         # DTensor collectives run inside the blocks: a compile failure is an error, never an
         # eager fallback on one rank (it could order those collectives differently).
         compiled = _ac_and_compile(

@@ -40,7 +40,7 @@ from tests.train._models import (
 )
 
 GLOBAL_BATCH, STEPS, CLIP = 8, 4, 0.5
-TP_PLAN = {"layers.*.up": "colwise", "layers.*.down": "rowwise"}
+TP_PLAN = {"layers.*.up": "colwise", "layers.*.down": "rowwise", "layers.*.norm": "replicate"}
 TOL = {"atol": 1e-5, "rtol": 0}
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import io
 
+import pytest
 import torch
 import torch.distributed.checkpoint  # imported before fork: children inherit it
 import torch.distributed.tensor.parallel
@@ -34,7 +35,7 @@ from tests.train._models import (
 )
 
 GLOBAL_BATCH, STEPS, CLIP = 8, 6, 0.5
-TP_PLAN = {"up": "colwise", "down": "rowwise"}
+TP_PLAN = {"up": "colwise", "down": "rowwise", "norm": "replicate"}  # norm: after down
 
 
 class CountC10d(TorchDispatchMode):
@@ -212,3 +213,52 @@ def test_logdir_on_rank0_only_does_not_change_the_collectives(tmp_path):
         for i, line in enumerate(lines):
             assert line.split(" loss ")[1].startswith(f"{losses[2 * i + 1]:.4f} ")
         assert out[1][1] == ""  # rank 1 prints nothing (no summary either)
+
+
+class _HeadNormAttention(torch.nn.Module):
+    """q/o projections around a per-head norm (Qwen3's q_norm): colwise q_proj hands each
+    rank its heads, the norm's weight is shared by every head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_proj = torch.nn.Linear(6, 8)
+        self.q_norm = torch.nn.LayerNorm(4)  # head_dim 4, 2 heads
+        self.o_proj = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.q_proj(x)
+        h = self.q_norm(h.unflatten(-1, (-1, 4))).flatten(-2)
+        return self.o_proj(torch.tanh(h))
+
+
+def _head_norm_grads(rank, world):
+    from spmdgt import runtime
+    from spmdgt.train._strategies import wrap_model
+
+    torch.manual_seed(0)
+    model, ref = _HeadNormAttention(), _HeadNormAttention()
+    ref.load_state_dict(model.state_dict())
+    with torch.no_grad():  # a weight that is not all ones: its gradient differs per head
+        for m in (model, ref):
+            m.q_norm.weight.copy_(torch.linspace(0.5, 1.5, 4))
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(1))
+    table = {"q_proj": "colwise", "o_proj": "rowwise", "q_norm": "sharded_input"}
+    wrapped = wrap_model(
+        model,
+        "placements",
+        device=torch.device("cpu"),
+        world_size=world,
+        backend=runtime.get_runtime().backend,
+        placements=table,
+        mesh=runtime.device_mesh(),
+    )
+    for _ in range(2):  # accumulation: each backward's partial gradient summed once
+        wrapped.module(x).pow(2).mean().backward()
+        ref(x).pow(2).mean().backward()
+    return model.q_norm.weight.grad, ref.q_norm.weight.grad
+
+
+@pytest.mark.parametrize("world", [2])
+def test_per_head_norm_beside_colwise_gets_one_process_gradient(tmp_path, world):
+    for got, want in run_ranks(_head_norm_grads, world, tmp_path):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -117,6 +117,22 @@ def test_bad_inputs_raise_clear_errors():
     cfg = TrainConfig(strategy="placements", placements={"norm": "colwise"})
     with pytest.raises(ConfigError, match=r"needs an nn\.Linear"):
         DistributedTrainer(model, make_optimizer(model), config=cfg)
+    # a module with parameters beside a colwise layer (a per-head norm) that the table does
+    # not name: refused before any step, by name; naming it says what it reads
+    attn = torch.nn.ModuleDict(
+        {
+            "q_proj": torch.nn.Linear(8, 8),
+            "q_norm": torch.nn.LayerNorm(4),
+            "o_proj": torch.nn.Linear(8, 8),
+        }
+    )
+    table = {"q_proj": "colwise", "o_proj": "rowwise"}
+    cfg = TrainConfig(strategy="placements", placements=table)
+    with pytest.raises(ConfigError, match=r"'q_norm' \(LayerNorm\).*beside the colwise 'q_proj'"):
+        DistributedTrainer(attn, make_optimizer(attn), config=cfg)
+    for style in ("replicate", "sharded_input"):
+        cfg = TrainConfig(strategy="placements", placements={**table, "q_norm": style})
+        DistributedTrainer(attn, make_optimizer(attn), config=cfg)
     t = DistributedTrainer(model, make_optimizer(model))  # no loss_fn, model output not scalar
     with pytest.raises(ValueError, match="loss_fn"):
         t.train(_loader(), max_steps=1)
