@@ -29,10 +29,10 @@ def _push(name: str, backward: str | None) -> None:
     # brings in the compile pass's lazy regions, which see every scope change from then on
     cfg = lookup(name) if isinstance(name, str) and name else None
     compiles = bool(cfg is not None and cfg.compile)
-    if compiles and _scope.lazy_hook is None:
+    if compiles:
         from spmdgt import compile as gt_compile
 
-        _scope.lazy_hook = gt_compile.on_scope
+        gt_compile.compile_scope_entered()
     _scope.push(name, backward, compiles)
 
 

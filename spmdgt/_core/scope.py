@@ -15,8 +15,8 @@ _stack: list[tuple[str, str | None, bool]] = []
 listeners: list = []
 
 # The compile pass's tier 2 (``spmdgt.compile.on_scope``) once a ``compile: true`` scope was
-# entered (``spmdgt.signal`` sets it) or tier 2 was turned on: scope changes are its sync
-# points. None until then.
+# entered or tier 2 was turned on: scope changes are its sync points. None until then. Only
+# ``spmdgt.compile`` writes it (and the session's reset here).
 lazy_hook = None
 
 # Tier 2's sync for a pending sharded result read without an op (``to_local``, ``redistribute``,

@@ -7,7 +7,8 @@ which compiles it at its next call with guards, graph breaks, recompiles and a c
 backward. A compile error, a failed agreement or a run-time error sends that function back to
 eager (on every rank when any rank failed). Functions the user compiled are left alone. Guide:
 ``docs/compilation.md``; machinery: ``_pass`` (decisions), ``_frames`` (dynamo's frame hook),
-``_backend`` (the counted backend), ``_consensus`` (the agreement), ``_stats`` (the counters).
+``_backend`` (the counted backend), ``_stats`` (the counters); the ranks agree through
+``spmdgt.runtime._agree`` (``propose``, ``any_rank``).
 
 Tier 2, lazy regions (YAML ``compile: true`` scopes, ``GT_WORKER_BATCH_SIZE=N`` or
 ``enable_regions()``): ops on large tensors, plain or sharded, are recorded, their results are
@@ -41,6 +42,7 @@ from spmdgt._core.session import session
 
 __all__ = [
     "disable",
+    "compile_scope_entered",
     "disable_regions",
     "enable",
     "enable_regions",
@@ -52,6 +54,8 @@ __all__ = [
 
 _pass: Any = None
 _regions: Any = None  # tier 2's LazyPass, made by enable_regions() or the first compile scope
+# disable_regions() was called: ``compile: true`` scopes stay eager until enable_regions()
+_regions_refused = False
 _atexit = False
 
 
@@ -101,7 +105,7 @@ def enable(
     _provide()
     if _regions is not None:  # see enable_regions
         _note("tier 1 on: lazy regions off (the two together are not exact yet)")
-        disable_regions()
+        _stop_regions()
     _note(
         f"compile pass on (tier 1, backend {p.backend_name}, a sample every {p.every} ops, "
         f"hot at {p.hot_at} samples, interceptor level {ic.level})"
@@ -128,7 +132,8 @@ def enable_regions(
     """Turn tier 2 on for this rank: lazy regions inside ``compile: true`` scopes, and, with
     ``batch`` (``GT_WORKER_BATCH_SIZE``), everywhere, a region running at ``batch`` recorded
     ops at most. Returns whether it is on: not with ``GT_COMPILE=0`` nor while tier 1 runs."""
-    global _regions
+    global _regions, _regions_refused
+    _regions_refused = False
     # Not while tier 1 runs: the OpInfo sweep with both on (every op recorded) found hangs
     # and rare wrong values on sub-meshes and empty shards, each tier alone none.
     if compile_disabled() or _pass is not None:
@@ -156,7 +161,7 @@ def enable_regions(
         import atexit
 
         atexit.register(disable)
-        atexit.register(disable_regions)
+        atexit.register(_stop_regions)
         _atexit = True
     where = f"everywhere, {batch} ops at most" if batch else "in compile: true scopes"
     _note(
@@ -166,15 +171,34 @@ def enable_regions(
 
 
 def disable_regions() -> None:
-    """Turn tier 2 off: the open region runs, the hook goes, the graphs are dropped."""
+    """Turn tier 2 off: the open region runs, the hook goes, the graphs are dropped; and it
+    stays off, ``compile: true`` scopes included, until ``enable_regions()``."""
+    global _regions_refused
+    _regions_refused = True
+    _stop_regions()
+
+
+def _stop_regions() -> None:
+    """Tier 2 off, the scope hooks out (a later ``compile: true`` scope may turn it on)."""
     global _regions
+    from spmdgt._core import scope as _scope
+
+    _scope.lazy_hook = None
+    _scope.lazy_sync = None
     lz, _regions = _regions, None
     if lz is not None:
-        from spmdgt._core import scope as _scope
-
-        _scope.lazy_sync = None
         lz.stop()
         _provide()
+
+
+def compile_scope_entered() -> None:
+    """A ``compile: true`` scope is being entered (``spmdgt.signal``): from now on scope
+    changes reach ``on_scope``, which turns tier 2 on at this scope, unless the program
+    turned it off with ``disable_regions()``. The one writer of ``_scope.lazy_hook``."""
+    from spmdgt._core import scope as _scope
+
+    if _scope.lazy_hook is None and not _regions_refused:
+        _scope.lazy_hook = on_scope
 
 
 def regions_enabled() -> bool:
@@ -250,9 +274,11 @@ def _note(msg: str) -> None:
 
 
 def _forget() -> None:
-    # the session's reset: both tiers off (tier 2's open region runs first)
-    disable_regions()
+    # the session's reset: both tiers off (tier 2's open region runs first), as at import
+    global _regions_refused
+    _stop_regions()
     disable()
+    _regions_refused = False
 
 
 session.register("compile", _forget)

@@ -150,10 +150,10 @@ class Graphs:
             if plan.mesh is not None:
                 # every rank compiles this key now (sharded keys are global): if any failed,
                 # every rank runs it eagerly, as a graph's collectives may be ordered otherwise
-                from spmdgt.compile._consensus import any_rank
+                from spmdgt.runtime import _agree
 
                 what = f"compile of lazy region {region} ({plan.ops} ops)"
-                if any_rank(error is not None, what, region) and error is None:
+                if _agree.any_rank(error is not None, what, region) and error is None:
                     fn, error = None, "another rank's compile failed"
             if error is None:
                 entry = _Entry(fn, gm, region, plan.ops)

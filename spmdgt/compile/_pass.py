@@ -5,7 +5,8 @@ top-level op, one sample of which user code object issued it; ``interceptor/_sam
 A code with ``hot_at`` samples is *hot*: if it is a plain function (not module-level code, not
 a generator) that the user has not compiled, the frame hook (``_frames``) goes in and dynamo
 compiles the function at its next call. Each frame compile is an agreement point
-(``_consensus``): if it failed on any rank, every rank runs the function eagerly from then on.
+(``runtime._agree.any_rank``): if it failed on any rank, every rank runs the function eagerly
+from then on.
 
 Classification of code objects (the sampler's and the hook's):
 - ``STOP``: code running inside a compiled function (dynamo's transformed code, inductor's
@@ -26,7 +27,6 @@ from typing import Any
 
 from spmdgt._core import debuglog as _debuglog
 from spmdgt.compile._backend import CountingBackend
-from spmdgt.compile._consensus import any_rank
 from spmdgt.compile._frames import FrameHook
 from spmdgt.compile._stats import CompileStats, first_line
 from spmdgt.interceptor._sampler import LIBRARY, STOP, USER, CodeSampler
@@ -55,6 +55,7 @@ class HotFunctionPass:
         self._by_key: dict[str, CodeType] = {}  # codes this rank proposed (see on_hot)
         self._eager_keys: set[str] = set()  # fallen back on some rank at run time (agreed)
         self._ic: Any = None
+        self._listener: Any = None  # our on_agreed registration (runtime._agree.Listener)
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self, interceptor: Any) -> None:
@@ -63,11 +64,15 @@ class HotFunctionPass:
 
         self._ic = interceptor
         interceptor.set_sampler(self.sampler)
-        _agree.on_agreed(self._on_agreed)
+        if self._listener is None:
+            self._listener = _agree.on_agreed(self._on_agreed)
 
     def stop(self) -> None:
         """Stop sampling, remove the hook and its marks (compiled code is dropped by dynamo
         with its code objects; the functions run eagerly again)."""
+        if self._listener is not None:  # ours to remove: enable/disable N times leaves none
+            self._listener.remove()
+            self._listener = None
         if self._ic is not None and self._ic.sampler is self.sampler:
             self._ic.set_sampler(None)
         self.hook.uninstall()
@@ -108,7 +113,7 @@ class HotFunctionPass:
         at the same point of the program everywhere."""
         from spmdgt.runtime import _agree
 
-        if _agree._group is None:
+        if not _agree.active():
             self._make_hot(codes)
             return
         for code in codes:
@@ -185,7 +190,9 @@ class HotFunctionPass:
             finally:
                 self.backend.code = None
             reason = f"compile error: {_describe(error)}" if error else ""
-            failed = any_rank(error is not None, f"compile of {code.co_name}", _where(code))
+            from spmdgt.runtime import _agree
+
+            failed = _agree.any_rank(error is not None, f"compile of {code.co_name}", _where(code))
         st.compile_ns += time.perf_counter_ns() - t0
         where = _where(code)
         if failed:
@@ -219,7 +226,7 @@ class HotFunctionPass:
             self.hook.fall_back(code)
             from spmdgt.runtime import _agree
 
-            if _agree._group is not None:  # the other ranks follow at the next agreement point
+            if _agree.active():  # the other ranks follow at the next agreement point
                 _agree.propose(_EAGER + _key(code))
         if _debuglog.COMPILE:
             where = _where(code) if code is not None else "?"

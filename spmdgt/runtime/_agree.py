@@ -53,9 +53,13 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "Listener",
     "RankDivergenceError",
     "RankTimeoutError",
+    "active",
     "agree",
+    "all_ranks",
+    "any_rank",
     "before_collective",
     "call_site",
     "checking",
@@ -129,6 +133,13 @@ def timeout() -> datetime.timedelta | None:
 def checking() -> bool:
     """True when ``GT_CHECK_RANKS=1`` put agreement before every collective."""
     return _check
+
+
+def active() -> bool:
+    """True when the ranks agree through the side group (a world of more than one, after
+    ``gt.init()``): a decision that must be the same everywhere is then taken at an
+    agreement point; in a world of one, at once."""
+    return _group is not None
 
 
 def setup(rank: int, world: int) -> None:
@@ -259,10 +270,53 @@ def propose(key: str) -> None:
     _proposals.add(key)
 
 
-def on_agreed(fn: Callable[[set[str]], None]) -> None:
-    """Call ``fn(keys)`` on every rank when proposals are settled (see ``propose``)."""
-    if fn not in _listeners:
-        _listeners.append(fn)
+class Listener:
+    """A registration made by ``on_agreed``; ``remove()`` takes back exactly it (once)."""
+
+    def __init__(self, fn: Callable[[set[str]], None]) -> None:
+        self.fn = fn
+
+    def remove(self) -> None:
+        if self in _listeners:
+            _listeners.remove(self)
+
+    def __call__(self, keys: set[str]) -> None:
+        self.fn(keys)
+
+
+def on_agreed(fn: Callable[[set[str]], None]) -> Listener:
+    """Call ``fn(keys)`` on every rank when proposals are settled (see ``propose``), until
+    the returned handle's ``remove()``. Whoever registers removes: nothing else does."""
+    handle = Listener(fn)
+    _listeners.append(handle)
+    return handle
+
+
+def all_ranks(value: Any) -> list[Any]:
+    """Every rank's ``value`` (picklable), in rank order, on every rank: one exchange on the
+    side group, so it never pairs with a data collective. Every rank must call it at the
+    same point of the program; in a world of one, ``[value]``."""
+    if _group is None:
+        return [value]
+    if _out_of_step is not None:
+        raise _stopped(_out_of_step, "an exchange of values")
+    everyone: list[Any] = [None] * _world
+    with torch._C.DisableTorchFunction():  # the agreement's own ops: no hook sees them
+        dist.all_gather_object(everyone, value, group=_group)
+    return everyone
+
+
+def any_rank(flag: bool, what: str, site: str) -> bool:
+    """Whether ``flag`` holds on any rank: an agreement point on ``what`` at ``site`` (the
+    same decision on every rank, else ``RankDivergenceError``), then one MAX all-reduce of
+    the flag on the side group. This rank's ``flag`` in a world of one."""
+    if _group is None:
+        return flag
+    agree(what, site=site)
+    with torch._C.DisableTorchFunction():  # the agreement's own ops: no hook sees them
+        t = torch.tensor([1 if flag else 0], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_group)
+        return bool(t.item())
 
 
 def _settle_proposals() -> None:

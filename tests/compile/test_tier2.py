@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+import spmdgt
 import spmdgt.compile as gt_compile
 from spmdgt.interceptor import _control
 from tests._dist import run_ranks
@@ -33,7 +34,7 @@ def regions():
     try:
         yield enable
     finally:
-        gt_compile.disable_regions()
+        spmdgt.session.reset("compile")  # off, and compile: true scopes may turn it on again
 
 
 def chain(x, b, s=0.5):
@@ -172,7 +173,7 @@ def test_compile_true_scope_from_yaml(tmp_path):
         assert torch._C._len_torch_function_stack() == 0  # the hook left with the scope
         assert _reg()["flushes"] == {"scope end": 1} and _reg()["compiled"] == 1
     finally:
-        gt_compile.disable_regions()
+        spmdgt.session.reset("compile")
         clear_config()
 
 

@@ -1,7 +1,8 @@
 """A chosen subset of the suite, run again with each tier of the compile pass on.
 
 Every test that passes eager must pass with the pass on: the exactness and signal tests on 2,
-3 and 4 ranks (sub-meshes, empty shards, fallbacks, where ranks run different numbers of ops).
+3 and 4 ranks (sub-meshes, empty shards, fallbacks, where ranks run different numbers of ops),
+and whole training steps on 2 ranks.
 A fresh pytest process each, so the pass is on from ``import spmdgt`` as a user's run has it;
 ``GT_DEBUG_COMPILE=1`` shows that functions or regions did get compiled there.
 
@@ -21,7 +22,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SUBSET = ["tests/core/test_exactness_dist.py", "tests/core/test_signals_dist.py"]
+SUBSET = [
+    "tests/core/test_exactness_dist.py",
+    "tests/core/test_signals_dist.py",
+    # whole training steps (losses' backward, clipping, accumulation, optimizers): 2 ranks
+    "tests/core/test_steps_dist.py::test_whole_steps_equal_one_process[2]",
+]
 
 
 _TIER2 = {"GT_WORKER_BATCH_SIZE": "16", "GT_LAZY_MIN_NUMEL": "1", "GT_COMPILE_BACKEND": "aot_eager"}
