@@ -1,10 +1,9 @@
-"""The compile pass (issue 10) against eager and hand-written ``torch.compile``, side by side.
+"""The compile pass against eager and hand-written ``torch.compile``, side by side.
 
     python benchmarks/bench_compile.py [--rounds 5] [--backend inductor]
 
 One process, 1 CPU thread. Every case times its variants in alternation (``--rounds`` rounds,
-best round kept), after a warm-up that is not timed; compile times are reported apart. Targets
-(issue 10):
+best round kept), after a warm-up that is not timed; compile times are reported apart. Targets:
 
 - ``chain``: 25 pointwise ops on 1M elements: eager, hand ``torch.compile``, ``GT_AUTO_COMPILE``
   (the pass); the pass's speed-up >= 0.8 of hand compile's.

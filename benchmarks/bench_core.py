@@ -4,9 +4,9 @@
     python benchmarks/bench_core.py --quick    # fewer iterations (CI smoke)
 
 Each pair runs interleaved in one process (A, B, A, B ... best of rounds), so machine noise
-hits both sides alike. Targets (issue #2): small-op loop <= 1.3x torch, seed 000's baseline
+hits both sides alike. Targets: small-op loop <= 1.3x torch, seed 000's baseline
 <= 1.05x, MLP step <= 1.05x, 2-rank sharded per-op cost no worse than DTensor's own.
-Rank agreement (issue 9): the header a host read carries, on a 1000x1000 ``.numpy()`` at 2
+Rank agreement: the header a host read carries, on a 1000x1000 ``.numpy()`` at 2
 ranks, and what ``GT_CHECK_RANKS=1`` costs a read, a redistributing matmul and a local op.
 """
 

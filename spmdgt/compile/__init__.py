@@ -1,4 +1,4 @@
-"""The compile pass: unchanged eager code runs compiled where it pays (issue 10).
+"""The compile pass: unchanged eager code runs compiled where it pays.
 
 Tier 1, hot functions (``GT_AUTO_COMPILE=1`` or ``spmdgt.compile.enable()``): the interceptor
 samples which user function issues the ops (by op count, so every rank decides at the same

@@ -1,4 +1,4 @@
-"""Ranks that stop running the same program (issue 9's table, ``tests/e2e/_diverge.py``):
+"""Ranks that stop running the same program (the README's table, ``tests/e2e/_diverge.py``):
 every rank raises ``gt.RankDivergenceError`` naming each rank's call, before any value is
 computed; by default and with ``GT_CHECK_RANKS=1``. Forked ranks; the e2e tests run some of
 the same programs as real processes, for exit codes, timeouts and torchrun's summary."""

@@ -1,4 +1,4 @@
-"""Two ranks that stop running the same program, as in issue 9's table.
+"""Two ranks that stop running the same program, one case of the rank-agreement table a time.
 
 ``python _diverge.py CASE`` (a rank of a 2-rank job) runs ``CASES[CASE]``; the tests also call
 the functions in forked ranks. Rank 0 and rank 1 differ as each case says; whatever is

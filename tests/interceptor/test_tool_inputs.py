@@ -1,4 +1,4 @@
-"""Tools that read outside input (issue 9, item 4).
+"""Tools that read outside input: trace requests, the instruction log, top and visualize.
 
 Trace requests: anyone who can write the run folder can write one, so a request that escapes
 the run folder / ``GT_TRACE_DIR``, names a bad id, or gives ``seconds`` that are not a finite
