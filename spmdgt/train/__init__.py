@@ -9,9 +9,10 @@ One process: ``python train.py``. N processes: ``torchrun --nproc_per_node=N tra
                                  gradient_accumulation_steps=4, max_grad_norm=1.0)
     summary = trainer.train(loader, epochs=2)
 
-The full guide is docs/trainer.md. Machinery: ``_strategies`` (wrapping), ``_trainer`` (the
-loop), ``_checkpoint`` (atomic DCP checkpoints), ``_comm`` (collective algebra and logging),
-``_profilers``, ``_summary``, ``_data``, ``_config``.
+The full guide is docs/trainer.md. Machinery: ``_strategies`` (wrapping: ``apply_tp``,
+``apply_ac``, ``apply_compile``, ``apply_fsdp``/``apply_ddp``), ``_trainer`` (the loop),
+``_checkpoint`` (atomic DCP checkpoints), ``_comm`` (collective algebra and logging), ``_units``
+(FSDP's units), ``_compile``, ``_profilers``, ``_summary``, ``_data``, ``_batches``, ``_config``.
 """
 
 from spmdgt.train._checkpoint import CheckpointError

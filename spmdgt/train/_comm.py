@@ -46,6 +46,8 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
     DefaultReduceScatter,
 )
 
+from spmdgt.train._units import fsdp_units
+
 __all__ = [
     "KINDS",
     "CollectiveLog",
@@ -556,8 +558,6 @@ class CommunicationProfiler:
         optimizer step, every unit's gradients are reduce-scattered once (accumulation skips
         the others). ``(n-1)/n`` of each buffer per rank; buffers are the parameters with
         dim 0 padded to a multiple of ``n``, as FSDP2 lays them out."""
-        from spmdgt.train._strategies import fsdp_units
-
         n = world_size
         units = len(fsdp_units(model))
         gathers = (2 if reshard_after_forward else 1) * micro_steps

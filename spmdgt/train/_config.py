@@ -4,13 +4,14 @@ YAML (every section optional; unknown keys are errors naming file and key)::
 
     strategy: fsdp                 # ddp | fsdp | placements
     fsdp: {use_mixed_precision: true, reshard_after_forward: true}
-    ddp: {bucket_cap_mb: 25}
+    ddp: {bucket_cap_mb: 25, find_unused_parameters: false}
     training:
       epochs: 3
       batch_size: 16               # per rank
       gradient_accumulation_steps: 4
       max_grad_norm: 1.0
       use_amp: false
+      max_steps: null              # stop after this many optimizer steps (null: all epochs)
       scheduler: {type: linear_warmup, warmup_steps: 100, total_steps: 1000}
     placements:        # module-name glob -> colwise | rowwise | replicate | sharded_input
       "layers.*.mlp.up": colwise
@@ -18,17 +19,20 @@ YAML (every section optional; unknown keys are errors naming file and key)::
     checkpoint: {dir: ckpt, every_steps: 50}
     profile: false
     logdir: runs/exp1
+    log_every: 10                  # steps between loss reductions, progress lines, scalars
     compile: false                 # torch.compile each block (TP -> AC -> compile -> FSDP)
     compile_backend: inductor      # any torch.compile backend name (aot_eager: no codegen)
     activation_checkpointing: false  # recompute each block's activations in backward
 
 Load with ``load_train_config(path)``; pass the result as ``DistributedTrainer(config=...)``.
+The config is the one place for these settings: the trainer's keyword arguments of the same
+names are pass-throughs that ``override`` sets here (validated by the same ``__post_init__``).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from spmdgt.config import ConfigError, from_dict, load_mapping
@@ -41,10 +45,16 @@ __all__ = [
     "TrainConfig",
     "TrainingConfig",
     "load_train_config",
+    "override",
 ]
 
 STRATEGIES = ("ddp", "fsdp", "placements")
 PLACEMENT_STYLES = ("colwise", "rowwise", "replicate", "sharded_input")
+
+
+def _bool(value: object, key: str) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"must be true or false, got {value!r}", key=key, value=value)
 
 
 def _positive_int(value: object, key: str, *, allow_zero: bool = False) -> None:
@@ -69,8 +79,12 @@ class DDPConfig:
 
     bucket_cap_mb: float = 25.0
     """Gradient bucket size in MiB: larger buckets mean fewer, bigger all-reduces."""
+    find_unused_parameters: bool = False
+    """Let DDP find parameters the forward did not use (a model with branches); costs a graph
+    walk per step. FSDP2 handles unused parameters itself and warns that this does nothing."""
 
     def __post_init__(self) -> None:
+        _bool(self.find_unused_parameters, "find_unused_parameters")
         if self.bucket_cap_mb <= 0:
             raise ConfigError(
                 f"must be > 0, got {self.bucket_cap_mb}",
@@ -124,6 +138,9 @@ class TrainingConfig:
     """Autocast to bf16 (fp16 + GradScaler on CUDA without bf16)."""
     warmup_steps: int = 2
     """Optimizer steps excluded from the timing statistics of the summary."""
+    max_steps: int | None = None
+    """Stop after this many optimizer steps (counted from step 0, so a resumed run stops at the
+    same step); ``None`` trains all ``epochs``."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     """Learning-rate schedule."""
 
@@ -132,6 +149,9 @@ class TrainingConfig:
         _positive_int(self.batch_size, "batch_size")
         _positive_int(self.gradient_accumulation_steps, "gradient_accumulation_steps")
         _positive_int(self.warmup_steps, "warmup_steps", allow_zero=True)
+        if self.max_steps is not None:
+            _positive_int(self.max_steps, "max_steps")
+        _bool(self.use_amp, "use_amp")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise ConfigError(
                 f"must be > 0 or null, got {self.max_grad_norm}",
@@ -179,6 +199,11 @@ class TrainConfig:
     """Write per-rank ``torch.profiler`` traces under ``<logdir>/profile``."""
     logdir: str | None = None
     """TensorBoard directory (rank 0 writes scalars); ``None`` disables logging."""
+    log_every: int = 10
+    """Optimizer steps between loss reductions: per-step losses stay on the device and are
+    all-reduced in one small collective every this many steps (on every rank: the schedule of a
+    collective must not depend on who logs), then written to TensorBoard and, without a
+    terminal, printed as a progress line. Memory is sampled at the same steps."""
     compile: bool = False
     """``torch.compile`` each transformer block (the model's ``ModuleList`` of layers; the
     whole model when it has none), in torchtitan's order: tensor parallel, activation
@@ -206,10 +231,9 @@ class TrainConfig:
                     key=f"placements.{pattern}",
                     value=style,
                 )
-        for key in ("compile", "activation_checkpointing"):
-            value = getattr(self, key)
-            if not isinstance(value, bool):
-                raise ConfigError(f"must be true or false, got {value!r}", key=key, value=value)
+        for key in ("compile", "activation_checkpointing", "profile"):
+            _bool(getattr(self, key), key)
+        _positive_int(self.log_every, "log_every")
         if not isinstance(self.compile_backend, str) or not self.compile_backend:
             raise ConfigError(
                 f"must be a torch.compile backend name, got {self.compile_backend!r}",
@@ -239,3 +263,44 @@ def load_train_config(path: str | os.PathLike) -> TrainConfig:
     """Read a training YAML file into a ``TrainConfig``; errors name the file and key."""
     data, name = load_mapping(path, what="training config")
     return from_dict(TrainConfig, data, file=name)
+
+
+# Where each keyword that ``override`` accepts lives: the top level, or a section's name.
+_SECTION_OF = {
+    "strategy": None,
+    "logdir": None,
+    "log_every": None,
+    "profile": None,
+    "compile": None,
+    "epochs": "training",
+    "max_steps": "training",
+    "use_amp": "training",
+    "gradient_accumulation_steps": "training",
+    "max_grad_norm": "training",
+    "find_unused_parameters": "ddp",
+}
+
+
+def override(cfg: TrainConfig, **values: object) -> TrainConfig:
+    """``cfg`` with the given fields replaced, wherever they live (``epochs`` is
+    ``training.epochs``); ``None`` values are left out, so an unset keyword keeps the config's
+    value.
+
+    The trainer's keyword arguments that name config fields go through here: new dataclasses
+    are built, so every ``__post_init__`` validates the new value (a ``ConfigError`` naming the
+    field and value) and the caller's ``cfg`` is not changed; sections not named stay shared."""
+    top: dict[str, object] = {}
+    sections: dict[str, dict[str, object]] = {}
+    for name, value in values.items():
+        if value is None:
+            continue
+        if name not in _SECTION_OF:
+            raise TypeError(f"override() got an unknown field {name!r}")
+        section = _SECTION_OF[name]
+        if section is None:
+            top[name] = value
+        else:
+            sections.setdefault(section, {})[name] = value
+    for section, fields in sections.items():
+        top[section] = replace(getattr(cfg, section), **fields)
+    return replace(cfg, **top) if top else cfg

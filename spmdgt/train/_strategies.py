@@ -10,9 +10,12 @@
   rank must see the same batch (no data parallelism); ``replicate`` keeps a full copy on each
   rank (plain tensors that stay identical because their inputs are identical).
 
-``compile=True`` (see ``_compile``) goes block by block in torchtitan's order: tensor parallel,
-then activation checkpointing (``activation_checkpointing=True``), then ``torch.compile`` of
-each block, then ``fully_shard`` per block and the root (or DDP around the model).
+``wrap_model`` is the one place that applies these, in torchtitan's order (its
+``parallelize_llama``), each step a small function of its own: ``apply_tp`` (tensor
+parallel), ``apply_ac`` (activation checkpointing, ``activation_checkpointing=True``),
+``apply_compile`` (``torch.compile`` of each block, ``compile=True``; see ``_compile``), then
+``apply_fsdp`` (``fully_shard`` per block and the root) or ``apply_ddp`` (DDP around the model).
+Which submodules are FSDP's units is ``_units``' rule, shared with the cost model in ``_comm``.
 
 In a world of one nothing is wrapped: the plain model trains as is (blocks still compiled).
 ``Wrapped.no_sync()`` is the one context the trainer uses to skip gradient communication on
@@ -44,9 +47,19 @@ from spmdgt.train._compile import (
     compile_blocks,
     find_blocks,
 )
-from spmdgt.train._config import PLACEMENT_STYLES, STRATEGIES, DDPConfig, FSDPConfig
+from spmdgt.train._config import STRATEGIES, DDPConfig, FSDPConfig
+from spmdgt.train._units import fsdp_blocks
 
-__all__ = ["Wrapped", "clip_grad_norm", "fsdp_units", "wrap_model"]
+__all__ = [
+    "Wrapped",
+    "apply_ac",
+    "apply_compile",
+    "apply_ddp",
+    "apply_fsdp",
+    "apply_tp",
+    "clip_grad_norm",
+    "wrap_model",
+]
 
 
 @dataclass
@@ -225,150 +238,145 @@ def wrap_model(
 ) -> Wrapped:
     """Move ``model`` to ``device`` and wrap it for ``strategy`` (no wrapping in a world of 1).
 
-    ``compile``/``activation_checkpointing``: per block, after tensor parallelism and before
-    FSDP/DDP (torchtitan's order); ``compile`` must already be agreed by every rank."""
-    if strategy not in STRATEGIES:
-        raise ConfigError(
-            f"unknown strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}",
-            key="strategy",
-            value=strategy,
-        )
+    The one place that decides the order, torchtitan's (``parallelize_llama``): tensor
+    parallel, activation checkpointing, ``torch.compile`` per block, then FSDP2 or DDP. Each
+    step is an ``apply_*`` function of its own. ``strategy`` and ``placements`` come validated
+    from ``TrainConfig``; ``compile`` must already be agreed by every rank."""
+    assert strategy in STRATEGIES, strategy  # TrainConfig validated it
     ddp = ddp or DDPConfig()
     fsdp = fsdp or FSDPConfig()
     model = model.to(device)
-    log = CollectiveLog()
-    autocast = amp_dtype if use_amp else None
-
+    distributed = world_size > 1
+    wrapped = Wrapped(model, strategy, 1, autocast_dtype=amp_dtype if use_amp else None)
     if strategy == "placements":
-        table = placements or {}
-        if not table:
-            raise ConfigError("strategy 'placements' needs a placements table", key="placements")
-        bad = {p: s for p, s in table.items() if s not in PLACEMENT_STYLES}
-        if bad:
-            p, s = next(iter(bad.items()))
-            raise ConfigError(f"unknown placement {s!r}", key=f"placements.{p}", value=s)
-        plan = _placement_plan(model, table, world_size)  # validated even in a world of one
-        if world_size == 1:
-            compiled = _ac_and_compile(
-                model, compile, compile_backend, activation_checkpointing, collectives=False
+        assert placements, "TrainConfig requires a placements table for 'placements'"
+        plan = _placement_plan(model, placements, world_size)  # checked in a world of 1 too
+        if distributed:
+            apply_tp(model, mesh, plan, placements)
+            # DTensor's collectives have no hook: the trainer reads them from the interceptor's
+            # op stream when measurement is asked for (see DistributedTrainer.train).
+            wrapped.comm_source = None
+    elif strategy == "fsdp" and not distributed and fsdp.use_mixed_precision:
+        wrapped.autocast_dtype = amp_dtype  # same numerics as bf16 params: autocast the forward
+    # FSDP's units by name, taken before apply_ac wraps them: a compile fallback (a model
+    # without a block list) compiles the units themselves, not their checkpoint wrappers.
+    fallback = _fsdp_named_blocks(model) if strategy == "fsdp" and distributed else None
+    if activation_checkpointing:
+        apply_ac(model)
+    if compile:
+        # DTensor collectives run inside tensor-parallel blocks: a compile failure is then an
+        # error, never an eager fallback on one rank (it could order those collectives
+        # differently). DDP's and FSDP2's collectives run in hooks around the blocks.
+        in_blocks = strategy == "placements" and distributed
+        wrapped.compiled = apply_compile(model, compile_backend, in_blocks, fallback)
+    if distributed and strategy == "ddp":
+        wrapped.module = apply_ddp(model, device, ddp, find_unused_parameters, wrapped.log)
+        wrapped.data_parallel_size = world_size
+        wrapped.comm_source = "ddp_comm_hook"
+    elif distributed and strategy == "fsdp":
+        if find_unused_parameters:
+            warnings.warn(
+                "find_unused_parameters does nothing under FSDP2 (it handles unused parameters)",
+                stacklevel=_USER_FRAME,
             )
-            return Wrapped(model, strategy, 1, log, autocast_dtype=autocast, compiled=compiled)
-        from torch.distributed.tensor.parallel import parallelize_module
+        mixed = fsdp.use_mixed_precision or use_amp
+        wrapped.fsdp_modules = apply_fsdp(model, mesh, fsdp, amp_dtype if mixed else None)
+        _log_fsdp_collectives(wrapped.fsdp_modules, wrapped.log, sum_only=backend != "nccl")
+        wrapped.data_parallel_size = world_size
+        # FSDP's own MixedPrecisionPolicy casts; autocast stays off so compute is what it says.
+        wrapped.autocast_dtype = None
+        wrapped.comm_source = "fsdp2_collective_hooks"
+    return wrapped
 
-        parallelize_module(model, mesh, plan)
-        _sum_gradients_over_ranks(model, table)
-        # DTensor collectives run inside the blocks: a compile failure is an error, never an
-        # eager fallback on one rank (it could order those collectives differently).
-        compiled = _ac_and_compile(
-            model, compile, compile_backend, activation_checkpointing, collectives=True
-        )
-        # DTensor's collectives have no hook: the trainer reads them from the interceptor's op
-        # stream when measurement is asked for (see DistributedTrainer.train), never by tracing
-        # here.
-        return Wrapped(
-            model,
-            strategy,
-            1,
-            log,
-            autocast_dtype=autocast,
-            comm_source=None,
-            compiled=compiled,
-        )
 
-    if world_size == 1:
-        if strategy == "fsdp" and fsdp.use_mixed_precision:
-            autocast = amp_dtype  # same numerics as bf16 params: autocast the forward
-        compiled = _ac_and_compile(
-            model, compile, compile_backend, activation_checkpointing, collectives=False
-        )
-        return Wrapped(model, strategy, 1, log, autocast_dtype=autocast, compiled=compiled)
+# The frame a wrap_model warning points at: the user's DistributedTrainer(...) call (warn ->
+# wrap_model -> DistributedTrainer._wrap -> DistributedTrainer.__init__ -> the user).
+_USER_FRAME = 4
 
-    # DDP's and FSDP2's collectives run in hooks around the blocks, never inside them.
-    compiled = _ac_and_compile(
-        model,
-        compile,
-        compile_backend,
-        activation_checkpointing,
-        collectives=False,
-        fallback_units=_fsdp_named_blocks(model) if strategy == "fsdp" else None,
+
+def apply_tp(
+    model: nn.Module, mesh: object, plan: dict[str, object], table: dict[str, str]
+) -> None:
+    """Tensor parallelism: ``parallelize_module`` with ``plan`` on ``mesh``, then the gradient
+    hooks of the ``sharded_input`` modules (their whole parameters see a part of the input)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    parallelize_module(model, mesh, plan)
+    _sum_gradients_over_ranks(model, table)
+
+
+def apply_ac(model: nn.Module) -> None:
+    """Activation checkpointing per block (``checkpoint_wrapper``, non-reentrant): after tensor
+    parallelism, so recomputation replays the sharded forward, and before compile, so each
+    compiled graph holds the recomputation."""
+    apply_activation_checkpointing(model)
+
+
+def apply_compile(
+    model: nn.Module,
+    backend: str,
+    collectives_in_blocks: bool,
+    fallback_units: list[tuple[str, nn.Module]] | None,
+) -> CompileState:
+    """``torch.compile`` per block, in place: after TP and activation checkpointing, before
+    FSDP/DDP, so their hooks run eagerly around each compiled block."""
+    return compile_blocks(
+        model, backend, collectives_in_blocks=collectives_in_blocks, fallback_units=fallback_units
     )
-    if strategy == "ddp":
-        ids = [device.index] if device.type == "cuda" else None
-        module = nn.parallel.DistributedDataParallel(
-            model,
-            device_ids=ids,
-            bucket_cap_mb=ddp.bucket_cap_mb,
-            find_unused_parameters=find_unused_parameters,
-        )
-        module.register_comm_hook(None, ddp_counting_hook(log))
-        return Wrapped(
-            module,
-            strategy,
-            world_size,
-            log,
-            autocast_dtype=autocast,
-            comm_source="ddp_comm_hook",
-            compiled=compiled,
-        )
 
-    # fsdp
+
+def apply_fsdp(
+    model: nn.Module, mesh: object, fsdp: FSDPConfig, param_dtype: torch.dtype | None
+) -> list[nn.Module]:
+    """FSDP2: ``fully_shard`` each block, then the root, so parameters are gathered one block
+    at a time. ``param_dtype`` (mixed precision): compute in it, reduce gradients in fp32.
+    Returns the units, the root last."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    if find_unused_parameters:
-        warnings.warn(
-            "find_unused_parameters does nothing under FSDP2 (it handles unused parameters)",
-            stacklevel=3,
-        )
-    mixed = fsdp.use_mixed_precision or use_amp
     mp = (
-        MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=torch.float32)
-        if mixed
+        MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        if param_dtype is not None
         else MixedPrecisionPolicy()
     )
-    units = _fsdp_blocks(model)
+    units = fsdp_blocks(model)
     for block in units:
         fully_shard(
             block, mesh=mesh, mp_policy=mp, reshard_after_forward=fsdp.reshard_after_forward
         )
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=fsdp.reshard_after_forward)
     units.append(model)
-    sum_only = backend != "nccl"
+    return units
+
+
+def _log_fsdp_collectives(units: list[nn.Module], log: CollectiveLog, *, sum_only: bool) -> None:
+    """Route every unit's all-gathers and reduce-scatters through ``log``'s recording wrappers
+    of torch's defaults; ``sum_only`` (gloo): SUM then divide, never an AVG reduction."""
     for unit in units:
         if sum_only:
-            # gloo: SUM then divide by the data-parallel size, never an AVG reduction.
             unit.set_force_sum_reduction_for_comms(True)
         unit.set_custom_all_gather(LoggedAllGather(log))
         unit.set_custom_reduce_scatter(LoggedReduceScatter(log))
-    # FSDP's own MixedPrecisionPolicy casts; autocast stays off so compute is what it says.
-    return Wrapped(
-        model,
-        strategy,
-        world_size,
-        log,
-        fsdp_modules=units,
-        autocast_dtype=None,
-        comm_source="fsdp2_collective_hooks",
-        compiled=compiled,
-    )
 
 
-def _ac_and_compile(
+def apply_ddp(
     model: nn.Module,
-    compile: bool,
-    backend: str,
-    activation_checkpointing: bool,
-    *,
-    collectives: bool,
-    fallback_units: list[tuple[str, nn.Module]] | None = None,
-) -> CompileState | None:
-    """Activation checkpointing, then ``torch.compile``, per block (after TP, before FSDP)."""
-    if activation_checkpointing:
-        apply_activation_checkpointing(model)
-    if not compile:
-        return None
-    return compile_blocks(
-        model, backend, collectives_in_blocks=collectives, fallback_units=fallback_units
+    device: torch.device,
+    ddp: DDPConfig,
+    find_unused_parameters: bool,
+    log: CollectiveLog,
+) -> nn.parallel.DistributedDataParallel:
+    """``DistributedDataParallel`` around the whole (possibly compiled) model, last: dynamo
+    never traces DDP itself. A comm hook doing DDP's divide + SUM all-reduce records each
+    bucket's all-reduce in ``log``."""
+    ids = [device.index] if device.type == "cuda" else None
+    module = nn.parallel.DistributedDataParallel(
+        model,
+        device_ids=ids,
+        bucket_cap_mb=ddp.bucket_cap_mb,
+        find_unused_parameters=find_unused_parameters,
     )
+    module.register_comm_hook(None, ddp_counting_hook(log))
+    return module
 
 
 def _fsdp_named_blocks(model: nn.Module) -> list[tuple[str, nn.Module]] | None:
@@ -376,29 +384,8 @@ def _fsdp_named_blocks(model: nn.Module) -> list[tuple[str, nn.Module]] | None:
     model would trace FSDP2's hooks on its children; compiling each unit keeps them eager."""
     if find_blocks(model) is not None:
         return None
-    ids = {id(b) for b in _fsdp_blocks(model)}
+    ids = {id(b) for b in fsdp_blocks(model)}
     return [(n, m) for n, m in model.named_modules() if id(m) in ids]
-
-
-def _fsdp_blocks(model: nn.Module) -> list[nn.Module]:
-    """The blocks ``fully_shard`` wraps before the root: each direct child that owns
-    parameters, or each element of a child ``ModuleList`` (transformer layers), so all-gathers
-    are per block."""
-    blocks = []
-    for child in model.children():
-        inner = child.children() if isinstance(child, nn.ModuleList) else [child]
-        blocks.extend(b for b in inner if any(True for _ in b.parameters()))
-    return blocks
-
-
-def fsdp_units(model: nn.Module) -> list[nn.Module]:
-    """The FSDP2 units that communicate when ``wrap_model`` shards ``model``: its blocks, then
-    the root when parameters are left outside them (a root without parameters issues no
-    collectives). One all-gather per unit per forward (and backward), one reduce-scatter."""
-    blocks = _fsdp_blocks(model)
-    inside = {id(p) for b in blocks for p in b.parameters()}
-    rest = any(id(p) not in inside for p in model.parameters())
-    return [*blocks, model] if rest else blocks
 
 
 def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:

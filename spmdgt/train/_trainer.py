@@ -19,7 +19,8 @@ import itertools
 import math
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -47,7 +48,7 @@ from spmdgt.train._checkpoint import (
 )
 from spmdgt.train._comm import InterceptorCollectiveSink
 from spmdgt.train._compile import compile_disabled_by_env, compile_seconds
-from spmdgt.train._config import STRATEGIES, SchedulerConfig, TrainConfig, load_train_config
+from spmdgt.train._config import SchedulerConfig, TrainConfig, load_train_config, override
 from spmdgt.train._data import ResumableDistributedSampler
 from spmdgt.train._profilers import current_memory_bytes, peak_memory_bytes
 from spmdgt.train._strategies import Wrapped, all_reduce_mean, clip_grad_norm, wrap_model
@@ -60,9 +61,6 @@ from spmdgt.train._summary import (
 )
 
 __all__ = ["DistributedTrainer", "build_scheduler"]
-
-# Steps between loss reductions when nobody reads per-step losses: bounds the 0-d loss tensors
-# kept on the device while avoiding a collective per step.
 
 
 def build_scheduler(
@@ -86,13 +84,60 @@ def build_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+@dataclass
+class _Run:
+    """What one ``train()`` call carries from step to step: its config (the trainer's, with
+    the call's ``epochs``/``profile``/``max_steps``), the measurements and the open loggers. A
+    fresh one per call, so a second ``train()`` starts its statistics clean."""
+
+    cfg: TrainConfig
+    stats: RunStats
+    metrics: MetricsLogger
+    bar: ProgressBar
+    prof: torch.profiler.profile | None
+    sink: InterceptorCollectiveSink | None
+    own_interceptor: bool
+    params: list[nn.Parameter]
+    dp: int
+    """Data-parallel ranks: samples per step are this x each rank's."""
+    compile_at_start: float
+    checked_batch: bool
+    """Placements: whether the first batch was checked to be the same on every rank."""
+    windows: list[tuple[int, float, float]] = field(default_factory=list)
+    """(step, start, end) per step: placements' collectives are attributed to steps by time."""
+    val_loss: float | None = None
+    t0: float = 0.0
+    """When the current step's clock started (after the last step's checkpoint write)."""
+    c0: float = 0.0
+    """Compile seconds so far when the clock started: compile time is taken out of the step."""
+
+
+def _as_config(config: TrainConfig | str | os.PathLike | None) -> TrainConfig:
+    """``config`` as a ``TrainConfig``: as given, read from a YAML path, or the defaults."""
+    if config is None:
+        return TrainConfig()
+    if isinstance(config, TrainConfig):
+        return config
+    if isinstance(config, (str, os.PathLike)):
+        return load_train_config(config)
+    raise TypeError(f"config must be a TrainConfig or a YAML path, got {type(config)}")
+
+
 class DistributedTrainer:
     """Train ``model`` with ``optimizer`` on every rank under one of three strategies.
 
     Batches are ``(inputs, targets)`` and the loss is ``loss_fn(model(inputs), targets)``;
     with ``loss_fn=None`` the model's output (a scalar tensor) is the loss, and a batch that is
-    not a pair is passed to the model whole. Arguments left as ``None`` take their value from
-    ``config`` (a ``TrainConfig`` or a YAML path), then from ``TrainConfig``'s defaults.
+    not a pair is passed to the model whole.
+
+    ``config`` (a ``TrainConfig`` or a YAML path) is the place for settings. The keyword
+    arguments named like its fields (``strategy``, ``use_amp``, ``gradient_accumulation_steps``,
+    ``find_unused_parameters`` (``ddp.``), ``max_grad_norm``, ``logdir``, ``log_every``,
+    ``compile``) are kept as pass-throughs: a value given sets that field of ``self.config``
+    (a new config, validated like the YAML: a ``ConfigError`` naming field and value; the
+    caller's object is not changed), and ``None`` keeps the config's value, as does
+    ``gradient_accumulation_steps=0``. ``backend``, ``scheduler`` (an object, else one is built from
+    ``training.scheduler``) and ``amp_dtype`` are not config settings.
 
     The optimizer must be built on ``model.parameters()`` *before* it is given here; FSDP2 and
     tensor parallelism swap parameters for DTensors in place, so the trainer rebuilds the
@@ -108,102 +153,114 @@ class DistributedTrainer:
         backend: str | None = None,
         use_amp: bool | None = None,
         gradient_accumulation_steps: int | None = None,
-        find_unused_parameters: bool = False,
+        find_unused_parameters: bool | None = None,
         max_grad_norm: float | None = None,
         scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
         logdir: str | None = None,
         config: TrainConfig | str | os.PathLike | None = None,
         *,
         amp_dtype: torch.dtype | None = None,
-        log_every: int = 10,
+        log_every: int | None = None,
         compile: bool | None = None,
     ) -> None:
-        if config is None:
-            cfg = TrainConfig()
-        elif isinstance(config, TrainConfig):
-            cfg = config
-        elif isinstance(config, (str, os.PathLike)):
-            cfg = load_train_config(config)
-        else:
-            raise TypeError(f"config must be a TrainConfig or a YAML path, got {type(config)}")
-        strategy = strategy if strategy is not None else cfg.strategy
-        if strategy not in STRATEGIES:
-            raise ConfigError(
-                f"unknown strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}",
-                key="strategy",
-                value=strategy,
-            )
-        if strategy == "placements" and not cfg.placements:
-            raise ConfigError(
-                "strategy 'placements' needs config.placements (module-name glob -> colwise | "
-                "rowwise | replicate)",
-                key="placements",
-            )
-        t = cfg.training
-        self.config = cfg
-        self.strategy = strategy
+        self.config = override(
+            _as_config(config),
+            strategy=strategy,
+            use_amp=use_amp,
+            gradient_accumulation_steps=gradient_accumulation_steps or None,  # 0: the config's
+            find_unused_parameters=find_unused_parameters,
+            max_grad_norm=max_grad_norm,
+            logdir=logdir,
+            log_every=log_every,
+            compile=compile,
+        )
+        self.strategy = self.config.strategy
         self.loss_fn = loss_fn
-        self.accum = gradient_accumulation_steps or t.gradient_accumulation_steps
-        if self.accum < 1:
-            raise ValueError(f"gradient_accumulation_steps must be >= 1, got {self.accum}")
-        self.max_grad_norm = max_grad_norm if max_grad_norm is not None else t.max_grad_norm
-        self.logdir = logdir if logdir is not None else cfg.logdir
-        self.log_every = max(1, log_every)
         self.rt = runtime.init(backend)
         self.device = self.rt.device
-        use_amp = t.use_amp if use_amp is None else use_amp
-
-        # AMP: bf16 autocast on CPU; on CUDA bf16 when the card has it, else fp16 + GradScaler.
-        self.scaler = None
-        if amp_dtype is None:
-            amp_dtype = torch.bfloat16
-            if self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
-                amp_dtype = torch.float16
-        if use_amp and amp_dtype == torch.float16:
-            if self.device.type != "cuda" or strategy == "fsdp":
-                raise ValueError(
-                    "fp16 AMP needs CUDA and the ddp strategy (FSDP mixed precision uses bf16)"
-                )
-            self.scaler = torch.amp.GradScaler("cuda")
-        self.amp_dtype = amp_dtype
-
-        mesh = runtime.device_mesh() if self.rt.world_size > 1 else None
-        self._compile_asked = cfg.compile if compile is None else compile
-        self.compile = self._decide_compile(self._compile_asked)
-        old_params = list(model.parameters())
-        known = {id(p) for p in old_params}
-        if any(id(p) not in known for g in optimizer.param_groups for p in g["params"]):
-            raise ValueError(
-                "the optimizer holds parameters that are not the model's; build it with "
-                "optimizer_cls(model.parameters(), ...) on the model given here"
-            )
-        self.wrapped: Wrapped = wrap_model(
-            model,
-            strategy,
-            device=self.device,
-            world_size=self.rt.world_size,
-            backend=self.rt.backend,
-            use_amp=use_amp,
-            amp_dtype=amp_dtype,
-            find_unused_parameters=find_unused_parameters,
-            ddp=cfg.ddp,
-            fsdp=cfg.fsdp,
-            placements=cfg.placements,
-            mesh=mesh,
-            compile=self.compile,
-            compile_backend=cfg.compile_backend,
-            activation_checkpointing=cfg.activation_checkpointing,
-        )
-        self.model = self.wrapped.module
+        self.scaler, self.amp_dtype = self._setup_amp(amp_dtype)
+        self.compile = self._decide_compile(self.config.compile)
         self.optimizer = optimizer
-        self._rebind_optimizer(old_params, list(model.parameters()))
-        self.scheduler = scheduler or build_scheduler(optimizer, t.scheduler)
+        self.wrapped: Wrapped = self._wrap(model)
+        self.model = self.wrapped.module
+        self.scheduler = scheduler or build_scheduler(optimizer, self.config.training.scheduler)
         self.global_step = 0
         self._epoch = 0
         self._samples_in_epoch = 0  # global samples consumed in the current epoch
         self._resumed_from: str | None = None
 
+    # The settings the loop reads, from the config (the one place they are kept).
+
+    @property
+    def accum(self) -> int:
+        """Micro-steps per optimizer step (``training.gradient_accumulation_steps``)."""
+        return self.config.training.gradient_accumulation_steps
+
+    @property
+    def max_grad_norm(self) -> float | None:
+        """Global gradient-norm clip (``training.max_grad_norm``); ``None``: no clipping."""
+        return self.config.training.max_grad_norm
+
+    @property
+    def logdir(self) -> str | None:
+        """TensorBoard and profiler directory (``logdir``)."""
+        return self.config.logdir
+
+    @property
+    def log_every(self) -> int:
+        """Steps between loss reductions and progress lines (``log_every``)."""
+        return self.config.log_every
+
     # ------------------------------------------------------------------ setup helpers
+
+    def _setup_amp(
+        self, amp_dtype: torch.dtype | None
+    ) -> tuple[torch.amp.GradScaler | None, torch.dtype]:
+        """The autocast dtype and, for fp16, the ``GradScaler``: bf16 on CPU; on CUDA bf16
+        when the card has it, else fp16 + GradScaler (DDP only: FSDP's mixed precision is
+        bf16). ``amp_dtype`` given picks the dtype."""
+        if amp_dtype is None:
+            amp_dtype = torch.bfloat16
+            if self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
+                amp_dtype = torch.float16
+        if not (self.config.training.use_amp and amp_dtype == torch.float16):
+            return None, amp_dtype
+        if self.device.type != "cuda" or self.strategy == "fsdp":
+            raise ValueError(
+                "fp16 AMP needs CUDA and the ddp strategy (FSDP mixed precision uses bf16)"
+            )
+        return torch.amp.GradScaler("cuda"), amp_dtype
+
+    def _wrap(self, model: nn.Module) -> Wrapped:
+        """Wrap ``model`` as the config says (``wrap_model``: TP, AC, compile, FSDP/DDP) and
+        point the optimizer at the wrapped model's parameters."""
+        old_params = list(model.parameters())
+        known = {id(p) for p in old_params}
+        if any(id(p) not in known for g in self.optimizer.param_groups for p in g["params"]):
+            raise ValueError(
+                "the optimizer holds parameters that are not the model's; build it with "
+                "optimizer_cls(model.parameters(), ...) on the model given here"
+            )
+        cfg = self.config
+        wrapped = wrap_model(
+            model,
+            cfg.strategy,
+            device=self.device,
+            world_size=self.rt.world_size,
+            backend=self.rt.backend,
+            use_amp=cfg.training.use_amp,
+            amp_dtype=self.amp_dtype,
+            find_unused_parameters=cfg.ddp.find_unused_parameters,
+            ddp=cfg.ddp,
+            fsdp=cfg.fsdp,
+            placements=cfg.placements,
+            mesh=runtime.device_mesh() if self.rt.world_size > 1 else None,
+            compile=self.compile,
+            compile_backend=cfg.compile_backend,
+            activation_checkpointing=cfg.activation_checkpointing,
+        )
+        self._rebind_optimizer(old_params, list(model.parameters()))
+        return wrapped
 
     def _decide_compile(self, asked: bool) -> bool:
         """Whether to compile: asked for and not vetoed by ``GT_COMPILE=0``, the same on every
@@ -211,8 +268,6 @@ class DistributedTrainer:
         all-gather, always, so the exchange itself never depends on the config): a config or
         environment that differs between ranks is an error on every rank, naming each rank's
         decision, never ranks running different code."""
-        if not isinstance(asked, bool):
-            raise ConfigError(f"must be true or false, got {asked!r}", key="compile", value=asked)
         vetoed = asked and compile_disabled_by_env()
         if vetoed:
             runtime.print0("spmdgt.train: GT_COMPILE=0: compile=True ignored, training eagerly")
@@ -346,209 +401,293 @@ class DistributedTrainer:
     ) -> dict:
         """Train for ``epochs`` (or until ``max_steps`` optimizer steps); return the summary.
 
-        Resumes from the newest checkpoint in ``checkpoint.dir`` when ``checkpoint.resume`` is
-        set. The summary dict is printed on rank 0 as "Training Summary".
+        ``epochs``, ``profile`` and ``max_steps`` are the config's ``training.epochs``,
+        ``profile`` and ``training.max_steps`` (the config is the place for them), overridden
+        for this call only when given (``epochs=0`` keeps the config's). Resumes from the newest
+        checkpoint in ``checkpoint.dir`` when ``checkpoint.resume`` is set. The summary dict is
+        printed on rank 0 as "Training Summary".
+
+        The loop, as torchtitan's trainer splits it: ``_train_epoch`` per epoch (validation
+        after each), ``_train_step`` per optimizer step, ``_end_step`` for what follows a step
+        (statistics, the loss flush, a checkpoint), ``_finish`` for the summary.
         """
-        cfg = self.config
-        epochs = epochs or cfg.training.epochs
-        profile = cfg.profile if profile is None else profile
-        ck = cfg.checkpoint
+        cfg = override(self.config, epochs=epochs or None, profile=profile, max_steps=max_steps)
+        self._resume_if_asked()
+        n_batches = check_loader(train_loader, "training", self.rt, self._comm_device())
+        run = self._start_run(cfg, n_batches)
+        if run.prof is not None:
+            run.prof.__enter__()
+        try:
+            for epoch in range(self._epoch, cfg.training.epochs):
+                if self._train_epoch(run, train_loader, epoch):
+                    break  # max_steps reached: the epoch stays unfinished (a resume continues it)
+                self._samples_in_epoch = 0
+                self._epoch = epoch + 1
+                if val_loader is not None:
+                    run.val_loss = self.evaluate(val_loader)
+                    run.metrics.scalars(self.global_step, {"val/loss": run.val_loss})
+        finally:
+            if run.prof is not None:
+                run.prof.__exit__(None, None, None)
+            self._detach_comm_sink(run.sink, run.own_interceptor)
+            run.bar.close()
+        return self._finish(run)
+
+    def _resume_if_asked(self) -> None:
+        """Load the newest checkpoint of ``checkpoint.dir`` when ``checkpoint.resume`` is set
+        and nothing was loaded yet. Rank 0 reads the directory for everyone: whether to load
+        is a collective decision."""
+        ck = self.config.checkpoint
         if ck.dir and ck.resume and self._resumed_from is None:
-            # Rank 0 reads the directory for everyone: whether to load is a collective decision.
             found = on_rank0(lambda: find_latest(ck.dir))
             if found is not None:
                 self.load_checkpoint(found)
                 runtime.print0(f"resumed from {found} at step {self.global_step}")
-        n_batches = check_loader(train_loader, "training", self.rt, self._comm_device())
-        dp = self.wrapped.data_parallel_size
+
+    def _start_run(self, cfg: TrainConfig, n_batches: int | None) -> _Run:
+        """Open one call's measurement: statistics from the current step, the TensorBoard
+        writer and progress bar (rank 0), the profiler and, for placements when asked, the
+        sink that reads collectives from the interceptor."""
         stats = RunStats(first_step=self.global_step)
         compile_at_start = compile_seconds()[0] if self.compile else 0.0
-        log = self.wrapped.log
-        log.clear()
+        self.wrapped.log.clear()
         metrics = MetricsLogger(self.logdir, self.rt.is_main_process)
-        total = max_steps
+        total = cfg.training.max_steps
         if total is None and n_batches is not None:
-            total = epochs * math.ceil(n_batches / self.accum)
+            total = cfg.training.epochs * math.ceil(n_batches / self.accum)
         bar = ProgressBar(total, self.rt.is_main_process)
-        prof = self._make_profiler() if profile else None
+        prof = self._make_profiler() if cfg.profile else None
         params = [p for p in self.model.parameters() if p.requires_grad]
-        checked_batch = self.strategy != "placements"
-        # Losses stay on the device until a flush all-reduces them in one collective: every
-        # log_every steps and at the end. A collective's schedule must be the same on every
-        # rank, so it never depends on who logs (a TensorBoard writer, a terminal's progress
-        # bar: rank 0 only); deciding by those once hung rank 1 against rank 0's flushes.
-        flush_every = self.log_every
-        windows: list[tuple[int, float, float]] = []  # (step, start, end): placements' comm
-        sink, own_interceptor = self._attach_comm_sink(profile)
-        val_loss = None
-        stop = False
-        if prof is not None:
-            prof.__enter__()
-        try:
-            for epoch in range(self._epoch, epochs):
-                self._epoch = epoch
-                sampler = getattr(train_loader, "sampler", None)
-                if hasattr(sampler, "set_epoch"):
-                    sampler.set_epoch(epoch)
-                # Resume mid-epoch: skip the samples this rank consumed before the checkpoint
-                # (global count / data-parallel ranks, so a different world size works too).
-                skip = self._samples_in_epoch // dp
-                skip_batches = 0
-                if skip and isinstance(sampler, ResumableDistributedSampler):
-                    sampler.skip_samples = skip  # the sampler starts after them: no re-reads
-                elif skip:
-                    skip_batches = skip // batch_size_of(train_loader)
-                left = loader_len(train_loader)
-                batches = iter(train_loader)
-                for _ in range(skip_batches):
-                    next(batches)
-                if left is not None:
-                    left -= skip_batches
-                self.model.train()
-                t0 = time.perf_counter()
-                c0 = compile_seconds()[0] if self.compile else 0.0
-                while not stop:
-                    group = self.accum if left is None else min(self.accum, left)
-                    if group <= 0:
-                        break
-                    source = batches
-                    if left is None:
-                        # An unsized loader: take the group's batches first, so the last one
-                        # is known before its backward (it syncs the gradients), and agree
-                        # across ranks on how many there are (one small collective per step):
-                        # ranks whose loaders end at different points would otherwise run
-                        # different numbers of collectives and hang.
-                        pending = list(itertools.islice(batches, group))
-                        group = agree_on_group(
-                            pending, f"the end of epoch {epoch}", self.rt, self._comm_device()
-                        )
-                        if group == 0:
-                            break
-                        source = iter(pending[:group])
-                        if group < self.accum:
-                            left = group  # the epoch's last group
-                    log.step = self.global_step
-                    loss_sum: torch.Tensor | None = None
-                    samples = tokens = 0
-                    for micro in range(group):
-                        try:
-                            batch = next(source)
-                        except StopIteration:
-                            raise ValueError(
-                                f"the training loader ended {group - micro} batch(es) before "
-                                "its len() said it would; a loader with a __len__ must yield "
-                                "that many batches (every rank runs as many steps as len() "
-                                "promises, or a collective hangs)"
-                            ) from None
-                        inputs, targets = self._unpack(batch)
-                        if not checked_batch:
-                            check_same_batch(inputs, self.rt, self._comm_device())
-                            checked_batch = True
-                        samples += num_samples(inputs)
-                        tokens += num_tokens(inputs)
-                        last = micro == group - 1
-                        sync = contextlib.nullcontext() if last else self.wrapped.no_sync()
-                        with sync:
-                            with self._autocast():
-                                loss = self._loss(inputs, targets)
-                            scaled = loss.float()
-                            if group > 1:  # x / 1 is exact: skip the op when not accumulating
-                                scaled = scaled / group
-                            if self.scaler is not None:
-                                self.scaler.scale(scaled).backward()
-                            else:
-                                scaled.backward()
-                        det = loss.detach().float()
-                        loss_sum = det if loss_sum is None else loss_sum + det
-                    done = group
-                    self._optimizer_step(params)
-                    if left is not None:
-                        left -= done
-                    self.global_step += 1
-                    self._samples_in_epoch += samples * dp
-                    if self.device.type == "cuda":
-                        torch.cuda.synchronize(self.device)
-                    t1 = time.perf_counter()
-                    # Compile time is reported apart: a step that compiled counts without it.
-                    compiled_sec = (compile_seconds()[0] - c0) if self.compile else 0.0
-                    stats.compile_sec.append(compiled_sec)
-                    stats.step_times.append(t1 - t0 - compiled_sec)
-                    windows.append((self.global_step - 1, t0, t1))
-                    stats.pending_losses.append(loss_sum)
-                    stats.pending_micro_steps.append(done)
-                    stats.samples.append(samples * dp)
-                    stats.tokens.append(tokens * dp)
-                    stats.lrs.append(self.optimizer.param_groups[0]["lr"])
-                    n = len(stats.step_times)
-                    if n == 1 or n % self.log_every == 0:  # sampled: a read costs ~60 us on CPU
-                        stats.sample_memory(current_memory_bytes(self.device))
-                    if bar.active:
-                        bar.update(self.global_step, float(loss_sum) / done, t1 - t0)
-                    if prof is not None:
-                        prof.step()
-                    if n % flush_every == 0:
-                        new = self._log_metrics(stats, metrics)
-                        # Where no bar is drawn (a log file, a pipe), rank 0 prints a line at
-                        # each flush: step count decides, and the line only reads what the
-                        # flush (done on every rank) already brought back.
-                        bar.report(self.global_step, new, stats.step_times[-len(new) :])
-                    if max_steps is not None and self.global_step >= max_steps:
-                        stop = True
-                    if ck.dir and ck.every_steps and self.global_step % ck.every_steps == 0:
-                        self.save_checkpoint()
-                    t0 = time.perf_counter()  # the checkpoint write is not a training step
-                    c0 = compile_seconds()[0] if self.compile else 0.0
-                if stop:
-                    break
-                self._samples_in_epoch = 0
-                self._epoch = epoch + 1
-                if val_loader is not None:
-                    val_loss = self.evaluate(val_loader)
-                    metrics.scalars(self.global_step, {"val/loss": val_loss})
-        finally:
-            if prof is not None:
-                prof.__exit__(None, None, None)
-            self._detach_comm_sink(sink, own_interceptor)
-            bar.close()
-        if stats.step_times and (not stats.memory_steps or stats.memory_steps[-1] != n - 1):
-            stats.sample_memory(current_memory_bytes(self.device))  # the last step too
-        self._log_metrics(stats, metrics)
-        ran = bool(stats.step_times)
-        if ck.dir and ran and (not ck.every_steps or self.global_step % ck.every_steps != 0):
+        sink, own_interceptor = self._attach_comm_sink(cfg.profile)
+        return _Run(
+            cfg=cfg,
+            stats=stats,
+            metrics=metrics,
+            bar=bar,
+            prof=prof,
+            sink=sink,
+            own_interceptor=own_interceptor,
+            params=params,
+            dp=self.wrapped.data_parallel_size,
+            compile_at_start=compile_at_start,
+            checked_batch=self.strategy != "placements",
+        )
+
+    def _train_epoch(self, run: _Run, loader: Iterable, epoch: int) -> bool:
+        """One pass over ``loader`` from where the epoch stands, a group of micro-batches per
+        optimizer step (the last group may be short). Returns True when ``max_steps`` stopped
+        it before its end."""
+        self._epoch = epoch
+        batches, left = self._epoch_batches(loader, epoch, run.dp)
+        self.model.train()
+        self._restart_clock(run)
+        while True:
+            group, source, left = self._next_group(batches, left, epoch)
+            if group <= 0:
+                return False
+            loss_sum, samples, tokens = self._train_step(run, source, group)
+            if left is not None:
+                left -= group
+            if self._end_step(run, loss_sum, group, samples, tokens):
+                return True
+
+    def _epoch_batches(self, loader: Iterable, epoch: int, dp: int) -> tuple[Iterator, int | None]:
+        """The epoch's batch iterator and how many batches it has left (``None``: unsized).
+
+        Sets the sampler's epoch (its shuffle). A resumed run skips the samples this rank
+        consumed before the checkpoint (global count / data-parallel ranks, so a different
+        world size works too): the resumable sampler starts after them, with no re-reads;
+        another loader has whole batches read and dropped."""
+        sampler = getattr(loader, "sampler", None)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
+        skip = self._samples_in_epoch // dp
+        skip_batches = 0
+        if skip and isinstance(sampler, ResumableDistributedSampler):
+            sampler.skip_samples = skip
+        elif skip:
+            skip_batches = skip // batch_size_of(loader)
+        left = loader_len(loader)
+        batches = iter(loader)
+        for _ in range(skip_batches):
+            next(batches)
+        if left is not None:
+            left -= skip_batches
+        return batches, left
+
+    def _next_group(
+        self, batches: Iterator, left: int | None, epoch: int
+    ) -> tuple[int, Iterator, int | None]:
+        """The next step's micro-batch count, their source, and the batches left after it.
+
+        A sized loader: ``accum`` or what is left. An unsized one: the group's batches are
+        taken first, so the last one is known before its backward (it syncs the gradients),
+        and the ranks agree on how many they all have (one small collective per step): ranks
+        whose loaders end at different points would otherwise run different numbers of
+        collectives and hang. A count of 0 ends the epoch."""
+        group = self.accum if left is None else min(self.accum, left)
+        if group <= 0 or left is not None:
+            return group, batches, left
+        pending = list(itertools.islice(batches, group))
+        group = agree_on_group(pending, f"the end of epoch {epoch}", self.rt, self._comm_device())
+        if group < self.accum:
+            left = group  # the epoch's last group
+        return group, iter(pending[:group]), left
+
+    def _train_step(self, run: _Run, source: Iterator, group: int) -> tuple[torch.Tensor, int, int]:
+        """One optimizer step over ``group`` micro-batches from ``source``: forward and
+        backward each (gradients synchronised on the last only), then clip, optimizer and
+        scheduler. Returns the summed micro-step losses (on the device: no ``.item()`` per
+        step), and this rank's samples and tokens."""
+        self.wrapped.log.step = self.global_step
+        loss_sum: torch.Tensor | None = None
+        samples = tokens = 0
+        for micro in range(group):
+            try:
+                batch = next(source)
+            except StopIteration:
+                raise ValueError(
+                    f"the training loader ended {group - micro} batch(es) before its len() "
+                    "said it would; a loader with a __len__ must yield that many batches "
+                    "(every rank runs as many steps as len() promises, or a collective hangs)"
+                ) from None
+            inputs, targets = self._unpack(batch)
+            if not run.checked_batch:
+                check_same_batch(inputs, self.rt, self._comm_device())
+                run.checked_batch = True
+            samples += num_samples(inputs)
+            tokens += num_tokens(inputs)
+            loss = self._micro_step(inputs, targets, group, last=micro == group - 1)
+            det = loss.detach().float()
+            loss_sum = det if loss_sum is None else loss_sum + det
+        self._optimizer_step(run.params)
+        self.global_step += 1
+        self._samples_in_epoch += samples * run.dp
+        return loss_sum, samples, tokens
+
+    def _micro_step(
+        self, inputs: object, targets: torch.Tensor | None, group: int, *, last: bool
+    ) -> torch.Tensor:
+        """Forward and backward of one micro-batch; returns the unscaled loss. The loss is
+        divided by the group's size, so accumulation equals one large batch; all but the
+        ``last`` micro-step run under ``no_sync`` (gradients communicated once per step)."""
+        sync = contextlib.nullcontext() if last else self.wrapped.no_sync()
+        with sync:
+            with self._autocast():
+                loss = self._loss(inputs, targets)
+            scaled = loss.float()
+            if group > 1:  # x / 1 is exact: skip the op when not accumulating
+                scaled = scaled / group
+            if self.scaler is not None:
+                self.scaler.scale(scaled).backward()
+            else:
+                scaled.backward()
+        return loss
+
+    def _end_step(
+        self, run: _Run, loss_sum: torch.Tensor, done: int, samples: int, tokens: int
+    ) -> bool:
+        """Record the step just taken, flush losses every ``log_every`` steps, save a
+        checkpoint every ``checkpoint.every_steps``; return whether ``max_steps`` is reached.
+
+        Losses stay on the device until a flush all-reduces them in one collective. A
+        collective's schedule must be the same on every rank, so it goes by step count, never
+        by who logs (a TensorBoard writer, a terminal's progress bar: rank 0 only)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t1 = time.perf_counter()
+        n = self._record_step(run, t1, loss_sum, done, samples, tokens)
+        if n == 1 or n % self.log_every == 0:  # sampled: a read costs ~60 us on CPU
+            run.stats.sample_memory(current_memory_bytes(self.device))
+        if run.bar.active:
+            run.bar.update(self.global_step, float(loss_sum) / done, t1 - run.t0)
+        if run.prof is not None:
+            run.prof.step()
+        if n % self.log_every == 0:
+            new = self._log_metrics(run.stats, run.metrics)
+            # Where no bar is drawn (a log file, a pipe), rank 0 prints a line at each flush:
+            # it only reads what the flush (done on every rank) already brought back.
+            run.bar.report(self.global_step, new, run.stats.step_times[-len(new) :])
+        max_steps = run.cfg.training.max_steps
+        ck = run.cfg.checkpoint
+        if ck.dir and ck.every_steps and self.global_step % ck.every_steps == 0:
             self.save_checkpoint()
-        comm_source = self.wrapped.comm_source
-        if sink is not None:
-            sink.fill(log, windows)
-            comm_source = "interceptor"
-        if comm_source is not None:
-            counts, secs = log.step_counts(), log.step_seconds()
-            first = stats.first_step
-            for i in range(len(stats.step_times)):
-                stats.collectives.append(counts.get(first + i, 0))
-                stats.comm_sec.append(secs.get(first + i, 0.0))
+        self._restart_clock(run)  # the checkpoint write is not a training step
+        return max_steps is not None and self.global_step >= max_steps
+
+    def _record_step(
+        self, run: _Run, t1: float, loss_sum: torch.Tensor, done: int, samples: int, tokens: int
+    ) -> int:
+        """Append the step that ended at ``t1`` to the run's statistics; return their count.
+        Compile time is reported apart: a step that compiled counts without it."""
+        stats = run.stats
+        compiled_sec = (compile_seconds()[0] - run.c0) if self.compile else 0.0
+        stats.compile_sec.append(compiled_sec)
+        stats.step_times.append(t1 - run.t0 - compiled_sec)
+        run.windows.append((self.global_step - 1, run.t0, t1))
+        stats.pending_losses.append(loss_sum)
+        stats.pending_micro_steps.append(done)
+        stats.samples.append(samples * run.dp)
+        stats.tokens.append(tokens * run.dp)
+        stats.lrs.append(self.optimizer.param_groups[0]["lr"])
+        return len(stats.step_times)
+
+    def _restart_clock(self, run: _Run) -> None:
+        """Start the next step's clock (and compile-time reading) now."""
+        run.t0 = time.perf_counter()
+        run.c0 = compile_seconds()[0] if self.compile else 0.0
+
+    def _finish(self, run: _Run) -> dict:
+        """Close the run: sample memory at the last step, flush the losses left (a collective,
+        every rank), save the final checkpoint unless the last step just wrote it, attribute
+        the logged collectives to steps, then build, print (rank 0) and return the summary."""
+        stats = run.stats
+        n = len(stats.step_times)
+        if n and (not stats.memory_steps or stats.memory_steps[-1] != n - 1):
+            stats.sample_memory(current_memory_bytes(self.device))  # the last step too
+        self._log_metrics(stats, run.metrics)
+        ck = run.cfg.checkpoint
+        if ck.dir and n and (not ck.every_steps or self.global_step % ck.every_steps != 0):
+            self.save_checkpoint()
         summary = build_summary(
             stats,
-            warmup_steps=cfg.training.warmup_steps,
+            warmup_steps=run.cfg.training.warmup_steps,
             peak_memory=peak_memory_bytes(self.device),
             memory_kind="cuda_allocated" if self.device.type == "cuda" else "cpu_rss",
             world_size=self.rt.world_size,
             strategy=self.strategy,
-            val_loss=val_loss,
-            comm_source=comm_source,
+            val_loss=run.val_loss,
+            comm_source=self._attribute_collectives(run),
         )
         comp = self.wrapped.compiled
         if comp is not None:
             summary["compile_backend"] = comp.backend
             summary["compiled_blocks"] = len(comp.blocks)
-            summary["compile_time_sec"] = compile_seconds()[0] - compile_at_start
+            summary["compile_time_sec"] = compile_seconds()[0] - run.compile_at_start
             summary["compile_steps"] = sum(1 for c in stats.compile_sec if c > 0)
             summary["compile_fallback"] = comp.disabled_reason or "none"
-        elif self._compile_asked:
+        elif self.config.compile:
             summary["compile_backend"] = "off (GT_COMPILE=0)"
-        metrics.close()
+        run.metrics.close()
         self.last_stats = stats
         runtime.print0(format_summary(summary))
         return summary
+
+    def _attribute_collectives(self, run: _Run) -> str | None:
+        """Give each step its logged collectives (count and seconds) and return what logged
+        them: a torch hook, or the interceptor's stream (placements, read into the log by
+        step windows), or ``None`` when nothing measured them."""
+        log, stats = self.wrapped.log, run.stats
+        comm_source = self.wrapped.comm_source
+        if run.sink is not None:
+            run.sink.fill(log, run.windows)
+            comm_source = "interceptor"
+        if comm_source is not None:
+            counts, secs = log.step_counts(), log.step_seconds()
+            for i in range(len(stats.step_times)):
+                stats.collectives.append(counts.get(stats.first_step + i, 0))
+                stats.comm_sec.append(secs.get(stats.first_step + i, 0.0))
+        return comm_source
 
     def _attach_comm_sink(self, profile: bool) -> tuple[InterceptorCollectiveSink | None, bool]:
         """For placements, when measurement is asked for: a sink on the interceptor's stream.

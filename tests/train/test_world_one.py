@@ -175,6 +175,21 @@ def test_progress_lines_when_stdout_is_not_a_terminal(capsys):
     assert out.index(lines[-1]) < out.index("Training Summary")
 
 
+def test_log_every_and_max_steps_from_the_config(capsys):
+    # The config is the place: the same progress lines as log_every=2 above, and max_steps
+    # from training.max_steps (a train() keyword overrides it for that call only).
+    from spmdgt.train import TrainingConfig
+
+    cfg = TrainConfig(log_every=2, training=TrainingConfig(max_steps=4))
+    model = make_model()
+    t = DistributedTrainer(model, make_optimizer(model), loss_fn=F.mse_loss, config=cfg)
+    assert t.train(_loader(), epochs=1)["num_steps"] == 4
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step ")]
+    assert [ln.split()[1] for ln in lines] == ["2/4", "4/4"]
+    assert t.train(_loader(), epochs=1, max_steps=5)["num_steps"] == 1  # resumes at step 4
+    assert t.config.training.max_steps == 4
+
+
 def test_progress_bar_only_on_a_tty():
     class TTY(io.StringIO):
         def isatty(self):
