@@ -138,12 +138,11 @@ def __getattr__(name: str):
 def _boot_tools() -> None:
     # GT_INSTRUCTION_LOG, GT_VERBOSE, GT_DEBUG_*, ... turn tools on at import; with none set
     # this reads the environment and imports nothing (tools that are off cost nothing).
-    import os
-
+    from spmdgt._core import env as _env
     from spmdgt.interceptor import maybe_enable_from_env
 
     maybe_enable_from_env()
-    if os.environ.get("GT_AUTO_COMPILE") or os.environ.get("GT_WORKER_BATCH_SIZE"):
+    if _env.is_set("GT_AUTO_COMPILE") or _env.is_set("GT_WORKER_BATCH_SIZE"):
         # the compile pass reads the interceptor's stream: the top package wires the layers
         from spmdgt import compile as gt_compile
 

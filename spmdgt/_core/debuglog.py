@@ -23,9 +23,11 @@ here imports torch: ``maybe_enable_from_env`` runs at ``import spmdgt``.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
+from collections.abc import Mapping
+
+from spmdgt._core import env as _env
 
 __all__ = ["COMPONENTS", "configure", "debug", "enabled", "notice", "verbose"]
 
@@ -56,16 +58,12 @@ _ALIASES = {"client": "tensor", "dispatcher": "sharding", "worker": "interceptor
 _T0 = time.perf_counter()
 
 
-def _truthy(value: str | None) -> bool:
-    return (value or "").strip().lower() not in ("", "0", "false", "no", "off")
-
-
-def configure(env: dict[str, str] | None = None, **components: bool) -> None:
-    """Set the component flags from ``env`` (default ``os.environ``) and/or keyword overrides."""
-    env = os.environ if env is None else env
+def configure(env: Mapping[str, str] | None = None, **components: bool) -> None:
+    """Set the component flags from ``env`` (default ``os.environ``, parsed as every GT flag
+    is: ``spmdgt._core.env``) and/or keyword overrides."""
     g = globals()
     for var, comp in COMPONENTS.items():
-        g[_FLAG_OF[comp]] = _truthy(env.get(var))
+        g[_FLAG_OF[comp]] = _env.flag(var, env)
     for comp, on in components.items():
         comp = _ALIASES.get(comp, comp)
         if comp not in _FLAG_OF:
@@ -84,7 +82,7 @@ def _rank() -> int:
     r = getattr(rt, "_runtime", None) if rt is not None else None
     if r is not None:
         return r.rank
-    return int(os.environ.get("RANK", "0") or 0)
+    return _env.launcher_int("RANK", 0)
 
 
 def debug(component: str, msg: str) -> None:

@@ -34,10 +34,10 @@ interceptor's start-up; with none of these set nothing here is imported):
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
+from spmdgt._core import env as _env
 from spmdgt._core.session import session
 
 __all__ = [
@@ -85,14 +85,12 @@ def enable(
     if not ic.active:
         from spmdgt.interceptor import _native
 
-        level = os.environ.get("GT_INTERCEPT") or ("native" if _native.available() else "torch")
+        level = _env.text("GT_INTERCEPT") or ("native" if _native.available() else "torch")
         _control.enable(stats=False, hotpath=False, level=level, sampling_only=True)
-    from spmdgt.compile._lazy import env_int
-
     p = HotFunctionPass(
-        backend=backend or os.environ.get("GT_COMPILE_BACKEND") or "inductor",
-        every=every or env_int("GT_COMPILE_SAMPLE_EVERY", 16),
-        hot_at=hot_at or env_int("GT_COMPILE_HOT_SAMPLES", 8),
+        backend=backend or _env.text("GT_COMPILE_BACKEND"),
+        every=every or _env.integer("GT_COMPILE_SAMPLE_EVERY"),
+        hot_at=hot_at or _env.integer("GT_COMPILE_HOT_SAMPLES"),
     )
     p.start(ic)
     _pass = p
@@ -144,11 +142,11 @@ def enable_regions(
     import spmdgt.compile._lazy as lazy
 
     _regions = lazy.LazyPass(
-        backend=backend or os.environ.get("GT_COMPILE_BACKEND") or "inductor",
+        backend=backend or _env.text("GT_COMPILE_BACKEND"),
         batch=batch,
-        min_numel=lazy.env_int("GT_LAZY_MIN_NUMEL", lazy.MIN_NUMEL),
-        cache=lazy.env_int("GT_LAZY_CACHE", 64),
-        per_region=lazy.env_int("GT_LAZY_REGION_GRAPHS", 8),
+        min_numel=_env.integer("GT_LAZY_MIN_NUMEL"),
+        cache=_env.integer("GT_LAZY_CACHE"),
+        per_region=_env.integer("GT_LAZY_REGION_GRAPHS"),
     )
     _regions.start()
     from spmdgt._core import scope as _scope
@@ -236,23 +234,21 @@ def _provide() -> None:
 
 
 def compile_disabled() -> bool:
-    """``GT_COMPILE=0``: no compilation of any kind."""
-    return (os.environ.get("GT_COMPILE") or "").strip().lower() in ("0", "false", "no", "off")
+    """``GT_COMPILE=0`` (off by the one flag rule of ``spmdgt._core.env``): no compilation of
+    any kind. ``spmdgt.train`` asks the same question through this function."""
+    return not _env.flag("GT_COMPILE")
 
 
 def maybe_enable_from_env() -> bool:
     """``GT_AUTO_COMPILE=1``: ``enable()``; else ``GT_WORKER_BATCH_SIZE=n``:
     ``enable_regions(n)`` (neither with ``GT_COMPILE=0``; tier 1 wins when both are set).
     Returns whether tier 1 is on."""
-    raw = (os.environ.get("GT_AUTO_COMPILE") or "").strip().lower()
-    batch = (os.environ.get("GT_WORKER_BATCH_SIZE") or "").strip()
-    if raw in ("", "0", "false", "no", "off"):
-        if batch:
-            from spmdgt.compile._lazy import env_int
-
-            enable_regions(batch=env_int("GT_WORKER_BATCH_SIZE", 1))
+    batch = _env.integer("GT_WORKER_BATCH_SIZE")  # None when unset
+    if not _env.flag("GT_AUTO_COMPILE"):
+        if batch is not None:
+            enable_regions(batch=batch)
         return False
-    if batch and not compile_disabled():
+    if batch is not None and not compile_disabled():
         import warnings
 
         warnings.warn(

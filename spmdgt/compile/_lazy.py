@@ -31,7 +31,6 @@ eager-exact or graph-exact either way.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from spmdgt.compile import _lazy_ops
@@ -218,16 +217,3 @@ def _poison(plan: Any) -> None:
                 p.fill_(float("nan"))
             else:
                 p.zero_()
-
-
-def env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(f"environment variable {name}={raw!r}: expected an integer >= 1")
-    return value

@@ -17,6 +17,7 @@ import os
 import warnings
 from dataclasses import dataclass, field
 
+from spmdgt._core import env as _env
 from spmdgt._core.session import session
 from spmdgt.config._errors import ConfigError
 from spmdgt.config._yaml import from_dict, load_mapping
@@ -93,7 +94,7 @@ def _ensure_env_config() -> None:
     global _env_loaded
     if not _env_loaded:
         _env_loaded = True
-        path = os.environ.get("GT_CONFIG")
+        path = _env.text("GT_CONFIG")
         if path:
             load_config(path)
 

@@ -2,8 +2,9 @@
 
 ``enable(...)`` pushes the mode (once) and attaches the requested sinks; ``disable()`` pops it,
 flushes and closes every sink. ``maybe_enable_from_env()`` is what ``import spmdgt`` calls: with
-no observability variable set it reads ``os.environ`` a few times, sets nothing up and imports
-nothing (torch included), so the tools cost nothing when off.
+no observability variable set it reads the environment a few times (``spmdgt._core.env``, where
+each variable is declared and parsed), sets nothing up and imports nothing (torch included), so
+the tools cost nothing when off.
 
 Environment variables (all per rank; every rank of a job sees the same ones):
 
@@ -33,12 +34,12 @@ Environment variables (all per rank; every rank of a job sees the same ones):
 from __future__ import annotations
 
 import atexit
-import os
 import sys
 import time
 from typing import Any
 
 from spmdgt._core import debuglog as _debuglog
+from spmdgt._core import env as _env
 from spmdgt._core.session import session
 
 __all__ = ["disable", "enable", "is_enabled", "maybe_enable_from_env", "tool", "tools"]
@@ -131,7 +132,7 @@ def enable(
     rank, world = env_rank()
     # a running session keeps its level; a new one starts at the default, whatever an earlier
     # session used (a forked test rank inherited "aten" from its parent's last test this way)
-    level = level or os.environ.get("GT_INTERCEPT") or (ic.level if ic.active else "torch")
+    level = level or _env.text("GT_INTERCEPT") or (ic.level if ic.active else "torch")
     if level == "native" and (not ic.active or ic.level != "native"):
         from spmdgt.interceptor import _native
 
@@ -147,7 +148,7 @@ def enable(
     events = getattr(_tools.get("stats"), "events", None) is not None  # Python stats are on
     tools = stats or instruction_log or run_dir or debug_ops or events or _tools.keys() - {"stats"}
     ic.start(level, count_only=level == "native" and sampling_only and not tools)
-    size = tape_size or int(os.environ.get("GT_TAPE_SIZE", "1000") or 1000)
+    size = tape_size or _env.integer("GT_TAPE_SIZE")
     if ic.level == "native":
         # Counters cost nothing extra in C++: always on. Hot paths and the tape need every
         # record in Python (~3x): only when stats are asked for (GT_STATS=1, GT_AUTO_COMPILE).
@@ -223,12 +224,11 @@ def maybe_enable_from_env() -> bool:
     Called once at ``import spmdgt``. With none set it costs a few dict lookups and imports
     nothing.
     """
-    env = os.environ
-    if not any(env.get(v) for v in _ENV_VARS):
+    if not any(_env.raw(v) for v in _ENV_VARS):
         return False
-    _debuglog.configure(env)
-    log = env.get("GT_INSTRUCTION_LOG") or None
-    run_dir = env.get("GT_RUN_DIR") or None
+    _debuglog.configure()
+    log = _env.text("GT_INSTRUCTION_LOG")
+    run_dir = _env.text("GT_RUN_DIR")
     debug_ops = _debuglog.INTERCEPTOR or _debuglog.SHARDING
     # Pay for what is asked: the log is written and counted in C++ (~1.0-1.5x on a 5 us op);
     # hot paths and the tape take every record into Python (~3x): GT_STATS, auto-compile and
@@ -236,11 +236,12 @@ def maybe_enable_from_env() -> bool:
     # else enable() adds Python ones; GT_RUN_DIR alone is enough to publish (the documented
     # top/trace recipe sets nothing else), and then pays for counters only, not hot paths.
     # (GT_AUTO_COMPILE samples the stack from the C++ observer: it needs no Python stats)
-    stats = bool(_truthy("GT_STATS") or debug_ops)
-    want = bool(log or stats or run_dir or env.get("GT_INTERCEPT"))
+    stats = _env.flag("GT_STATS") or debug_ops
+    intercept = _env.text("GT_INTERCEPT")
+    want = bool(log or stats or run_dir or intercept)
     if want:
         # the log's default level is the compiled observer (falls back to torch in enable)
-        level = None if env.get("GT_INTERCEPT") or not log or _falsy("GT_NATIVE") else "native"
+        level = None if intercept or not log or not _env.flag("GT_NATIVE") else "native"
         enable(
             instruction_log=log,
             run_dir=run_dir,
@@ -251,23 +252,16 @@ def maybe_enable_from_env() -> bool:
         )
     # GT_AUTO_COMPILE / GT_WORKER_BATCH_SIZE: the compile pass sits above the interceptor and
     # reads this stream; ``import spmdgt`` starts it after this (``spmdgt._boot_tools``).
-    if env.get("GT_PROFILE"):
+    profile_dir = _env.text("GT_PROFILE")
+    if profile_dir:
         from spmdgt.interceptor._profile import profile
 
-        p = profile(env["GT_PROFILE"])
+        p = profile(profile_dir)
         p.__enter__()
         _tools["profile"] = p
         if not _atexit_registered:
             _register_atexit()
     return want
-
-
-def _truthy(var: str) -> bool:
-    return (os.environ.get(var) or "").strip().lower() not in ("", "0", "false", "no", "off")
-
-
-def _falsy(var: str) -> bool:
-    return (os.environ.get(var) or "").strip().lower() in ("0", "false", "no", "off")
 
 
 def _register_atexit() -> None:

@@ -43,6 +43,7 @@ import os
 from typing import IO
 
 from spmdgt._core import debuglog as _debuglog
+from spmdgt._core import env as _env
 from spmdgt.interceptor._events import COLUMNS, OpEvent, dtype_short, event_of
 
 __all__ = [
@@ -62,18 +63,12 @@ DEFAULT_MAX_MB = 256.0  # per rank and file; ~30 s of the busiest small-op loop,
 
 def max_log_bytes() -> int:
     """The rotation size from ``GT_INSTRUCTION_LOG_MAX_MB`` (MB = 10**6 bytes; 0: never)."""
-    return _env_mb("GT_INSTRUCTION_LOG_MAX_MB", DEFAULT_MAX_MB)
+    return _env_mb("GT_INSTRUCTION_LOG_MAX_MB")
 
 
-def _env_mb(var: str, default: float) -> int:
-    raw = (os.environ.get(var) or "").strip()
-    try:
-        mb = float(raw) if raw else default
-    except ValueError:
-        mb = -1.0
-    if not mb >= 0:  # also NaN
-        raise ValueError(f"{var}={raw!r}: expected a size in MB >= 0 (0: no limit)")
-    return int(mb * 1_000_000)
+def _env_mb(var: str) -> int:
+    """A size variable (MB, declared ``>= 0`` with its default in ``spmdgt._core.env``) as bytes."""
+    return int(_env.number(var) * 1_000_000)
 
 
 def rotation_message(path: str, max_bytes: int) -> str:

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import os
 import sys
 import threading
 import time
@@ -660,4 +659,6 @@ def env_rank() -> tuple[int, int]:
 
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    return int(os.environ.get("RANK", "0") or 0), int(os.environ.get("WORLD_SIZE", "1") or 1)
+    from spmdgt._core import env as _env
+
+    return _env.launcher_int("RANK", 0), _env.launcher_int("WORLD_SIZE", 1)

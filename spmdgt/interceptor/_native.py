@@ -43,6 +43,7 @@ import sys
 from types import ModuleType
 
 from spmdgt._core import debuglog as _debuglog
+from spmdgt._core import env as _env
 
 __all__ = ["NativeLogSink", "available", "build_dir", "cache_key", "error", "load"]
 
@@ -55,7 +56,7 @@ _tried = False
 
 
 def _disabled() -> bool:
-    return (os.environ.get("GT_NATIVE") or "").strip().lower() in ("0", "false", "no", "off")
+    return not _env.flag("GT_NATIVE")
 
 
 def cache_key(

@@ -33,6 +33,8 @@ import time
 from types import TracebackType
 from typing import Any
 
+from spmdgt._core import env as _env
+
 __all__ = ["BYTES_PER_EVENT", "DEFAULT_MAX_MB", "profile"]
 
 DEFAULT_MAX_MB = 200.0
@@ -71,9 +73,7 @@ class profile:  # named like torch.profiler.profile, which it wraps
 
         self.logdir = logdir
         self.max_bytes = (
-            _env_mb("GT_PROFILE_MAX_MB", DEFAULT_MAX_MB)
-            if max_mb is None
-            else _env_mb_value("max_mb", max_mb)
+            _env_mb("GT_PROFILE_MAX_MB") if max_mb is None else _env_mb_value("max_mb", max_mb)
         )
         self.capped = False
         self.record_shapes = record_shapes
@@ -99,7 +99,7 @@ class profile:  # named like torch.profiler.profile, which it wraps
             from spmdgt.interceptor import _native
 
             # the C++ counters: cheapest, and they count what the profiler records
-            native = not os.environ.get("GT_INTERCEPT") and _native.available()
+            native = _env.text("GT_INTERCEPT") is None and _native.available()
             self._level_before = get_interceptor().level
             _control.enable(stats=not native, level="native" if native else None)
             self._enabled_interceptor = True

@@ -41,6 +41,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from spmdgt._core import env as _env
 from spmdgt.interceptor._events import OpEvent
 from spmdgt.interceptor._instruction_log import _Formatter, header
 from spmdgt.interceptor._stats import StatsSink
@@ -320,7 +321,7 @@ class RunDirPublisher:
         self.rank, self.world = rank, world
         os.makedirs(run_dir, exist_ok=True)
         self.real_run_dir = os.path.realpath(run_dir)
-        trace_dir = trace_dir if trace_dir is not None else os.environ.get("GT_TRACE_DIR")
+        trace_dir = trace_dir if trace_dir is not None else _env.text("GT_TRACE_DIR")
         roots = [self.real_run_dir]
         if trace_dir:
             roots.append(os.path.realpath(trace_dir))

@@ -17,21 +17,13 @@ counts the ops in occurrences of hot sequences (from the occurrence that made it
 
 from __future__ import annotations
 
-import os
 from collections import Counter, deque
 from typing import Any
 
+from spmdgt._core import env as _env
 from spmdgt.interceptor._events import COLLECTIVE_KINDS, OpEvent
 
 __all__ = ["HotPathDetector", "NativeCounters", "StatsSink"]
-
-
-def _env_int(name: str, default: int) -> int:
-    v = os.environ.get(name, "")
-    try:
-        return int(v) if v else default
-    except ValueError:
-        raise ValueError(f"environment variable {name}={v!r} is not an integer") from None
 
 
 class HotPathDetector:
@@ -40,10 +32,10 @@ class HotPathDetector:
     def __init__(
         self, window: int | None = None, min_seq: int | None = None, threshold: int | None = None
     ) -> None:
-        self.window = window if window is not None else _env_int("GT_HOTPATH_WINDOW", 20)
-        self.min_seq = min_seq if min_seq is not None else _env_int("GT_HOTPATH_MIN_SEQ", 3)
+        self.window = window if window is not None else _env.integer("GT_HOTPATH_WINDOW")
+        self.min_seq = min_seq if min_seq is not None else _env.integer("GT_HOTPATH_MIN_SEQ")
         self.threshold = (
-            threshold if threshold is not None else _env_int("GT_HOTPATH_THRESHOLD", 10)
+            threshold if threshold is not None else _env.integer("GT_HOTPATH_THRESHOLD")
         )
         if self.min_seq < 1 or self.window < self.min_seq or self.threshold < 1:
             raise ValueError(

@@ -52,6 +52,8 @@ import numpy
 import torch
 import torch.distributed as dist
 
+from spmdgt._core import env as _env
+
 __all__ = [
     "Listener",
     "RankDivergenceError",
@@ -118,16 +120,8 @@ _ROOTS = (
 
 def timeout() -> datetime.timedelta | None:
     """``GT_TIMEOUT`` as a timedelta, or None for torch's default. Bad values raise."""
-    raw = os.environ.get("GT_TIMEOUT", "").strip()
-    if not raw:
-        return None
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = float("nan")
-    if not seconds > 0 or seconds == float("inf"):
-        raise ValueError(f"environment variable GT_TIMEOUT={raw!r}: expected seconds > 0")
-    return datetime.timedelta(seconds=seconds)
+    seconds = _env.number("GT_TIMEOUT")  # declared finite and > 0
+    return None if seconds is None else datetime.timedelta(seconds=seconds)
 
 
 def checking() -> bool:
@@ -146,14 +140,12 @@ def setup(rank: int, world: int) -> None:
     """Make the side group (a collective: every rank calls it from ``init``), read
     ``GT_CHECK_RANKS`` and arrange the end-of-program agreement."""
     global _group, _backend, _rank, _world, _count, _last, _out_of_step, _check, _at_exit
-    raw = os.environ.get("GT_CHECK_RANKS", "0").strip().lower()
-    if raw not in ("", "0", "1", "false", "true", "no", "yes", "off", "on"):
-        raise ValueError(f"environment variable GT_CHECK_RANKS={raw!r}: expected 0 or 1")
+    check = _env.flag("GT_CHECK_RANKS")  # read before the collective: a bad value raises alike
     kwargs = {"timeout": timeout()} if timeout() is not None else {}
     _group = dist.new_group(backend="gloo", **kwargs)
     _backend = _group._get_backend(torch.device("cpu"))
     _rank, _world, _count, _last, _out_of_step = rank, world, 0, (0, "none yet"), None
-    _check = raw in ("1", "true", "yes", "on")
+    _check = check
     if _check:
         _install_redistribute_check()
     if not _at_exit:

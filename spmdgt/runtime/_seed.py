@@ -40,6 +40,8 @@ from typing import Any
 
 import torch
 
+from spmdgt._core import env as _env
+
 __all__ = ["agree_at_import", "agree_at_init", "launch_seed"]
 
 _USER_SEED_BELOW = 2**32
@@ -74,7 +76,7 @@ def _numpy_untouched(np_random: ModuleType) -> bool:
 def agree_at_import() -> None:
     """Seed the default streams alike on every rank of a launch (see module docstring)."""
     try:
-        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        world = _env.launcher_int("WORLD_SIZE", 1)
     except ValueError:
         return  # the runtime reports a malformed WORLD_SIZE when it reads it
     if world <= 1:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from spmdgt._core import env as _env
 from spmdgt._core.session import session
 from spmdgt.runtime import _agree
 
@@ -49,29 +50,17 @@ _world_mesh = None
 def _want_cuda() -> bool:
     """CUDA when there is one, unless ``GT_DEVICE=cpu`` keeps this process on the CPU (a GPU
     machine running CPU ranks, or a forked child that must not touch its parent's CUDA)."""
-    choice = os.environ.get("GT_DEVICE", "").strip().lower()
-    if choice not in ("", "cpu", "cuda"):
-        raise ValueError(f"environment variable GT_DEVICE={choice!r}: expected 'cpu' or 'cuda'")
+    choice = _env.text("GT_DEVICE")  # None, "cpu" or "cuda"; anything else raises
     if choice == "cpu":
         return False
     # A child forked after its parent started CUDA cannot use CUDA (torch refuses): such a
     # process (a DataLoader worker, a forked test rank) runs on the CPU instead of crashing.
     bad_fork = getattr(torch.cuda, "_is_in_bad_fork", lambda: False)()
-    if choice == "" and bad_fork:
+    if choice is None and bad_fork:
         return False
     if choice == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("GT_DEVICE=cuda, but torch sees no CUDA device")
     return torch.cuda.is_available()
-
-
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name)
-    if value is None or value == "":
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
 
 
 def _default_backend(device: torch.device) -> str:
@@ -96,11 +85,11 @@ def init(backend: str | None = None) -> Runtime:
         if dist.is_available() and dist.is_initialized():
             rank, world = dist.get_rank(), dist.get_world_size()
             gpus = torch.cuda.device_count() if use_cuda else 1
-            local_rank = _env_int("LOCAL_RANK", rank % max(gpus, 1))
+            local_rank = _env.launcher_int("LOCAL_RANK", rank % max(gpus, 1))
             backend_used: str | None = dist.get_backend()
         else:
-            rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
-            local_rank = _env_int("LOCAL_RANK", 0)
+            rank, world = _env.launcher_int("RANK", 0), _env.launcher_int("WORLD_SIZE", 1)
+            local_rank = _env.launcher_int("LOCAL_RANK", 0)
             backend_used = None
         if use_cuda:
             device = torch.device("cuda", local_rank % torch.cuda.device_count())
@@ -108,7 +97,7 @@ def init(backend: str | None = None) -> Runtime:
         else:
             device = torch.device("cpu")
         if world > 1 and not dist.is_initialized():
-            backend_used = backend or os.environ.get("GT_BACKEND") or _default_backend(device)
+            backend_used = backend or _env.text("GT_BACKEND") or _default_backend(device)
             kwargs: dict = {"device_id": device} if device.type == "cuda" else {}
             if _agree.timeout() is not None:
                 kwargs["timeout"] = _agree.timeout()

@@ -22,6 +22,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from spmdgt._core import env as _env
 from spmdgt.interceptor._logreader import Skipped, read_statuses
 
 __all__ = ["load_statuses", "main", "render"]
@@ -95,7 +96,7 @@ def render(
 def main(argv: Sequence[str] | None = None) -> int:
     """Run top: live frames until Ctrl-C, or one frame with ``--once``."""
     ap = argparse.ArgumentParser(description="Live per-rank view of a running spmdgt job.")
-    ap.add_argument("--run-dir", default=os.environ.get("GT_RUN_DIR", ".gt_run"))
+    ap.add_argument("--run-dir", default=_env.text("GT_RUN_DIR") or ".gt_run")
     ap.add_argument("--once", action="store_true", help="print one frame and exit")
     ap.add_argument("--interval", type=float, default=1.0)
     args = ap.parse_args(argv)

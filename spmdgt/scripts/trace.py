@@ -24,6 +24,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from spmdgt._core import env as _env
 from spmdgt.interceptor._logreader import MalformedLine, Skipped, parse_line, read_statuses
 from spmdgt.interceptor._publish import (
     DEFAULT_TRACE_SUBDIR,
@@ -128,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Capture a window of a running spmdgt job.")
     ap.add_argument("-s", "--seconds", type=float, default=10.0)
     ap.add_argument("--dir", default="traces", help="where the merged trace goes")
-    ap.add_argument("--run-dir", default=os.environ.get("GT_RUN_DIR", ".gt_run"))
+    ap.add_argument("--run-dir", default=_env.text("GT_RUN_DIR") or ".gt_run")
     ap.add_argument("--timeout", type=float, default=None, help="give up after (default s+30)")
     args = ap.parse_args(argv)
     if not os.path.isdir(args.run_dir):

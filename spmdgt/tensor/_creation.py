@@ -9,7 +9,6 @@ returns plain torch tensors.
 
 from __future__ import annotations
 
-import os
 import sys
 import zlib
 from collections.abc import Callable, Sequence
@@ -18,6 +17,7 @@ import numpy as np
 import torch
 
 from spmdgt._core import debuglog as _debuglog
+from spmdgt._core import env as _env
 from spmdgt._core import scope as _scope
 from spmdgt.runtime import _agree
 from spmdgt.runtime._state import get_runtime
@@ -59,7 +59,7 @@ def agree_on_creation(
     digest of the data for ``gt.tensor``/``gt.from_numpy``) are compared before any mesh is
     made, for plain creations too, so a rank outside a scope or on another dtype is an error
     on both ranks, not a wait on one. ``GT_CHECK_SHAPES=0`` skips it on every rank."""
-    if os.environ.get("GT_CHECK_SHAPES", "1") == "0":
+    if not _env.flag("GT_CHECK_SHAPES"):
         return
     name = str(dtype).removeprefix("torch.")
     place = intent(shape) if where is None else where

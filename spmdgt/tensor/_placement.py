@@ -7,11 +7,11 @@ the cheapest form there is, and exactly what a world of one uses. ``torch.distri
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from spmdgt._core import env as _env
 from spmdgt._core import scope as _scope
 from spmdgt.config._errors import ConfigError
 from spmdgt.config._signals import SignalConfig, lookup
@@ -32,7 +32,8 @@ class Target:
 
 
 def auto_shard_enabled() -> bool:
-    return os.environ.get("GT_AUTO_SHARD", "0") not in ("", "0", "false", "False")
+    """``GT_AUTO_SHARD``, read at each creation (so a forked test rank's env is seen)."""
+    return _env.flag("GT_AUTO_SHARD")
 
 
 def signal_target(cfg: SignalConfig, shape: Sequence[int]) -> Target | None:
@@ -89,8 +90,9 @@ def creation_target(shape: Sequence[int]) -> Target | None:
     """Placement for a tensor being created now, on this rank, in the current scope."""
     world = get_runtime().world_size
     if world == 1:
-        if not _signals_loaded():
-            lookup("")  # GT_CONFIG is read and validated in a world of one too
+        if not _signals_loaded():  # the first creation only: GT_CONFIG and GT_AUTO_SHARD are
+            lookup("")  # read and validated in a world of one too (a typo fails here, not
+            auto_shard_enabled()  # later under torchrun)
         return None
     name = _scope.current()
     if name is not None:

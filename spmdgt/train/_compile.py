@@ -35,7 +35,6 @@ callbacks: tracing and the backend, forward and backward) is counted apart from 
 from __future__ import annotations
 
 import functools
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -43,6 +42,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from spmdgt._core import env as _env
 
 __all__ = [
     "CompileError",
@@ -62,8 +63,9 @@ class CompileError(RuntimeError):
 
 
 def compile_disabled_by_env() -> bool:
-    """``GT_COMPILE=0`` (or false/no/off): no compilation, whatever the config says."""
-    return (os.environ.get("GT_COMPILE") or "").strip().lower() in ("0", "false", "no", "off")
+    """``GT_COMPILE=0`` (or false/no/off): no compilation, whatever the config says; the same
+    answer as the compile pass's (one reading of the variable: ``spmdgt._core.env``)."""
+    return not _env.flag("GT_COMPILE")
 
 
 # --------------------------------------------------------------------------- compile time
@@ -287,7 +289,7 @@ def compile_blocks(
     found = find_blocks(model)
     if found is None:
         units = fallback_units or [("<model>", model)]
-        if os.environ.get("GT_VERBOSE"):
+        if _env.flag("GT_VERBOSE"):
             from spmdgt import runtime
 
             runtime.print0(

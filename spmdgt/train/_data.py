@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from spmdgt import runtime
+from spmdgt._core import env as _env
 
 __all__ = ["OptimizedDataLoader", "ResumableDistributedSampler"]
 
@@ -47,7 +48,7 @@ def _default_workers() -> int:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cpus = os.cpu_count() or 1
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    local_world = _env.launcher_int("LOCAL_WORLD_SIZE", 1)
     # Leave one core per rank for the training process itself; cap at 8 (more rarely helps).
     return max(0, min(8, cpus // max(local_world, 1) - 1))
 
