@@ -11,7 +11,7 @@ best round kept), after a warm-up that is not timed; compile times are reported 
 - ``module``: a module-level small-op loop, pass on and nothing hot: <= 1.3x eager.
 - ``user``: the user's own ``torch.compile`` of the chain with the interceptor and the pass on:
   <= 1.1x its time without them.
-- ``scope2``: the chain in a ``compile: true`` scope (tier 2): sharded on 2 forked ranks
+- ``scope2``: the chain in a ``compile: true`` scope (lazy regions): sharded on 2 forked ranks
   against eager on 2 ranks, and on 1 process (plain tensors) against eager and hand compile.
 - ``transformer`` (a training step): a hook for the trainer's ``compile=True``.
 
@@ -74,7 +74,7 @@ class _Pass:
 
         os.environ.pop("GT_COMPILE", None)
         gt_compile.enable(backend=backend)
-        self.p = gt_compile._pass
+        self.p = gt_compile._hot
         self.level = self.p._ic.level
 
     def on(self) -> None:
@@ -233,8 +233,9 @@ def case_module(pss: _Pass, rounds: int) -> list[str]:
 
 
 def _scope_rank(rank: int, world: int, rounds: int, backend: str) -> dict[str, float]:
-    """One rank of ``scope2`` (a forked child: tier 1, inherited from the parent, goes off;
-    tier 2 stays off while tier 1 runs). World 2: the chain on a sharded gt.Tensor (1M rows
+    """One rank of ``scope2`` (a forked child: hot functions, inherited from the parent, goes off;
+    the lazy-region half stays off while the hot-function half runs). World 2: the chain on a
+    sharded gt.Tensor (1M rows
     over the ranks) in a ``compile: true`` scope and in a plain one. World 1: plain tensors,
     eager, hand ``torch.compile`` and the scope. Alternating rounds; a host read ends a call."""
     import spmdgt as gt

@@ -119,15 +119,21 @@ VARIABLES: tuple[Var, ...] = (
         low=0,
         low_open=True,
     ),
-    _flag("GT_AUTO_COMPILE", False, "the compile pass, tier 1: hot functions go to torch.compile"),
+    _flag("GT_AUTO_COMPILE", False, "the compile pass's hot functions go to torch.compile"),
     _flag("GT_COMPILE", True, "off: no compilation at all (the pass, TrainConfig(compile=True))"),
     Var("GT_COMPILE_BACKEND", "str", "inductor", "the compile pass's torch.compile backend"),
-    _int("GT_COMPILE_SAMPLE_EVERY", 16, "tier 1: top-level ops between stack samples"),
-    _int("GT_COMPILE_HOT_SAMPLES", 8, "tier 1: samples that make a function hot"),
-    _int("GT_WORKER_BATCH_SIZE", None, "tier 2 everywhere: lazy regions run at n recorded ops"),
-    _int("GT_LAZY_MIN_NUMEL", 65536, "tier 2: elements a tensor needs for its ops to be recorded"),
-    _int("GT_LAZY_CACHE", 64, "tier 2: compiled graphs kept (LRU)"),
-    _int("GT_LAZY_REGION_GRAPHS", 8, "tier 2: graphs per region before it runs eagerly"),
+    _int("GT_COMPILE_SAMPLE_EVERY", 16, "hot functions: top-level ops between stack samples"),
+    _int("GT_COMPILE_HOT_SAMPLES", 8, "hot functions: samples that make a function hot"),
+    _int(
+        "GT_WORKER_BATCH_SIZE", None, "lazy regions everywhere: lazy regions run at n recorded ops"
+    ),
+    _int(
+        "GT_LAZY_MIN_NUMEL",
+        65536,
+        "lazy regions: elements a tensor needs for its ops to be recorded",
+    ),
+    _int("GT_LAZY_CACHE", 64, "lazy regions: compiled graphs kept (LRU)"),
+    _int("GT_LAZY_REGION_GRAPHS", 8, "lazy regions: graphs per region before it runs eagerly"),
     Var("GT_INSTRUCTION_LOG", "path", None, "per-rank instruction log (path.rank<r> when world>1)"),
     Var(
         "GT_INSTRUCTION_LOG_MAX_MB",

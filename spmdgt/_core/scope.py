@@ -14,14 +14,16 @@ _stack: list[tuple[str, str | None, bool]] = []
 # true`` scopes). Empty when nothing listens, so a scope costs one loop over an empty list.
 listeners: list = []
 
-# The compile pass's tier 2 (``spmdgt.compile.on_scope``) once a ``compile: true`` scope was
-# entered or tier 2 was turned on: scope changes are its sync points. None until then. Only
+# The compile pass's lazy regions (``spmdgt.compile.on_scope``) once a ``compile: true`` scope was
+# entered or the lazy-region half was turned on: scope changes are its sync points. None until
+# then. Only
 # ``spmdgt.compile`` writes it (and the session's reset here).
 lazy_hook = None
 
-# Tier 2's sync for a pending sharded result read without an op (``to_local``, ``redistribute``,
+# The lazy regions' sync for a pending sharded result read without an op (``to_local``,
+# ``redistribute``,
 # ``full_tensor``, host reads: ``gt.Tensor`` calls it with the method's name): the open region
-# runs and fills it. None while tier 2 is off.
+# runs and fills it. None while the lazy-region half is off.
 lazy_sync = None
 
 

@@ -1,34 +1,35 @@
 """The compile pass: unchanged eager code runs compiled where it pays.
 
-Tier 1, hot functions (``GT_AUTO_COMPILE=1`` or ``spmdgt.compile.enable()``): the interceptor
+Hot functions (``GT_AUTO_COMPILE=1`` or ``spmdgt.compile.enable()``): the interceptor
 samples which user function issues the ops (by op count, so every rank decides at the same
 op); a function with enough samples is handed to ``torch.compile``'s own frame machinery,
 which compiles it at its next call with guards, graph breaks, recompiles and a compiled
 backward. A compile error, a failed agreement or a run-time error sends that function back to
 eager (on every rank when any rank failed). Functions the user compiled are left alone. Guide:
-``docs/compilation.md``; machinery: ``_pass`` (decisions), ``_frames`` (dynamo's frame hook),
+``docs/compilation.md``; machinery: ``_hot_functions`` (decisions), ``_frames`` (dynamo's frame
+hook),
 ``_backend`` (the counted backend), ``_stats`` (the counters); the ranks agree through
 ``spmdgt.runtime._agree`` (``propose``, ``any_rank``).
 
-Tier 2, lazy regions (YAML ``compile: true`` scopes, ``GT_WORKER_BATCH_SIZE=N`` or
+Lazy regions (YAML ``compile: true`` scopes, ``GT_WORKER_BATCH_SIZE=N`` or
 ``enable_regions()``): ops on large tensors, plain or sharded, are recorded, their results are
-placeholders, and at a sync point the region runs as one compiled graph (``_lazy``: the hook
+placeholders, and at a sync point the region runs as one compiled graph (``_lazy_regions``: the hook
 and sync points; ``_region``: recording and placeholders; ``_sharded``: layouts, agreement and
 autograd of graphs over DTensors; ``_graphs``: keys, caps, compile, fallback; ``_lazy_ops``:
-what may be recorded). Tier 2 stays off while tier 1 runs.
+what may be recorded). The lazy-region half stays off while the hot-function half runs.
 
 Environment (read by ``maybe_enable_from_env``, which ``import spmdgt`` reaches through the
 interceptor's start-up; with none of these set nothing here is imported):
 
-    GT_AUTO_COMPILE=1            tier 1 on
+    GT_AUTO_COMPILE=1            hot functions on
     GT_COMPILE=0                 every compilation off, whatever else is set
     GT_COMPILE_BACKEND=name      the torch.compile backend (default inductor)
     GT_COMPILE_SAMPLE_EVERY=n    top-level ops between stack samples (default 16)
     GT_COMPILE_HOT_SAMPLES=n     samples that make a function hot (default 8)
     GT_DEBUG_COMPILE=1           print each decision, rank-prefixed
-    GT_WORKER_BATCH_SIZE=n       tier 2 everywhere, a region runs at n recorded ops at most
+    GT_WORKER_BATCH_SIZE=n       lazy regions everywhere, a region runs at n recorded ops at most
     GT_LAZY_MIN_NUMEL=n          elements a tensor needs for its ops to be recorded (65536)
-    GT_LAZY_CACHE=n              tier-2 graphs kept (LRU, default 64)
+    GT_LAZY_CACHE=n              lazy-region graphs kept (LRU, default 64)
     GT_LAZY_REGION_GRAPHS=n      graphs per region (scope name) before it runs eagerly (8)
 """
 
@@ -52,8 +53,10 @@ __all__ = [
     "stats",
 ]
 
-_pass: Any = None
-_regions: Any = None  # tier 2's LazyPass, made by enable_regions() or the first compile scope
+_hot: Any = None
+_regions: Any = (
+    None  # the lazy regions' LazyPass, made by enable_regions() or the first compile scope
+)
 # disable_regions() was called: ``compile: true`` scopes stay eager until enable_regions()
 _regions_refused = False
 _atexit = False
@@ -64,20 +67,20 @@ def enable(
     every: int | None = None,
     hot_at: int | None = None,
 ) -> None:
-    """Turn tier 1 on for this rank (every rank must: the decisions are collective).
+    """Turn hot functions on for this rank (every rank must: the decisions are collective).
 
     Turns the interceptor on if it is off (level ``native`` when it builds: the sampling then
     costs what the C++ log costs; else ``torch``). ``backend``, ``every``, ``hot_at``: as the
     ``GT_COMPILE_*`` variables (``backend`` may also be a dynamo backend callable). A no-op
     with ``GT_COMPILE=0``.
     """
-    global _pass
+    global _hot
     if compile_disabled():
         _note("GT_COMPILE=0: compilation off")
         return
-    if _pass is not None:
+    if _hot is not None:
         return
-    from spmdgt.compile._pass import HotFunctionPass
+    from spmdgt.compile._hot_functions import HotFunctionPass
     from spmdgt.interceptor import _control
     from spmdgt.interceptor._mode import get_interceptor
 
@@ -93,7 +96,7 @@ def enable(
         hot_at=hot_at or _env.integer("GT_COMPILE_HOT_SAMPLES"),
     )
     p.start(ic)
-    _pass = p
+    _hot = p
     global _atexit
     if not _atexit:  # the frame hook must be out before the interpreter tears modules down
         import atexit
@@ -102,44 +105,50 @@ def enable(
         _atexit = True
     _provide()
     if _regions is not None:  # see enable_regions
-        _note("tier 1 on: lazy regions off (the two together are not exact yet)")
+        _note("hot functions on: lazy regions off (the two together are not exact yet)")
         _stop_regions()
     _note(
-        f"compile pass on (tier 1, backend {p.backend_name}, a sample every {p.every} ops, "
+        f"compile pass on (hot functions, backend {p.backend_name}, a sample every {p.every} ops, "
         f"hot at {p.hot_at} samples, interceptor level {ic.level})"
     )
 
 
 def disable() -> None:
-    """Turn tier 1 off: sampling stops, the frame hook and its marks go, functions run eagerly."""
-    global _pass
-    p, _pass = _pass, None
+    """Turn hot functions off: sampling stops, the frame hook and its marks go, functions run
+    eagerly."""
+    global _hot
+    p, _hot = _hot, None
     if p is not None:
         p.stop()
         _provide()
 
 
 def is_enabled() -> bool:
-    """Whether tier 1 runs on this rank."""
-    return _pass is not None
+    """Whether the hot-function half runs on this rank."""
+    return _hot is not None
 
 
 def enable_regions(
     batch: int | None = None, backend: str | Callable[..., Any] | None = None
 ) -> bool:
-    """Turn tier 2 on for this rank: lazy regions inside ``compile: true`` scopes, and, with
+    """Turn lazy regions on for this rank: lazy regions inside ``compile: true`` scopes, and, with
     ``batch`` (``GT_WORKER_BATCH_SIZE``), everywhere, a region running at ``batch`` recorded
-    ops at most. Returns whether it is on: not with ``GT_COMPILE=0`` nor while tier 1 runs."""
+    ops at most. Returns whether it is on: not with ``GT_COMPILE=0`` nor while the hot-function
+    half runs."""
     global _regions, _regions_refused
     _regions_refused = False
-    # Not while tier 1 runs: the OpInfo sweep with both on (every op recorded) found hangs
-    # and rare wrong values on sub-meshes and empty shards, each tier alone none.
-    if compile_disabled() or _pass is not None:
-        _note("lazy regions off: " + ("GT_COMPILE=0" if _pass is None else "tier 1 is on"))
+    # Not while the hot-function half runs: the OpInfo sweep with both on (every op recorded) found
+    # hangs
+    # and rare wrong values on sub-meshes and empty shards, each half alone none.
+    if compile_disabled() or _hot is not None:
+        _note(
+            "lazy regions off: "
+            + ("GT_COMPILE=0" if _hot is None else "the hot-function half is on")
+        )
         return False
     if _regions is not None:
         return True
-    import spmdgt.compile._lazy as lazy
+    import spmdgt.compile._lazy_regions as lazy
 
     _regions = lazy.LazyPass(
         backend=backend or _env.text("GT_COMPILE_BACKEND"),
@@ -169,7 +178,7 @@ def enable_regions(
 
 
 def disable_regions() -> None:
-    """Turn tier 2 off: the open region runs, the hook goes, the graphs are dropped; and it
+    """Turn lazy regions off: the open region runs, the hook goes, the graphs are dropped; and it
     stays off, ``compile: true`` scopes included, until ``enable_regions()``."""
     global _regions_refused
     _regions_refused = True
@@ -177,7 +186,7 @@ def disable_regions() -> None:
 
 
 def _stop_regions() -> None:
-    """Tier 2 off, the scope hooks out (a later ``compile: true`` scope may turn it on)."""
+    """Lazy regions off, the scope hooks out (a later ``compile: true`` scope may turn it on)."""
     global _regions
     from spmdgt._core import scope as _scope
 
@@ -191,7 +200,7 @@ def _stop_regions() -> None:
 
 def compile_scope_entered() -> None:
     """A ``compile: true`` scope is being entered (``spmdgt.signal``): from now on scope
-    changes reach ``on_scope``, which turns tier 2 on at this scope, unless the program
+    changes reach ``on_scope``, which turns lazy regions on at this scope, unless the program
     turned it off with ``disable_regions()``. The one writer of ``_scope.lazy_hook``."""
     from spmdgt._core import scope as _scope
 
@@ -200,22 +209,23 @@ def compile_scope_entered() -> None:
 
 
 def regions_enabled() -> bool:
-    """Whether tier 2 runs on this rank."""
+    """Whether the lazy-region half runs on this rank."""
     return _regions is not None
 
 
 def on_scope(name: str, entering: bool, compiles: bool) -> None:
-    """``_scope``'s call at each push and pop while tier 2 runs, or for a ``compile: true``
-    scope (which turns tier 2 on at its first entry)."""
+    """``_scope``'s call at each push and pop while the lazy-region half runs, or for a ``compile:
+    true``
+    scope (which turns lazy regions on at its first entry)."""
     if _regions is None and not (compiles and entering and enable_regions()):
         return
     _regions.on_scope(name, entering, compiles)
 
 
 def stats() -> dict[str, Any]:
-    """This rank's compile counters (``_stats.CompileStats``, tier 2's under ``regions``);
-    empty when no tier is on."""
-    out: dict[str, Any] = _pass.snapshot() if _pass is not None else {}
+    """This rank's compile counters (``_stats.CompileStats``, the lazy regions' under ``regions``);
+    empty when no half is on."""
+    out: dict[str, Any] = _hot.snapshot() if _hot is not None else {}
     if _regions is not None:
         out = dict(out)
         reg = _regions.snapshot()
@@ -225,11 +235,11 @@ def stats() -> dict[str, Any]:
 
 
 def _provide() -> None:
-    """Point ``get_worker_stats`` at these counters while a tier runs."""
+    """Point ``get_worker_stats`` at these counters while a half runs."""
     from spmdgt import debug
 
     debug.set_compilation_stats_provider(
-        stats if _pass is not None or _regions is not None else None
+        stats if _hot is not None or _regions is not None else None
     )
 
 
@@ -241,8 +251,8 @@ def compile_disabled() -> bool:
 
 def maybe_enable_from_env() -> bool:
     """``GT_AUTO_COMPILE=1``: ``enable()``; else ``GT_WORKER_BATCH_SIZE=n``:
-    ``enable_regions(n)`` (neither with ``GT_COMPILE=0``; tier 1 wins when both are set).
-    Returns whether tier 1 is on."""
+    ``enable_regions(n)`` (neither with ``GT_COMPILE=0``; hot functions wins when both are set).
+    Returns whether the hot-function half is on."""
     batch = _env.integer("GT_WORKER_BATCH_SIZE")  # None when unset
     if not _env.flag("GT_AUTO_COMPILE"):
         if batch is not None:
@@ -253,7 +263,7 @@ def maybe_enable_from_env() -> bool:
 
         warnings.warn(
             f"spmdgt: GT_WORKER_BATCH_SIZE={batch} is ignored while GT_AUTO_COMPILE is on: the "
-            "two tiers of the compile pass do not run together yet (docs/compilation.md, "
+            "two halves of the compile pass do not run together yet (docs/compilation.md, "
             "Known limits)",
             stacklevel=2,
         )
@@ -270,7 +280,7 @@ def _note(msg: str) -> None:
 
 
 def _forget() -> None:
-    # the session's reset: both tiers off (tier 2's open region runs first), as at import
+    # the session's reset: both halves off (the lazy regions' open region runs first), as at import
     global _regions_refused
     _stop_regions()
     disable()

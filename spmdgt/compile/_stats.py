@@ -67,7 +67,7 @@ class CompileStats:
 
 
 class RegionStats:
-    """Counters of tier 2, the lazy regions (``compilation["regions"]``).
+    """Counters of lazy regions, the lazy regions (``compilation["regions"]``).
 
     - ``regions_seen``: regions that reached a sync point with ops recorded; ``dead``: those
       whose results were all dropped by the program (nothing ran); ``ops_captured``: calls

@@ -27,7 +27,8 @@ Environment variables (all per rank; every rank of a job sees the same ones):
                               ``_instruction_log``)
     GT_PROFILE_MAX_MB=mb      stop profiling at this trace size (default 200; 0 never; see
                               ``_profile``)
-    GT_AUTO_COMPILE=1         the compile pass, tier 1 (``spmdgt.compile``; GT_COMPILE=0 vetoes)
+    GT_AUTO_COMPILE=1         the compile pass, hot functions (``spmdgt.compile``; GT_COMPILE=0
+    vetoes)
     GT_HOTPATH_WINDOW/MIN_SEQ/THRESHOLD   GT's repeated-sequence statistics (``_stats``)
 """
 

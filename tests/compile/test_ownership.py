@@ -53,7 +53,9 @@ def test_disable_regions_sticks_through_a_compile_scope():
 def test_session_reset_leaves_no_registration():
     gt.register_config("hot_scope", gt.SignalConfig(compile=True))
     gt_compile.enable(backend="eager")
-    with gt.signal.context("hot_scope"):  # refused while tier 1 runs, but the hook is set
+    with gt.signal.context(
+        "hot_scope"
+    ):  # refused while the hot-function half runs, but the hook is set
         pass
     gt.session.reset("compile", "signals")
     assert _listeners() == 0 and _scope.lazy_hook is None and _scope.lazy_sync is None

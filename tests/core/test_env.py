@@ -129,7 +129,7 @@ def test_every_variable_declared_once_with_a_meaning():
 
 
 def test_readers_share_the_declared_defaults():
-    from spmdgt.compile import _lazy
+    from spmdgt.compile import _lazy_regions as _lazy
     from spmdgt.interceptor import _instruction_log, _profile
 
     assert env.integer("GT_LAZY_MIN_NUMEL", {}) == _lazy.MIN_NUMEL

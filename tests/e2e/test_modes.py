@@ -1,4 +1,4 @@
-"""A chosen subset of the suite, run again with each tier of the compile pass on.
+"""A chosen subset of the suite, run again with each half of the compile pass on.
 
 Every test that passes eager must pass with the pass on: the exactness and signal tests on 2,
 3 and 4 ranks (sub-meshes, empty shards, fallbacks, where ranks run different numbers of ops),
@@ -6,8 +6,9 @@ and whole training steps on 2 ranks.
 A fresh pytest process each, so the pass is on from ``import spmdgt`` as a user's run has it;
 ``GT_DEBUG_COMPILE=1`` shows that functions or regions did get compiled there.
 
-- tier 1: ``GT_AUTO_COMPILE=1`` (inductor);
-- tier 2: ``GT_WORKER_BATCH_SIZE=16`` with ``GT_LAZY_MIN_NUMEL=1``, so the tests' small tensors
+- hot functions: ``GT_AUTO_COMPILE=1`` (inductor);
+- lazy regions: ``GT_WORKER_BATCH_SIZE=16`` with ``GT_LAZY_MIN_NUMEL=1``, so the tests' small
+tensors
   are recorded too, plain and sharded (hundreds of regions: ``aot_eager`` keeps the compiles
   short).
 """
@@ -30,10 +31,14 @@ SUBSET = [
 ]
 
 
-_TIER2 = {"GT_WORKER_BATCH_SIZE": "16", "GT_LAZY_MIN_NUMEL": "1", "GT_COMPILE_BACKEND": "aot_eager"}
-MODES = {  # the environment, and what GT_DEBUG_COMPILE prints when that tier did compile
-    "tier1": ({"GT_AUTO_COMPILE": "1"}, ["] compiled "]),
-    "tier2": (_TIER2, ["region batch: compiled", "(sharded)"]),
+_LAZY_REGIONS = {
+    "GT_WORKER_BATCH_SIZE": "16",
+    "GT_LAZY_MIN_NUMEL": "1",
+    "GT_COMPILE_BACKEND": "aot_eager",
+}
+MODES = {  # the environment, and what GT_DEBUG_COMPILE prints when that half did compile
+    "hot_functions": ({"GT_AUTO_COMPILE": "1"}, ["] compiled "]),
+    "lazy_regions": (_LAZY_REGIONS, ["region batch: compiled", "(sharded)"]),
 }
 
 

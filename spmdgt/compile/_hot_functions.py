@@ -1,4 +1,4 @@
-"""Tier 1 of the compile pass: hot functions, found by op count, compiled by dynamo.
+"""Hot functions of the compile pass: hot functions, found by op count, compiled by dynamo.
 
 ``HotFunctionPass.start()`` asks the interceptor for a ``CodeSampler`` (every ``every``-th
 top-level op, one sample of which user code object issued it; ``interceptor/_sampler.py``).
@@ -37,7 +37,7 @@ _NOT_FUNCTIONS = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_
 
 
 class HotFunctionPass:
-    """One session of tier 1 on this rank (see the module docstring)."""
+    """One session of hot functions on this rank (see the module docstring)."""
 
     def __init__(self, backend: Any = "inductor", every: int = 16, hot_at: int = 8) -> None:
         import torch
@@ -146,7 +146,7 @@ class HotFunctionPass:
             self._decided.add(code)
             where = _where(code)
             if code.co_name == "<module>":
-                reason = "module-level code (tier 2's lazy regions will serve it)"
+                reason = "module-level code (lazy regions will serve it)"
             elif code.co_flags & _NOT_FUNCTIONS:
                 reason = "a generator or coroutine"
             elif _debug_get_cache_entry_list(code) and code not in self.stats.compiled_codes:

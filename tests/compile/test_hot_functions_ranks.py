@@ -1,4 +1,4 @@
-"""Tier 1 on several ranks: op counts differ between ranks, decisions do not.
+"""Hot functions on several ranks: op counts differ between ranks, decisions do not.
 
 A rank outside a sub-mesh, an empty shard or a fallback's gather runs ops the other ranks do
 not, so each rank finds a function hot at a different op. Hotness is then a proposal, settled

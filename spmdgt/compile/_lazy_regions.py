@@ -1,4 +1,5 @@
-"""Tier 2 of the compile pass: lazy regions (``compile: true`` scopes, ``GT_WORKER_BATCH_SIZE``).
+"""Lazy regions of the compile pass: lazy regions (``compile: true`` scopes,
+``GT_WORKER_BATCH_SIZE``).
 
 While a region is open, capturable calls (``_lazy_ops``) on tensors of at least
 ``GT_LAZY_MIN_NUMEL`` elements (65536: below that a compiled graph's launch costs more than it
@@ -17,8 +18,9 @@ removed after, so the rest of the program pays nothing.
 
 While a region holds ops, ``torch.compiler`` is set to the ``force_eager`` stance: a function
 the user compiled, called with a pending result, would otherwise read it from C++ before it is
-filled; run eagerly, its ops reach the hook, which fills the result first. Tier 2 stays off
-while tier 1 (``GT_AUTO_COMPILE``) runs: dynamo's frames of hot functions read their inputs
+filled; run eagerly, its ops reach the hook, which fills the result first. The lazy-region half
+stays off
+while hot functions (``GT_AUTO_COMPILE``) runs: dynamo's frames of hot functions read their inputs
 from C++ and pick graphs by guards no hook sees, and the OpInfo sweep with both on found hangs
 and rare wrong values on sub-meshes and empty shards.
 
@@ -45,7 +47,7 @@ DEFAULT_BATCH = 256  # ops a region holds at most when GT_WORKER_BATCH_SIZE is n
 
 
 class LazyPass:
-    """This rank's tier 2: the open region, the graphs, the hook and the scope depth."""
+    """This rank's lazy regions: the open region, the graphs, the hook and the scope depth."""
 
     def __init__(
         self,

@@ -1,4 +1,4 @@
-"""Tier 1 of the compile pass (``spmdgt.compile``): hot functions compiled by dynamo.
+"""Hot functions of the compile pass (``spmdgt.compile``): hot functions compiled by dynamo.
 
 Compiles take seconds here, so the tests are few and use ``aot_eager`` (dynamo and AOTAutograd,
 no inductor) except the one that states inductor's tolerance. Sampling is made eager to decide
@@ -247,7 +247,7 @@ def test_a_restarted_interceptor_does_not_count_a_function_hot_twice(compile_pas
     for _ in range(10):
         small(a, b)
     st = gt_compile.stats()
-    hot = gt_compile._pass.hook.hot  # (the test function may turn hot too: it calls small)
+    hot = gt_compile._hot.hook.hot  # (the test function may turn hot too: it calls small)
     assert small.__code__ in hot and st["hot"] == len(hot), st  # each code counted once
     assert (st["compiled"], st["cache_misses"]) == (1, 1), st
 

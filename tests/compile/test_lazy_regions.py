@@ -1,4 +1,4 @@
-"""Tier 2 of the compile pass (``spmdgt.compile._lazy``): lazy regions.
+"""Lazy regions of the compile pass (``spmdgt.compile._lazy_regions``): lazy regions.
 
 Graphs are compiled with ``aot_eager`` (AOTAutograd, eager kernels): the point here is capture,
 sync points, keys and autograd, not inductor's speed, and results then match eager to float
@@ -26,7 +26,7 @@ N = 256
 
 @pytest.fixture
 def regions():
-    """Yields ``enable(batch=None, backend="aot_eager")``; turns tier 2 off afterwards."""
+    """Yields ``enable(batch=None, backend="aot_eager")``; turns lazy regions off afterwards."""
 
     def enable(batch=1000, backend="aot_eager"):
         assert gt_compile.enable_regions(batch=batch, backend=backend)
@@ -226,9 +226,9 @@ def test_two_ranks_sharded_region_and_a_one_rank_compile_failure(tmp_path):
             assert n == 1 and "only rank 1 fails" in reason and st["eager_runs"] == 1
 
 
-def test_tier_2_stays_off_while_tier_1_runs(regions):
-    # the OpInfo sweep with both tiers on found hangs and rare wrong values on sub-meshes and
-    # empty shards (each tier alone: none), so they do not run together yet
+def test_lazy_regions_stay_off_while_hot_functions_run(regions):
+    # the OpInfo sweep with both halves on found hangs and rare wrong values on sub-meshes and
+    # empty shards (each half alone: none), so they do not run together yet
     regions(batch=64)
     assert gt_compile.regions_enabled()
     gt_compile.enable(backend="aot_eager")
@@ -240,10 +240,10 @@ def test_tier_2_stays_off_while_tier_1_runs(regions):
         assert "_gt_lazy" not in y.__dict__ and torch.equal(y, torch.sin(x) * 0.5)
     finally:
         gt_compile.disable()
-        _control.disable()  # tier 1 turned the interceptor on
+        _control.disable()  # hot functions turned the interceptor on
 
 
-def test_both_variables_set_warns_that_tier_2_is_ignored(monkeypatch):
+def test_both_variables_set_warns_that_lazy_regions_are_ignored(monkeypatch):
     monkeypatch.setenv("GT_AUTO_COMPILE", "1")
     monkeypatch.setenv("GT_WORKER_BATCH_SIZE", "16")
     try:
