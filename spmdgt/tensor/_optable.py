@@ -16,11 +16,24 @@ route              why
                    table, ``torch.Tag.pointwise``) keep self's placement and run in DTensor;
                    every other one (``index_fill_``, ``scatter_``, ``__setitem__``...) is
                    computed on global values and written back into each rank's shard.
+``ASSIGN``         ``aten.set_.source_Tensor`` (``Tensor.set_`` offers no ``__torch_function__``:
+                   ``gt.Tensor.__torch_dispatch__`` asks): self takes the source's values,
+                   shape, dtype and layout, sharing a DTensor source's shards as torch shares
+                   memory (as ``.data =`` does); DTensor has no rule, and the in-place
+                   fallback cannot change a shape. A plain self: the in-place fallback.
 ``GLOBAL``         output shape depends on data (``nonzero``, ``unique``, boolean-mask reads)
                    or the op draws random numbers (``dropout``, ``bernoulli``...): run on the
                    global values on every rank, which is exactly one process's computation
                    (the ranks' generators agree, see ``runtime/_seed``).
-``EMPTY_SENSITIVE`` reductions whose kernels reject an empty input (``max``, ``argmin``,
+``GUARDED``        DTensor's rule is wrong for some inputs, told apart by dtype, dim and layout
+                   (``guard``): ``argmax/argmin`` on a bool input (torch rejects it; DTensor
+                   computes through ``max`` and answers), without a dim where the shards
+                   are not in flat order (a dim before the sharded one is longer than 1:
+                   DTensor picks the first *rank* holding the extreme, not the first flat
+                   index, so ties differ), or with an empty shard;
+                   ``prod`` of complex values over a sharded dim (no collective has a complex
+                   product). Global values there, DTensor's path otherwise.
+``EMPTY_SENSITIVE`` reductions whose kernels reject an empty input (``max``, ``median``,
                    ``norm``...): global values when some rank's shard is empty (a rank
                    outside a sub-mesh holds an empty one too), DTensor's path otherwise.
                    ``amax/amin/max/min`` also when a gradient is needed: torch splits it
@@ -42,6 +55,8 @@ output's placements, which a rank outside a sub-mesh may see otherwise than its 
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
@@ -49,6 +64,8 @@ __all__ = [
     "DTENSOR",
     "EMPTY_SENSITIVE",
     "GLOBAL",
+    "GUARDED",
+    "ASSIGN",
     "AUTOGRAD",
     "BATCH_ONLY",
     "IRREGULAR",
@@ -58,6 +75,7 @@ __all__ = [
     "VIEW",
     "has_empty_shard",
     "check_supported",
+    "guard",
     "is_irregular",
     "ties_matter",
     "install_propagation_hook",
@@ -65,7 +83,19 @@ __all__ = [
     "route",
 ]
 
-DTENSOR, VIEW, INPLACE, GLOBAL, EMPTY_SENSITIVE, IRREGULAR, TIES, BATCH_ONLY, AUTOGRAD = range(9)
+(
+    DTENSOR,
+    VIEW,
+    INPLACE,
+    GLOBAL,
+    EMPTY_SENSITIVE,
+    IRREGULAR,
+    TIES,
+    BATCH_ONLY,
+    AUTOGRAD,
+    GUARDED,
+    ASSIGN,
+) = range(11)
 
 # Output shape depends on the values: DTensor cannot say it without running the op.
 _DATA_DEPENDENT = frozenset(
@@ -134,8 +164,6 @@ _EMPTY_SENSITIVE = frozenset(
         "amax",
         "amin",
         "aminmax",
-        "argmax",
-        "argmin",
         "median",
         "nanmedian",
         "mode",
@@ -150,6 +178,9 @@ _EMPTY_SENSITIVE = frozenset(
         "var_mean",
     }
 )
+
+# DTensor's rule is wrong for some inputs of these, which ``guard`` tells apart by metadata.
+_GUARDED = frozenset({"argmax", "argmin", "prod"})
 
 # Tied maxima share the gradient evenly in torch; a shard sees only its own ties (the
 # infinity norms are maxima too).
@@ -294,6 +325,8 @@ def _classify(func) -> int:
     name = _name(func)
     if name in ("backward", "grad"):  # the engine: its ops take their own fallbacks
         return AUTOGRAD
+    if name == "set_.source_Tensor":  # aten's: Tensor.set_ offers no __torch_function__
+        return ASSIGN
     if name in _INPLACE_DUNDERS or (
         name.endswith("_") and not name.endswith("__") and name not in _NOT_MUTATING
     ):
@@ -302,6 +335,8 @@ def _classify(func) -> int:
         return GLOBAL
     if name.startswith("fft_") or name == "chalf":  # complex results: gradients diverged
         return GLOBAL
+    if name in _GUARDED:
+        return GUARDED
     if name in _TIES:
         return TIES
     if name in _EMPTY_SENSITIVE:
@@ -398,6 +433,32 @@ def ties_matter(func, args, kwargs) -> bool:
     return isinstance(p, (int, float)) and abs(p) == float("inf")
 
 
+def guard(func, args, kwargs) -> str | None:
+    """For a ``GUARDED`` op: why its input needs the exact fallback (None: DTensor's path is
+    right). Reads dtypes, dims, shapes and placements only, so every rank answers alike."""
+    a = args[0] if args else kwargs.get("input")
+    if not isinstance(a, DTensor):
+        return None
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    if isinstance(dim, int) and dim < 0:
+        dim += max(a.dim(), 1)
+    shards = [p.dim for p in a._spec.placements if isinstance(p, Shard)]
+    if _name(func) == "prod":
+        dtype = kwargs.get("dtype") or a.dtype
+        if dtype.is_complex and any(dim is None or d == dim for d in shards):
+            return "complex product over a sharded dim (no collective multiplies complex values)"
+        return None
+    if a.dtype is torch.bool:
+        return "bool input (torch rejects it; DTensor's rule goes through max, which accepts it)"
+    if has_empty_shard(a):
+        return "reduction over an empty shard"
+    # without a dim, DTensor takes the extreme of the first rank holding it: the first flat
+    # index only when the shards follow one another in flat order
+    if dim is None and (len(shards) > 1 or any(math.prod(a.shape[:d]) > 1 for d in shards)):
+        return "ties: the first flat index is not on the first rank holding the extreme"
+    return None
+
+
 def batch_sharded_evenly(a) -> bool:
     """True when DTensor ``a`` is replicated or sharded evenly on dim 0 only, over the world."""
     if is_irregular(a):
@@ -429,6 +490,34 @@ _installed = [False]
 _decomps: dict[object, object] = {}
 
 
+# Statistics whose decompositions divide by a count of elements (N, N - 1, a group's size).
+_STATISTICS = frozenset(
+    {
+        "var",
+        "std",
+        "var_mean",
+        "std_mean",
+        "batch_norm_backward",
+        "native_group_norm_backward",
+        "_batch_norm_no_update",
+        "cudnn_batch_norm",
+        "cudnn_batch_norm_backward",
+        "miopen_batch_norm_backward",
+    }
+)
+
+
+def _reads_sizes(op_call) -> bool:
+    """Does ``op_call``'s decomposition read a size (a mean's divisor)? The losses (their
+    ``mean`` reductions) and the statistics. Other ops keep DTensor's decomposition-derived
+    strategy: running their decomposition would be exact too, but its outputs need not have
+    the strides of the op's own kernel (attention's), which later views rely on."""
+    if op_call._schema.is_mutable:  # in-place ops take spmdgt's INPLACE route
+        return False
+    name = op_call._schema.name.split("::")[-1]
+    return "loss" in name or name in _STATISTICS
+
+
 def _own_decomposition(op_call):
     """The decomposition DTensor would derive ``op_call``'s sharding from, when DTensor has no
     strategy registered for it; None when it has one.
@@ -449,7 +538,9 @@ def _own_decomposition(op_call):
             or op_call in prop.op_single_dim_strategy_funcs
             or op_call in prop.op_to_rules
         )
-        r = None if registered else decomposition_table.get(op_call)
+        r = None
+        if not registered and _reads_sizes(op_call):
+            r = decomposition_table.get(op_call)
         _decomps[op_call] = r
     return r
 
@@ -481,14 +572,16 @@ def _sharded(spec_args) -> bool:
     return False
 
 
-def install_propagation_hook() -> None:
+def install_propagation_hook(exact) -> None:
     """Wrap DTensor's sharding-propagation entry (called from its C++ dispatcher on a cache
     miss) so that, inside spmdgt's calls:
 
     - an op whose strategy DTensor would derive from its decomposition, on an input that is
       not replicated, runs that decomposition on the DTensors (see ``_own_decomposition``):
       the slow path may return the op's result instead of a sharding, as DTensor's own
-      handling of composite ops there does;
+      handling of composite ops there does. Where a step of the decomposition has no rule
+      (``prims.where`` in ``log_sigmoid_backward``), ``exact(op, args, kwargs, why)`` runs
+      the op on global values (the fallback, passed in by ``gt.Tensor``'s module);
     - a failure to find a rule raises ``NoRule``.
 
     "Inside spmdgt's calls" is read off DTensor's implicit-replication flag, which spmdgt sets
@@ -504,7 +597,10 @@ def install_propagation_hook() -> None:
         if ours:
             decomp = _own_decomposition(op_call)
             if decomp is not None and _sharded(op_info.schema.args_spec):
-                return decomp(*args, **kwargs)
+                try:
+                    return decomp(*args, **kwargs)
+                except NoRule as e:
+                    return exact(op_call, args, kwargs, f"{op_call}'s decomposition: {e}")
             rewrite = _REWRITES.get(op_call)
             if rewrite is not None and rewrite[0](args) and _sharded(op_info.schema.args_spec):
                 return rewrite[1](op_call, args, kwargs)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from spmdgt._core import debuglog as _debuglog
 from spmdgt._core import scope as _scope
@@ -99,7 +99,7 @@ class Tensor(DTensor):
                 for v in views:
                     _fallback.refresh(v)
             if mesh is not None and (many or _scope._stack):
-                args, kwargs = _align_meshes(args, kwargs)
+                args, kwargs = _align_meshes(args, kwargs, route)
             if plain and mesh is not None and torch.is_grad_enabled():
                 args, kwargs = _lift_grad_plain(mesh, args, kwargs)
             if route == 0 and "out" not in kwargs:  # DTENSOR, the common case: inlined
@@ -128,13 +128,17 @@ class Tensor(DTensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         # Reached by ops the autograd engine runs on saved gt.Tensors (backward): take
         # DTensor's C++ fast path as the forward does, and keep what comes out (gradients) a
-        # gt.Tensor, so ``.grad`` and ``torch.autograd.grad`` answer ``.numpy()``.
+        # gt.Tensor, so ``.grad`` and ``torch.autograd.grad`` answer ``.numpy()``. Also
+        # reached by ``Tensor.set_``, which offers no ``__torch_function__``.
         swapped = _swap_to_base(args, kwargs)
         kwargs = kwargs or {}
         implicit = _get_implicit()
         _set_implicit(True)
         try:
-            out = func(*args, **kwargs)
+            if _optable.route(func) is _optable.ASSIGN:
+                out = _assign(func, args, kwargs)
+            else:
+                out = func(*args, **kwargs)
         except _optable.NoRule as e:  # e.g. aten.hardtanh_backward on this layout
             if func._schema.is_mutable:
                 out = _fallback.run_inplace(func, args, kwargs, _no_rule(e))
@@ -265,7 +269,11 @@ def place(full: torch.Tensor, target) -> torch.Tensor:
         return full
     placements = [Replicate() if isinstance(p, Partial) else p for p in target.placements]
     with _DisableSubclass():
-        out = distribute_tensor(full, target.mesh, placements, src_data_rank=None)
+        # contiguous: DTensor keeps the global value's strides as the spec's but makes each
+        # shard contiguous, so a permuted result (attention's output, laid out as its kernel
+        # writes it) would be seen as viewable where the shard is not ("view size is not
+        # compatible" on a later flatten)
+        out = distribute_tensor(full.contiguous(), target.mesh, placements, src_data_rank=None)
     out.__class__ = Tensor
     return out
 
@@ -289,6 +297,76 @@ def place_local(make, shape: tuple[int, ...], target) -> torch.Tensor:
         )
     out.__class__ = Tensor
     return out
+
+
+_data = torch._C.TensorBase.data  # torch's own ``.data`` (a C getset)
+
+
+def _set_data(t: DTensor, value) -> None:
+    """``t.data = value`` for a ``gt.Tensor`` ``t``: ``t`` takes ``value``'s values, shape and
+    dtype, as in torch (where DTensor's C++ setter changes the wrapper's shape alone and
+    keeps the old shards: old values, or a shape that does not match them).
+
+    A DTensor ``value``: ``t`` takes its layout and its shards themselves, so the two share
+    memory as torch's would (a copy DTensor made for a view keeps its tie to the view's base,
+    see ``_fallback.tag_views``). A plain ``value`` (the same on every rank, as every plain
+    tensor is): laid out as ``t`` is, a shard dim the new shape lacks replicated; a copy, so
+    later writes to ``value`` do not reach ``t`` (no rank holds a sharded tensor's memory
+    whole). Ties between parameters: assign the parameter itself (``b.weight = a.weight``)"""
+    from spmdgt.tensor._placement import Target
+
+    for x in (t, value):
+        if _scope.lazy_sync is not None and "_gt_lazy" in getattr(x, "__dict__", ()):
+            _scope.lazy_sync(".data =")
+    if isinstance(value, DTensor):
+        if getattr(value, "_gt_view", None) is not None:
+            _fallback.refresh(value)
+        new = value
+    elif isinstance(value, torch.Tensor):
+        ndim = value.dim()
+        placements = tuple(
+            Replicate() if isinstance(p, Shard) and p.dim >= ndim else p for p in t.placements
+        )
+        with torch.no_grad():
+            new = place(value.detach(), Target(t.device_mesh, placements))
+    else:
+        new = value  # torch's own error: "Variable data has to be a tensor, but got int"
+    with _DisableSubclass():
+        _data.__set__(t, new)  # torch's checks (dtype and requires_grad); the new metadata
+    t._local_tensor = new._local_tensor.detach()  # the same memory, no autograd history
+    t._spec = new._spec
+    # a copy DTensor made for a view stays tied to the view's base, as a torch view would
+    t._gt_view = getattr(new, "_gt_view", None)
+
+
+def _data_get(self):
+    return _data.__get__(self)
+
+
+def _data_set(self, value):
+    if isinstance(self, Tensor):
+        return _set_data(self, value)
+    if isinstance(value, DTensor) and not isinstance(self, DTensor):
+        raise RuntimeError(
+            f"cannot set .data of a plain {type(self).__name__} to a sharded tensor (placements "
+            f"{tuple(value.placements)}): torch would give it the sharded tensor's wrapper, "
+            "which holds no values. To make a module's parameter sharded, assign a parameter: "
+            "`module.weight = torch.nn.Parameter(value)` (or tie: `module.weight = "
+            "other.weight`); to keep it plain with the global value: `with torch.no_grad(): "
+            "module.weight.copy_(value)`"
+        )
+    _data.__set__(self, value)
+
+
+def _install_data_setter() -> None:
+    """``.data =`` on every torch tensor through ``_data_set``: a ``gt.Tensor`` takes the value
+    (``_set_data``), a plain tensor refuses a sharded one at the assignment. torch's setter
+    offers ``__torch_function__`` only to the tensor assigned to, so a sharded value given
+    to a plain parameter (``lin.weight.data = t``) never reaches spmdgt, and the parameter
+    fails later (a crash, or "data is not allocated yet"). Reads stay torch's own."""
+    if isinstance(torch.Tensor.__dict__.get("data"), property):
+        return
+    torch.Tensor.data = property(_data_get, _data_set, doc=_data.__doc__)
 
 
 class _Move(torch.autograd.Function):
@@ -353,11 +431,29 @@ def _signal_mesh():
     return mesh_for(cfg.shard.workers, cfg.name), cfg
 
 
-def _align_meshes(args, kwargs):
-    """Bring every DTensor argument onto one mesh: the active signal's, else the largest."""
+def _mutated(args, kwargs, route):
+    """The DTensor an op writes into (self of an in-place op, else ``out=``), or None."""
+    out = kwargs.get("out")
+    if isinstance(out, (tuple, list)):
+        out = out[0] if out else None
+    if isinstance(out, DTensor):
+        return out
+    if route == _optable.INPLACE and args and isinstance(args[0], DTensor):
+        return args[0]
+    return None
+
+
+def _align_meshes(args, kwargs, route=None):
+    """Bring every DTensor argument onto one mesh: the mesh of the tensor the op writes into
+    (moving it would write into a copy, and the write would be lost), else the active
+    signal's, else the largest."""
     from spmdgt.tensor._placement import Target, signal_target
 
-    dst, cfg = _signal_mesh() if _scope._stack else (None, None)
+    written = _mutated(args, kwargs, route)
+    if written is not None:
+        dst, cfg = written.device_mesh, None
+    else:
+        dst, cfg = _signal_mesh() if _scope._stack else (None, None)
     if dst is None:
         meshes = {}
         _map_tensors(
@@ -495,6 +591,11 @@ def _run(func, args, kwargs, r):
         if any(isinstance(a, DTensor) and _optable.is_irregular(a) for a in args):
             return _fallback.run_global(func, args, kwargs, "DTensor's rule needs even shards")
         return _dtensor(func, args, kwargs)
+    if r is _optable.GUARDED:
+        why = _optable.guard(func, args, kwargs)
+        if why is not None:
+            return _fallback.run_global(func, args, kwargs, why)
+        return _dtensor(func, args, kwargs)
     if r is _optable.BATCH_ONLY:
         if any(isinstance(a, DTensor) and not _optable.batch_sharded_evenly(a) for a in args):
             return _fallback.run_global(func, args, kwargs, "DTensor's rule needs batch shards")
@@ -510,6 +611,22 @@ def _run(func, args, kwargs, r):
     ):
         return _fallback.run_global(func, args, kwargs, "gradient shared among tied values")
     return _dtensor(func, args, kwargs)
+
+
+def _assign(func, args, kwargs):
+    """``aten.set_.source_Tensor`` (route ``ASSIGN``), below autograd (which has made its
+    checks): a ``gt.Tensor`` self takes the source as ``.data =`` does (``_set_data``), after
+    torch's dtype check. A plain self cannot hold a sharded source's shards: the in-place
+    fallback gives it the global value."""
+    self, src = args
+    if not isinstance(self, DTensor):
+        return _fallback.run_inplace(func, args, kwargs, "set_ of a plain tensor")
+    if src.dtype != self.dtype:  # torch's error, from metadata alike on every rank
+        torch.empty(0, dtype=self.dtype, device="meta").set_(
+            torch.empty(0, dtype=src.dtype, device="meta")
+        )
+    _set_data(self, src)
+    return self
 
 
 def _no_rule(e) -> str:
@@ -531,5 +648,6 @@ def _dtensor(func, args, kwargs, inplace: bool = False):
 
 _routes = _optable._routes  # read on every op: one dict lookup
 assert _optable.DTENSOR == 0
-_optable.install_propagation_hook()
+_optable.install_propagation_hook(_fallback.run_global)
 _dynamo.install(Tensor)
+_install_data_setter()
