@@ -78,8 +78,8 @@ def enabled(component: str) -> bool:
 
 
 def _rank() -> int:
-    rt = sys.modules.get("spmdgt.runtime._state")
-    r = getattr(rt, "_runtime", None) if rt is not None else None
+    rt = sys.modules.get("spmdgt.runtime._state")  # not imported: this layer is below it
+    r = rt.current_runtime() if rt is not None else None
     if r is not None:
         return r.rank
     return _env.launcher_int("RANK", 0)

@@ -5,9 +5,9 @@ from __future__ import annotations
 __all__ = ["current", "innermost", "pop", "push"]
 
 # (signal name, backward signal override or None, whether a ``compile: true`` scope).
-# Module-level on purpose: the op path reads ``_stack`` with one truthiness test, and a rank
+# Module-level on purpose: the op path reads ``stack`` with one truthiness test, and a rank
 # runs its program on one thread.
-_stack: list[tuple[str, str | None, bool]] = []
+stack: list[tuple[str, str | None, bool]] = []
 
 # Listeners, each called with the innermost signal name (or None) after every push/pop: the
 # compiled interceptor (it cannot ask Python per op) and, later, the compile pass (``compile:
@@ -34,36 +34,36 @@ def push(name: str, backward: str | None = None, compiles: bool = False) -> None
         raise TypeError(f"a signal name must be a non-empty string, got {name!r}")
     if lazy_hook is not None:
         lazy_hook(name, True, compiles)  # before the push: the open region is the outer scope's
-    _stack.append((name, backward, compiles))
+    stack.append((name, backward, compiles))
     for fn in listeners:
         fn(name)
 
 
 def pop(name: str | None = None) -> str:
     """Leave the innermost scope; ``name``, if given, must be that scope's name."""
-    if not _stack:
+    if not stack:
         raise RuntimeError(f"signal.exit({name!r}) without a matching signal.enter")
-    top = _stack[-1][0]
+    top = stack[-1][0]
     if name is not None and name != top:
         raise RuntimeError(
             f"signal.exit({name!r}) does not match the innermost scope {top!r}; "
             "scopes must be left in the reverse order they were entered"
         )
     if lazy_hook is not None:
-        lazy_hook(top, False, _stack[-1][2])  # the scope's region runs inside the scope
-    _stack.pop()
+        lazy_hook(top, False, stack[-1][2])  # the scope's region runs inside the scope
+    stack.pop()
     for fn in listeners:
-        fn(_stack[-1][0] if _stack else None)
+        fn(stack[-1][0] if stack else None)
     return top
 
 
 def current() -> str | None:
-    return _stack[-1][0] if _stack else None
+    return stack[-1][0] if stack else None
 
 
 def _forget() -> None:
     global lazy_hook, lazy_sync
-    _stack.clear()
+    stack.clear()
     listeners.clear()
     lazy_hook = None
     lazy_sync = None
@@ -71,7 +71,7 @@ def _forget() -> None:
 
 def innermost() -> tuple[str, str | None, bool] | None:
     """The innermost scope's ``(name, backward override, compiles)``, or None."""
-    return _stack[-1] if _stack else None
+    return stack[-1] if stack else None
 
 
 from spmdgt._core.session import session  # noqa: E402  (below: the part's functions exist)

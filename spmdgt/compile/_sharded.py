@@ -56,7 +56,7 @@ def recordable(func: Any, mesh: Any) -> bool:
         return False
     if _route(func) != 0:
         return False
-    if _scope._stack:
+    if _scope.stack:
         dst = _signal_mesh()[0]
         if dst is not None and dst is not mesh:
             return False
@@ -73,7 +73,7 @@ def _route(func: Any) -> int:
 
 def _signal_mesh() -> Any:
     global _signal_mesh
-    from spmdgt.tensor._tensor import _signal_mesh as signal_mesh
+    from spmdgt.tensor._moves import signal_mesh
 
     _signal_mesh = signal_mesh
     return signal_mesh()

@@ -90,6 +90,11 @@ _registry: dict[str, SignalConfig] = {}
 _env_loaded = False
 
 
+def env_config_loaded() -> bool:
+    """Whether ``GT_CONFIG`` was read (it is read once, at the first lookup)."""
+    return _env_loaded
+
+
 def _ensure_env_config() -> None:
     global _env_loaded
     if not _env_loaded:

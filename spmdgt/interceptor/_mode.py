@@ -650,7 +650,7 @@ def env_rank() -> tuple[int, int]:
     try:
         from spmdgt.runtime import _state
 
-        rt = _state._runtime
+        rt = _state.current_runtime()
         if rt is not None:
             return rt.rank, rt.world_size
     except ImportError:

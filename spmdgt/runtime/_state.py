@@ -137,6 +137,11 @@ def _per_rank_compile_cache(rank: int) -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, leaf)
 
 
+def current_runtime() -> Runtime | None:
+    """The runtime if ``init()`` ran, else None: nothing is initialised by asking."""
+    return _runtime
+
+
 def get_runtime() -> Runtime:
     """The runtime, initialising it on first use (``gt.init()`` is implicit)."""
     return _runtime if _runtime is not None else init()

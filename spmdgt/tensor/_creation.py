@@ -156,7 +156,7 @@ def _create(
             _note_placement(what, shape, target)
     if requires_grad:
         t.requires_grad_(True)
-        if _scope._stack and rt.world_size > 1:
+        if _scope.stack and rt.world_size > 1:
             _backward_hook(t)
     return t
 

@@ -27,6 +27,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from spmdgt._core import debuglog as _debuglog
+from spmdgt.tensor._moves import gather, scatter, target_of
 
 __all__ = ["counts", "run_global", "run_inplace", "tag_views", "write_through"]
 
@@ -37,10 +38,12 @@ counts: dict[str, int] = {}
 _warned: set[str] = set()
 
 
-def _op_name(func) -> str:
-    from spmdgt.tensor._optable import _name
-
-    return _name(func) or str(func)
+def op_name(func) -> str:
+    """The name of torch function or aten op ``func`` (a property's, for ``x.T``)."""
+    name = getattr(func, "__name__", "") or ""
+    if name == "__get__":  # a property's getter (``x.T``) reaches __torch_function__ as __get__
+        name = getattr(getattr(func, "__self__", None), "__name__", "") or ""
+    return name
 
 
 def _user_stacklevel() -> int:
@@ -57,7 +60,7 @@ def _user_stacklevel() -> int:
 
 def _note(func, why: str, args, kwargs) -> None:
     """Count a fallback; warn once per op when it moved a sharded tensor whole."""
-    name = _op_name(func)
+    name = op_name(func)
     counts[name] = counts.get(name, 0) + 1
     if _debuglog.SHARDING:
         _debuglog.debug("sharding", f"{name}: {why}; computed on global values")
@@ -79,31 +82,6 @@ def _note(func, why: str, args, kwargs) -> None:
             "exact, but it moves whole tensors. GT_DEBUG_DISPATCHER=1 prints each such op",
             stacklevel=_user_stacklevel(),
         )
-
-
-def _target(mesh, placements):
-    from spmdgt.tensor._placement import Target
-
-    return Target(mesh, tuple(Replicate() if isinstance(p, Partial) else p for p in placements))
-
-
-def _gather(a):
-    """The global value of DTensor ``a`` on every rank, as a plain tensor (differentiable)."""
-    from spmdgt.tensor._tensor import _Gather
-
-    with _DisableSubclass():
-        return _Gather.apply(a, None)
-
-
-def _scatter(full: torch.Tensor, target):
-    """Lay out ``full`` (the same on every rank) as ``target`` (differentiable); None: plain."""
-    if target is None:
-        return full
-    from spmdgt.tensor._tensor import _Move
-
-    with _DisableSubclass():
-        out = _Move.apply(full, target)
-    return out
 
 
 def _map(fn, obj):
@@ -133,8 +111,8 @@ def _layout_outputs(out, like):
     """Outputs shaped like ``like`` take its placement; the rest are replicated on its mesh
     (still ``gt.Tensor``s, as every op on one returns: ``.numpy()`` answers on them)."""
     mesh = like.device_mesh
-    replicated = _target(mesh, [Replicate()] * mesh.ndim)
-    same = _target(mesh, like.placements)
+    replicated = target_of(mesh, [Replicate()] * mesh.ndim)
+    same = target_of(mesh, like.placements)
 
     def lay(o):
         if not isinstance(o, torch.Tensor) or isinstance(o, DTensor):
@@ -144,8 +122,8 @@ def _layout_outputs(out, like):
             and o.dim()
             and not all(isinstance(p, Replicate) for p in same.placements)
         ):
-            return _scatter(o, same)
-        return _scatter(o, replicated)
+            return scatter(o, same)
+        return scatter(o, replicated)
 
     return _map(lay, out)
 
@@ -155,7 +133,7 @@ def run_global(func, args, kwargs, why: str):
     like = _first_dtensor(args, kwargs)
     _note(func, why, args, kwargs)
     full_args, full_kwargs = _map(
-        lambda a: _gather(a) if isinstance(a, DTensor) else a, (args, kwargs)
+        lambda a: gather(a) if isinstance(a, DTensor) else a, (args, kwargs)
     )
     with _DisableSubclass():
         out = func(*full_args, **full_kwargs)
@@ -177,7 +155,7 @@ def _write_back(dst: DTensor, full: torch.Tensor, name: str) -> None:
             f"to has shape {tuple(dst.shape)}; a sharded tensor cannot be resized in place "
             "(pass an out= of the result's shape, or use the out-of-place op)"
         )
-    new = _scatter(full.to(dst.dtype), _target(dst.device_mesh, dst.placements))
+    new = scatter(full.to(dst.dtype), target_of(dst.device_mesh, dst.placements))
     with _DisableSubclass():
         if any(isinstance(p, Partial) for p in dst.placements):
             dst._spec = new._spec
@@ -187,7 +165,7 @@ def _write_back(dst: DTensor, full: torch.Tensor, name: str) -> None:
 def run_inplace(func, args, kwargs, why: str):
     """A mutation (in-place op, ``__setitem__`` or ``out=``) computed on global values, then
     written back into each rank's shard of every sharded tensor it mutates."""
-    name = _op_name(func)
+    name = op_name(func)
     out_arg = kwargs.get("out") if kwargs else None
     if out_arg is not None:
         targets = list(out_arg) if isinstance(out_arg, (list, tuple)) else [out_arg]
@@ -204,7 +182,7 @@ def run_inplace(func, args, kwargs, why: str):
             return a
         f = fulls.get(id(a))
         if f is None:
-            f = _gather(a)
+            f = gather(a)
             if any(a is t for t in targets):
                 # the op mutates it: a copy, so the gathered value saved for backward stays
                 f = f.clone()
@@ -268,7 +246,7 @@ def write_through(func, args, kwargs, view: DTensor):
     view, as torch would, write the base back, and refresh the view. Returns NotImplemented
     when torch's own op would not be a view either (advanced indexing): then the op acts on
     the copy alone, as in torch."""
-    name = _op_name(func)
+    name = op_name(func)
     base_ref, replay, _ = view._gt_view
     base = base_ref()
     if base is None:
@@ -288,14 +266,14 @@ def write_through(func, args, kwargs, view: DTensor):
             "base[index] = value, or build the new value out of place (torch.where, index_put)"
         )
     with torch.no_grad():
-        full_base = _gather(base).clone()
+        full_base = gather(base).clone()
         with _DisableSubclass():
             full_view = replay(full_base)
         if _root(full_view) is not _root(full_base):
             return NotImplemented
         _note(func, "write through a view that DTensor had to copy", (base,), None)
         rest, kw = _map(
-            lambda a: _gather(a) if isinstance(a, DTensor) else a, (args[1:], kwargs or {})
+            lambda a: gather(a) if isinstance(a, DTensor) else a, (args[1:], kwargs or {})
         )
         with _DisableSubclass():
             func(full_view, *rest, **kw)
@@ -303,23 +281,4 @@ def write_through(func, args, kwargs, view: DTensor):
         _write_back(base, full_base, name)
         _write_back(view, new_view.contiguous(), name)
     view._gt_view = (base_ref, replay, base._version)
-    return None if _op_name(func) == "__setitem__" else view
-
-
-def refresh(view: DTensor) -> None:
-    """Bring a tagged view up to date if its base was written since (a torch view would show
-    the write at once). Versions advance alike on every rank, so all refresh together."""
-    base_ref, replay, version = view._gt_view
-    base = base_ref()
-    if base is None or base._version == version:
-        return
-    with torch.no_grad():
-        full = _gather(base)
-        with _DisableSubclass():
-            new_view = replay(full)
-        if tuple(new_view.shape) == tuple(view.shape):
-            new = _scatter(
-                new_view.contiguous().to(view.dtype), _target(view.device_mesh, view.placements)
-            )
-            view._local_tensor.copy_(new._local_tensor)
-    view._gt_view = (base_ref, replay, base._version)
+    return None if op_name(func) == "__setitem__" else view

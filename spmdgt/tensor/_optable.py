@@ -60,6 +60,11 @@ import math
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
+from spmdgt.tensor import _fallback
+from spmdgt.tensor._assign import assign
+from spmdgt.tensor._fallback import op_name
+from spmdgt.tensor._hook import NoRule
+
 __all__ = [
     "DTENSOR",
     "EMPTY_SENSITIVE",
@@ -71,16 +76,16 @@ __all__ = [
     "IRREGULAR",
     "INPLACE",
     "TIES",
-    "NoRule",
     "VIEW",
     "has_empty_shard",
     "check_supported",
     "guard",
     "is_irregular",
     "ties_matter",
-    "install_propagation_hook",
     "is_pointwise_inplace",
     "route",
+    "run",
+    "HANDLERS",
 ]
 
 (
@@ -314,15 +319,8 @@ _DUNDER_ATEN = {
 _routes: dict[object, int] = {}
 
 
-def _name(func) -> str:
-    name = getattr(func, "__name__", "") or ""
-    if name == "__get__":  # a property's getter (``x.T``) reaches __torch_function__ as __get__
-        name = getattr(getattr(func, "__self__", None), "__name__", "") or ""
-    return name
-
-
 def _classify(func) -> int:
-    name = _name(func)
+    name = op_name(func)
     if name in ("backward", "grad"):  # the engine: its ops take their own fallbacks
         return AUTOGRAD
     if name == "set_.source_Tensor":  # aten's: Tensor.set_ offers no __torch_function__
@@ -366,7 +364,7 @@ def is_pointwise_inplace(func) -> bool:
     it in place on each shard (other operands are redistributed to match)."""
     r = _pointwise.get(func)
     if r is None:
-        name = _name(func)
+        name = op_name(func)
         name = _DUNDER_ATEN.get(name, name)
         inplace = name.endswith("_") and name not in _RANDOM
         packet = getattr(torch.ops.aten, name, None) if inplace else None
@@ -413,7 +411,7 @@ def check_supported(func, args) -> None:
     """Raise, on every rank, for what cannot be exact: complex32 on a sub-mesh. torch lacks
     most complex32 kernels, and DTensor runs no kernel on ranks outside a sub-mesh, so such an
     error would reach the mesh's ranks only while the others wait in the next collective."""
-    if _name(func) != "chalf":
+    if op_name(func) != "chalf":
         return
     for a in args:
         if isinstance(a, DTensor) and a._spec.mesh.size() != _world_size():
@@ -427,7 +425,7 @@ def check_supported(func, args) -> None:
 def ties_matter(func, args, kwargs) -> bool:
     """For a ``TIES`` op: is it a maximum (always for max/min/amax/amin; for a norm, only the
     infinity norms)?"""
-    if _name(func) not in _NORMS:
+    if op_name(func) not in _NORMS:
         return True
     p = kwargs.get("p", kwargs.get("ord", args[1] if len(args) > 1 else None))
     return isinstance(p, (int, float)) and abs(p) == float("inf")
@@ -443,7 +441,7 @@ def guard(func, args, kwargs) -> str | None:
     if isinstance(dim, int) and dim < 0:
         dim += max(a.dim(), 1)
     shards = [p.dim for p in a._spec.placements if isinstance(p, Shard)]
-    if _name(func) == "prod":
+    if op_name(func) == "prod":
         dtype = kwargs.get("dtype") or a.dtype
         if dtype.is_complex and any(dim is None or d == dim for d in shards):
             return "complex product over a sharded dim (no collective multiplies complex values)"
@@ -472,146 +470,105 @@ def _world_size() -> int:
     return get_runtime().world_size
 
 
-class NoRule(RuntimeError):
-    """DTensor's sharding propagation found no rule for an op on this layout.
-
-    Raised before any data moves, from global metadata alone, so every rank raises it at the
-    same op; spmdgt then runs the op exactly on global values instead."""
-
-    def __init__(self, op, cause: BaseException) -> None:
-        first = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
-        super().__init__(f"{op}: no sharding rule for this layout ({first})")
-        self.op = op
+# -- the route -> handler map: how each route runs an op (``run``) -------------------------
+# One function a route; a newcomer changes how an op falls back here. Each reads only the op
+# and global metadata before DTensor or the fallback runs, so every rank takes the same one.
 
 
-_installed = [False]
-
-# op -> its decomposition, where DTensor has no strategy of its own for it (None otherwise)
-_decomps: dict[object, object] = {}
-
-
-# Statistics whose decompositions divide by a count of elements (N, N - 1, a group's size).
-_STATISTICS = frozenset(
-    {
-        "var",
-        "std",
-        "var_mean",
-        "std_mean",
-        "batch_norm_backward",
-        "native_group_norm_backward",
-        "_batch_norm_no_update",
-        "cudnn_batch_norm",
-        "cudnn_batch_norm_backward",
-        "miopen_batch_norm_backward",
-    }
-)
+def _dtensor(func, args, kwargs, inplace: bool = False):
+    """DTensor's path; where its sharding propagation has no rule for this layout (decided
+    from metadata, on every rank alike, before any data moves), the exact fallback."""
+    try:
+        return func(*args, **kwargs)
+    except NoRule as e:
+        if inplace:
+            return _fallback.run_inplace(func, args, kwargs, e.reason())
+        return _fallback.run_global(func, args, kwargs, e.reason())
 
 
-def _reads_sizes(op_call) -> bool:
-    """Does ``op_call``'s decomposition read a size (a mean's divisor)? The losses (their
-    ``mean`` reductions) and the statistics. Other ops keep DTensor's decomposition-derived
-    strategy: running their decomposition would be exact too, but its outputs need not have
-    the strides of the op's own kernel (attention's), which later views rely on."""
-    if op_call._schema.is_mutable:  # in-place ops take spmdgt's INPLACE route
-        return False
-    name = op_call._schema.name.split("::")[-1]
-    return "loss" in name or name in _STATISTICS
+def _on_autograd(func, args, kwargs):
+    return func(*args, **kwargs)
 
 
-def _own_decomposition(op_call):
-    """The decomposition DTensor would derive ``op_call``'s sharding from, when DTensor has no
-    strategy registered for it; None when it has one.
-
-    DTensor derives such an op's strategy by tracing the decomposition on meta tensors at the
-    *global* shape, then runs the op itself on each rank's *local* shard. Where the
-    decomposition reads a size (``mse_loss_backward``'s ``2 / numel``, a mean's divisor, a
-    variance's ``N - 1``), the local kernel divides by the shard's size: gradients off by the
-    world size, weighted means normalised per rank. Running the decomposition itself on the
-    DTensors computes every size globally, so spmdgt does that."""
-    r = _decomps.get(op_call, False)
-    if r is False:
-        from torch._decomp import decomposition_table
-
-        prop = DTensor._op_dispatcher.sharding_propagator
-        registered = (
-            op_call in prop.op_strategy_funcs
-            or op_call in prop.op_single_dim_strategy_funcs
-            or op_call in prop.op_to_rules
-        )
-        r = None
-        if not registered and _reads_sizes(op_call):
-            r = decomposition_table.get(op_call)
-        _decomps[op_call] = r
-    return r
+def _on_view(func, args, kwargs):
+    out = _dtensor(func, args, kwargs)
+    src = args[0] if args else None
+    if isinstance(src, DTensor) and out is not src:
+        _fallback.tag_views(func, args, kwargs, out, src)
+    return out
 
 
-def _nll_mean(op_call, args, kwargs):
-    """``nll_loss`` with ``reduction="mean"`` as one process computes it: the sum of the
-    weighted losses over the global sum of the weights. DTensor's rule averages each rank's
-    own weighted mean, which differs as soon as class weights or ignored targets make the
-    ranks' weight sums unequal."""
-    self, target, weight, _, ignore_index = args
-    total, total_weight = op_call(self, target, weight, 2, ignore_index)  # 2: sum
-    return total / total_weight, total_weight
+def _on_inplace(func, args, kwargs):
+    self = args[0] if args else None
+    if isinstance(self, DTensor):
+        if getattr(self, "_gt_view", None) is not None:
+            out = _fallback.write_through(func, args, kwargs, self)
+            if out is not NotImplemented:
+                return out
+        if is_pointwise_inplace(func):
+            return _dtensor(func, args, kwargs, inplace=True)
+    return _fallback.run_inplace(func, args, kwargs, "in-place op outside the pointwise table")
 
 
-# Ops whose DTensor rule is wrong on sharded inputs for some arguments: op -> (does this call
-# need the rewrite?, the exact rewrite). Each rewrite runs DTensor ops whose rules hold.
-_REWRITES = {
-    torch.ops.aten.nll_loss_forward.default: (lambda args: args[3] == 1, _nll_mean),
-    torch.ops.aten.nll_loss2d_forward.default: (lambda args: args[3] == 1, _nll_mean),
+def _on_global(func, args, kwargs):
+    check_supported(func, args)
+    if kwargs.get("inplace") is True:  # F.dropout(x, inplace=True): a mutation of x
+        return _fallback.run_inplace(func, args, kwargs, "random op in place")
+    return _fallback.run_global(func, args, kwargs, "data-dependent shape or random op")
+
+
+def _on_irregular(func, args, kwargs):
+    if any(isinstance(a, DTensor) and is_irregular(a) for a in args):
+        return _fallback.run_global(func, args, kwargs, "DTensor's rule needs even shards")
+    return _dtensor(func, args, kwargs)
+
+
+def _on_guarded(func, args, kwargs):
+    why = guard(func, args, kwargs)
+    if why is not None:
+        return _fallback.run_global(func, args, kwargs, why)
+    return _dtensor(func, args, kwargs)
+
+
+def _on_batch_only(func, args, kwargs):
+    if any(isinstance(a, DTensor) and not batch_sharded_evenly(a) for a in args):
+        return _fallback.run_global(func, args, kwargs, "DTensor's rule needs batch shards")
+    return _dtensor(func, args, kwargs)
+
+
+def _on_reduction(func, args, kwargs):
+    """``EMPTY_SENSITIVE`` and ``TIES``: global values over an empty shard, and for a maximum
+    whose gradient torch shares among tied values."""
+    if any(isinstance(a, DTensor) and has_empty_shard(a) for a in args):
+        return _fallback.run_global(func, args, kwargs, "reduction over an empty shard")
+    if (
+        route(func) == TIES
+        and torch.is_grad_enabled()
+        and any(isinstance(a, DTensor) and a.requires_grad for a in args)
+        and ties_matter(func, args, kwargs)
+    ):
+        return _fallback.run_global(func, args, kwargs, "gradient shared among tied values")
+    return _dtensor(func, args, kwargs)
+
+
+HANDLERS = {
+    DTENSOR: _dtensor,
+    VIEW: _on_view,
+    INPLACE: _on_inplace,
+    ASSIGN: assign,
+    GLOBAL: _on_global,
+    EMPTY_SENSITIVE: _on_reduction,
+    TIES: _on_reduction,
+    GUARDED: _on_guarded,
+    IRREGULAR: _on_irregular,
+    BATCH_ONLY: _on_batch_only,
+    AUTOGRAD: _on_autograd,
 }
 
 
-def _sharded(spec_args) -> bool:
-    """Does any DTensor argument hold other than a full replica on each rank?"""
-    for spec in spec_args:
-        for p in getattr(spec, "placements", ()):
-            if not p.is_replicate():
-                return True
-    return False
-
-
-def install_propagation_hook(exact) -> None:
-    """Wrap DTensor's sharding-propagation entry (called from its C++ dispatcher on a cache
-    miss) so that, inside spmdgt's calls:
-
-    - an op whose strategy DTensor would derive from its decomposition, on an input that is
-      not replicated, runs that decomposition on the DTensors (see ``_own_decomposition``):
-      the slow path may return the op's result instead of a sharding, as DTensor's own
-      handling of composite ops there does. Where a step of the decomposition has no rule
-      (``prims.where`` in ``log_sigmoid_backward``), ``exact(op, args, kwargs, why)`` runs
-      the op on global values (the fallback, passed in by ``gt.Tensor``'s module);
-    - a failure to find a rule raises ``NoRule``.
-
-    "Inside spmdgt's calls" is read off DTensor's implicit-replication flag, which spmdgt sets
-    for exactly the length of its calls (it is off by default, so DTensor used directly, the
-    trainer's FSDP/TP tensors, keeps DTensor's own behaviour): one flag, no second state."""
-    if _installed[0]:
-        return
-    dispatcher = DTensor._op_dispatcher
-    original = dispatcher._propagate_op_sharding_dispatch_slow_path
-
-    def propagate(op_call, args, kwargs, op_info, *rest, **kw):
-        ours = torch._C._get_dtensor_allow_implicit_replication()
-        if ours:
-            decomp = _own_decomposition(op_call)
-            if decomp is not None and _sharded(op_info.schema.args_spec):
-                try:
-                    return decomp(*args, **kwargs)
-                except NoRule as e:
-                    return exact(op_call, args, kwargs, f"{op_call}'s decomposition: {e}")
-            rewrite = _REWRITES.get(op_call)
-            if rewrite is not None and rewrite[0](args) and _sharded(op_info.schema.args_spec):
-                return rewrite[1](op_call, args, kwargs)
-        try:
-            return original(op_call, args, kwargs, op_info, *rest, **kw)
-        except NoRule:
-            raise
-        except Exception as e:
-            if ours:
-                raise NoRule(op_call, e) from e
-            raise
-
-    dispatcher._propagate_op_sharding_dispatch_slow_path = propagate
-    _installed[0] = True
+def run(func, args, kwargs, r: int):
+    """Run ``func`` the way its route ``r`` (``route``) says: ``HANDLERS[r]``. An ``out=``
+    on a sharded operand is a mutation of it, whatever the op: the in-place fallback."""
+    if r != AUTOGRAD and kwargs.get("out") is not None:
+        return _fallback.run_inplace(func, args, kwargs, "out= on a sharded operand")
+    return HANDLERS[r](func, args, kwargs)

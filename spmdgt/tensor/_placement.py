@@ -65,7 +65,7 @@ def signal_target(cfg: SignalConfig, shape: Sequence[int]) -> Target | None:
 def _signals_loaded() -> bool:
     from spmdgt.config import _signals
 
-    return _signals._env_loaded
+    return _signals.env_config_loaded()
 
 
 def intent(shape: Sequence[int]) -> str:

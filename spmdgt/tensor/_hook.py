@@ -1,0 +1,211 @@
+"""The one place spmdgt reaches into DTensor's machinery: a wrapper around its private
+sharding-propagation entry (``OpDispatcher._propagate_op_sharding_dispatch_slow_path``, called
+from DTensor's C++ dispatcher on a cache miss).
+
+Inside spmdgt's calls it (1) runs, on the DTensors, the decomposition of an op whose
+strategy DTensor derives from that decomposition when the decomposition reads a size (the
+losses' ``mean``, the statistics): DTensor traces it at the global shape but runs the op on
+local shards, so a ``2 / numel`` became ``2 / local numel``; (2) runs an exact rewrite of an op
+whose registered rule is wrong for some arguments (``nll_loss``'s weighted mean); (3) turns
+"no rule for this layout" into ``NoRule``, on which the op takes the exact fallback.
+``install()`` / ``uninstall()``; ``check_torch()`` runs at import and names torch's version
+if the private entry moved.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+__all__ = ["NoRule", "check_torch", "install", "installed", "uninstall"]
+
+
+class NoRule(RuntimeError):
+    """DTensor's sharding propagation found no rule for an op on this layout.
+
+    Raised before any data moves, from global metadata alone, so every rank raises it at the
+    same op; spmdgt then runs the op exactly on global values instead."""
+
+    def __init__(self, op, cause: BaseException) -> None:
+        first = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+        super().__init__(f"{op}: no sharding rule for this layout ({first})")
+        self.op = op
+
+    def reason(self) -> str:
+        """Why the op took the exact fallback, for the fallback's counters and warning."""
+        return f"no DTensor rule for {self.op} on this layout"
+
+
+# op -> its decomposition, where DTensor has no strategy of its own for it (None otherwise)
+_decomps: dict[object, object] = {}
+
+
+# Statistics whose decompositions divide by a count of elements (N, N - 1, a group's size).
+_STATISTICS = frozenset(
+    {
+        "var",
+        "std",
+        "var_mean",
+        "std_mean",
+        "batch_norm_backward",
+        "native_group_norm_backward",
+        "_batch_norm_no_update",
+        "cudnn_batch_norm",
+        "cudnn_batch_norm_backward",
+        "miopen_batch_norm_backward",
+    }
+)
+
+
+def _reads_sizes(op_call) -> bool:
+    """Does ``op_call``'s decomposition read a size (a mean's divisor)? The losses (their
+    ``mean`` reductions) and the statistics. Other ops keep DTensor's decomposition-derived
+    strategy: running their decomposition would be exact too, but its outputs need not have
+    the strides of the op's own kernel (attention's), which later views rely on."""
+    if op_call._schema.is_mutable:  # in-place ops take spmdgt's INPLACE route
+        return False
+    name = op_call._schema.name.split("::")[-1]
+    return "loss" in name or name in _STATISTICS
+
+
+def _own_decomposition(op_call):
+    """The decomposition DTensor would derive ``op_call``'s sharding from, when DTensor has no
+    strategy registered for it; None when it has one.
+
+    DTensor derives such an op's strategy by tracing the decomposition on meta tensors at the
+    *global* shape, then runs the op itself on each rank's *local* shard. Where the
+    decomposition reads a size (``mse_loss_backward``'s ``2 / numel``, a mean's divisor, a
+    variance's ``N - 1``), the local kernel divides by the shard's size: gradients off by the
+    world size, weighted means normalised per rank. Running the decomposition itself on the
+    DTensors computes every size globally, so spmdgt does that."""
+    r = _decomps.get(op_call, False)
+    if r is False:
+        from torch._decomp import decomposition_table
+
+        prop = DTensor._op_dispatcher.sharding_propagator
+        registered = (
+            op_call in prop.op_strategy_funcs
+            or op_call in prop.op_single_dim_strategy_funcs
+            or op_call in prop.op_to_rules
+        )
+        r = None
+        if not registered and _reads_sizes(op_call):
+            r = decomposition_table.get(op_call)
+        _decomps[op_call] = r
+    return r
+
+
+def _nll_mean(op_call, args, kwargs):
+    """``nll_loss`` with ``reduction="mean"`` as one process computes it: the sum of the
+    weighted losses over the global sum of the weights. DTensor's rule averages each rank's
+    own weighted mean, which differs as soon as class weights or ignored targets make the
+    ranks' weight sums unequal."""
+    self, target, weight, _, ignore_index = args
+    total, total_weight = op_call(self, target, weight, 2, ignore_index)  # 2: sum
+    return total / total_weight, total_weight
+
+
+# Ops whose DTensor rule is wrong on sharded inputs for some arguments: op -> (does this call
+# need the rewrite?, the exact rewrite). Each rewrite runs DTensor ops whose rules hold.
+_REWRITES = {
+    torch.ops.aten.nll_loss_forward.default: (lambda args: args[3] == 1, _nll_mean),
+    torch.ops.aten.nll_loss2d_forward.default: (lambda args: args[3] == 1, _nll_mean),
+}
+
+
+def _sharded(spec_args) -> bool:
+    """Does any DTensor argument hold other than a full replica on each rank?"""
+    for spec in spec_args:
+        for p in getattr(spec, "placements", ()):
+            if not p.is_replicate():
+                return True
+    return False
+
+
+# The private entry point wrapped, and the parameters it must take (torch 2.13). Checked when
+# this module is imported: if torch moved it, spmdgt says so by name and version instead of
+# breaking somewhere else.
+_ENTRY = "_propagate_op_sharding_dispatch_slow_path"
+_PARAMS = ("op_call", "args", "kwargs", "op_info", "try_cache")
+_original: list = []  # the entry point as torch had it, while ours is in
+
+
+def check_torch() -> None:
+    """Raise ``ImportError`` naming the entry point and torch's version if DTensor's private
+    sharding-propagation entry is not where, or not what, spmdgt wraps."""
+    import inspect
+
+    fn = getattr(type(DTensor._op_dispatcher), _ENTRY, None)
+    params = tuple(inspect.signature(fn).parameters)[1:] if fn is not None else ()
+    if params != _PARAMS:
+        found = f"({', '.join(params)})" if fn is not None else "no such method"
+        raise ImportError(
+            f"spmdgt wraps DTensor's private OpDispatcher.{_ENTRY}{_PARAMS} to run ops its "
+            f"sharding rules get wrong exactly; torch {torch.__version__} has {found}. Use a "
+            "torch release spmdgt supports (setup.cfg's install_requires)"
+        )
+
+
+def installed() -> bool:
+    """Whether the hook is in DTensor's dispatcher."""
+    return bool(_original)
+
+
+def install() -> None:
+    """Wrap DTensor's sharding-propagation entry (called from its C++ dispatcher on a cache
+    miss) so that, inside spmdgt's calls:
+
+    - an op whose strategy DTensor would derive from its decomposition, on an input that is
+      not replicated, runs that decomposition on the DTensors (see ``_own_decomposition``):
+      the slow path may return the op's result instead of a sharding, as DTensor's own
+      handling of composite ops there does. Where a step of the decomposition has no rule
+      (``prims.where`` in ``log_sigmoid_backward``), the op runs on global values (the exact
+      fallback);
+    - an op in ``_REWRITES`` runs its exact rewrite where its arguments need it;
+    - a failure to find a rule raises ``NoRule``.
+
+    "Inside spmdgt's calls" is read off DTensor's implicit-replication flag, which spmdgt sets
+    for exactly the length of its calls (it is off by default, so DTensor used directly, the
+    trainer's FSDP/TP tensors, keeps DTensor's own behaviour): one flag, no second state.
+    ``uninstall()`` puts torch's entry back."""
+    if _original:
+        return
+    from spmdgt.tensor._fallback import run_global
+
+    dispatcher = DTensor._op_dispatcher
+    original = getattr(dispatcher, _ENTRY)
+
+    def propagate(op_call, args, kwargs, op_info, *rest, **kw):
+        ours = torch._C._get_dtensor_allow_implicit_replication()
+        if ours:
+            decomp = _own_decomposition(op_call)
+            if decomp is not None and _sharded(op_info.schema.args_spec):
+                try:
+                    return decomp(*args, **kwargs)
+                except NoRule as e:
+                    return run_global(op_call, args, kwargs, f"{op_call}'s decomposition: {e}")
+            rewrite = _REWRITES.get(op_call)
+            if rewrite is not None and rewrite[0](args) and _sharded(op_info.schema.args_spec):
+                return rewrite[1](op_call, args, kwargs)
+        try:
+            return original(op_call, args, kwargs, op_info, *rest, **kw)
+        except NoRule:
+            raise
+        except Exception as e:
+            if ours:
+                raise NoRule(op_call, e) from e
+            raise
+
+    setattr(dispatcher, _ENTRY, propagate)
+    _original.append(original)
+
+
+def uninstall() -> None:
+    """Put DTensor's own sharding-propagation entry back."""
+    if _original:
+        # the instance attribute goes: the class's method shows through again
+        delattr(DTensor._op_dispatcher, _ENTRY)
+        _original.clear()
+
+
+check_torch()
