@@ -140,7 +140,8 @@ def check_torch() -> None:
     if params != _PARAMS:
         found = f"({', '.join(params)})" if fn is not None else "no such method"
         raise ImportError(
-            f"spmdgt wraps DTensor's private OpDispatcher.{_ENTRY}{_PARAMS} to run ops its "
+            f"spmdgt wraps DTensor's private OpDispatcher.{_ENTRY}({', '.join(_PARAMS)}) to run "
+            "ops its "
             f"sharding rules get wrong exactly; torch {torch.__version__} has {found}. Use a "
             "torch release spmdgt supports (setup.cfg's install_requires)"
         )
