@@ -1,7 +1,7 @@
 """Hot functions of the compile pass: hot functions, found by op count, compiled by dynamo.
 
 ``HotFunctionPass.start()`` asks the interceptor for a ``CodeSampler`` (every ``every``-th
-top-level op, one sample of which user code object issued it; ``interceptor/_sampler.py``).
+top-level op, one sample of which user code object issued it; ``compile/_sampler.py``).
 A code with ``hot_at`` samples is *hot*: if it is a plain function (not module-level code, not
 a generator) that the user has not compiled, the frame hook (``_frames``) goes in and dynamo
 compiles the function at its next call. Each frame compile is an agreement point
@@ -28,8 +28,8 @@ from typing import Any
 from spmdgt._core import debuglog as _debuglog
 from spmdgt.compile._backend import CountingBackend
 from spmdgt.compile._frames import FrameHook
+from spmdgt.compile._sampler import LIBRARY, STOP, USER, CodeSampler
 from spmdgt.compile._stats import CompileStats, first_line
-from spmdgt.interceptor._sampler import LIBRARY, STOP, USER, CodeSampler
 
 __all__ = ["HotFunctionPass"]
 

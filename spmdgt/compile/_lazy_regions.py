@@ -89,13 +89,13 @@ class LazyPass:
         self.sharded.clear()
 
     def _hook(self, on: bool) -> None:
-        from spmdgt.interceptor import _mode
+        from spmdgt.compile import _before_op
 
         if on and not self.hooked:
-            _mode.add_before_op_hook(self.before_op)
+            _before_op.add_before_op_hook(self.before_op)
             self.hooked = True
         elif not on and self.hooked:
-            _mode.remove_before_op_hook(self.before_op)
+            _before_op.remove_before_op_hook(self.before_op)
             self.hooked = False
 
     def on_scope(self, name: str, entering: bool, compiles: bool) -> None:
@@ -116,7 +116,7 @@ class LazyPass:
 
     # -- per op -----------------------------------------------------------------------------
     def before_op(self, func: Any, types: Any, args: tuple, kwargs: dict | None) -> Any:
-        from spmdgt.interceptor._mode import PASS
+        from spmdgt.compile._before_op import PASS
 
         if self.busy:
             return PASS

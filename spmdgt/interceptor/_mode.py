@@ -51,7 +51,7 @@ from spmdgt._core import scope as _scope
 from spmdgt.interceptor._events import OVERHEAD, OpEvent, Sink, classify
 from spmdgt.interceptor._events import op_name as _op_name
 
-__all__ = ["Interceptor", "add_before_op_hook", "get_interceptor", "remove_before_op_hook"]
+__all__ = ["Interceptor", "get_interceptor"]
 
 _BATCH = 2048  # events buffered before sinks see them
 _TICK_NS = 1_000_000_000  # sinks' flush tick (top publication, log flush)
@@ -578,60 +578,6 @@ def _comm_bytes(ins: tuple, outs: tuple) -> int:
         return total
 
     return max(size(ins), size(outs))
-
-
-# -- before-op hooks ------------------------------------------------------------------------
-# A hook sees a torch-level call *before* it runs and may answer it instead (the compile
-# pass's lazy regions record ops and hand back placeholders). They run in their own function
-# mode, pushed when the first hook is added and popped when the last goes, so the interceptor's
-# own modes and its native level pay nothing for them, and with no hook nothing is pushed.
-
-PASS: Any = object()  # a hook's answer: "not mine, run the op"
-_before_hooks: list[Callable[..., Any]] = []
-_hook_mode: Any = None
-
-
-class _BeforeOpMode(TorchFunctionMode):
-    """Calls the before-op hooks in order; the first answer other than ``PASS`` is the op's."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if _compiling() or not _before_hooks:
-            return func(*args, **kwargs) if kwargs else func(*args)
-        for hook in _before_hooks:
-            got = hook(func, types, args, kwargs)
-            if got is not PASS:
-                return got
-        return func(*args, **kwargs) if kwargs else func(*args)
-
-
-def add_before_op_hook(hook: Callable[..., Any]) -> None:
-    """Call ``hook(func, types, args, kwargs)`` before every torch-level call on this thread;
-    it returns ``PASS`` to let the op run, or the op's result. The mode that runs the hooks is
-    pushed with the first hook; inside a hook the mode is off (ops a hook issues are not seen
-    by it, as for any ``TorchFunctionMode``)."""
-    global _hook_mode
-    if hook in _before_hooks:
-        return
-    _before_hooks.append(hook)
-    if _hook_mode is None:
-        _hook_mode = _BeforeOpMode()
-        _hook_mode.__enter__()
-
-
-def remove_before_op_hook(hook: Callable[..., Any]) -> None:
-    """Stop calling ``hook``. The mode leaves with the last hook when it is the innermost
-    function mode (modes leave in LIFO order); otherwise it stays, passing every op through,
-    until a later removal finds it innermost."""
-    global _hook_mode
-    if hook in _before_hooks:
-        _before_hooks.remove(hook)
-    if _before_hooks or _hook_mode is None:
-        return
-    from torch.overrides import _get_current_function_mode
-
-    if _get_current_function_mode() is _hook_mode:
-        _pop_mode(_hook_mode)
-        _hook_mode = None
 
 
 _INTERCEPTOR: Interceptor | None = None
