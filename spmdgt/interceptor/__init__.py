@@ -20,14 +20,8 @@ from typing import Any
 
 from spmdgt._core import debuglog as _debuglog
 from spmdgt._core.debuglog import debug, verbose
-from spmdgt.interceptor._control import (
-    disable,
-    enable,
-    is_enabled,
-    maybe_enable_from_env,
-    tool,
-    tools,
-)
+from spmdgt.interceptor import _control
+from spmdgt.interceptor._control import disable, enable, is_enabled, tool, tools
 from spmdgt.interceptor._events import OpEvent, Sink, TensorSpec, classify
 
 __all__ = [
@@ -48,6 +42,23 @@ __all__ = [
     "verbose",
     "_debuglog",
 ]
+
+
+def maybe_enable_from_env() -> bool:
+    """Turn on the tools whose GT_* variables are set (``_control``), and start
+    ``GT_PROFILE``'s TensorBoard profile, which the interceptor then owns until ``disable()``;
+    returns whether the interceptor is on. Called once at ``import spmdgt``."""
+    on = _control.maybe_enable_from_env()
+    from spmdgt._core import env as _env
+
+    profile_dir = _env.text("GT_PROFILE")
+    if profile_dir:
+        from spmdgt.interceptor._profile import profile
+
+        p = profile(profile_dir)
+        p.__enter__()
+        _control.attach("profile", p)
+    return on
 
 
 def add_sink(sink: Sink) -> Sink:

@@ -205,7 +205,7 @@ def disable() -> None:
     mode = sys.modules.get("spmdgt.interceptor._mode")
     ic = getattr(mode, "_INTERCEPTOR", None) if mode is not None else None
     prof = _tools.pop("profile", None)
-    if prof is not None:
+    if prof is not None:  # attached by the package (GT_PROFILE)
         prof.__exit__(None, None, None)
     if ic is not None:
         pub = _tools.get("publisher")
@@ -253,16 +253,16 @@ def maybe_enable_from_env() -> bool:
         )
     # GT_AUTO_COMPILE / GT_WORKER_BATCH_SIZE: the compile pass sits above the interceptor and
     # reads this stream; ``import spmdgt`` starts it after this (``spmdgt._boot_tools``).
-    profile_dir = _env.text("GT_PROFILE")
-    if profile_dir:
-        from spmdgt.interceptor._profile import profile
-
-        p = profile(profile_dir)
-        p.__enter__()
-        _tools["profile"] = p
-        if not _atexit_registered:
-            _register_atexit()
+    # GT_PROFILE: the package starts the profile and hands it over (``attach``).
     return want
+
+
+def attach(name: str, tool: Any) -> None:
+    """Own ``tool`` (an entered context manager: ``GT_PROFILE``'s profile) until ``disable()``
+    or the program's end exits it."""
+    _tools[name] = tool
+    if not _atexit_registered:
+        _register_atexit()
 
 
 def _register_atexit() -> None:

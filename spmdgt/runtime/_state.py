@@ -189,10 +189,7 @@ def _forget_after_fork() -> None:
     # it re-reads its rank from the environment and owns no process group of its parent's.
     global _runtime, _owns_process_group, _world_mesh
     _runtime, _owns_process_group, _world_mesh = None, False, None
-    _agree.forget()
-    from spmdgt.tensor import _meshes
-
-    _meshes.clear()
+    _agree.forget()  # (the meshes forget themselves after a fork: tensor/_meshes)
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
@@ -216,12 +213,11 @@ def shutdown() -> None:
     The end of the program is an agreement point (``_agree.end``): a peer still waiting in a
     host read raises instead of waiting forever, and so does this rank."""
     global _runtime, _owns_process_group, _world_mesh
-    from spmdgt.tensor import _meshes
-
     try:
         _agree.end()
     finally:
-        _meshes.clear()
+        if "meshes" in session.parts():  # the meshes on this group go with it
+            session.reset("meshes")
         if _owns_process_group and dist.is_initialized():
             import gc
 

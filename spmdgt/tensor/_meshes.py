@@ -6,6 +6,7 @@ what ``new_group`` needs: a sub-mesh is built on first use on every rank, member
 
 from __future__ import annotations
 
+import os
 import warnings
 
 from spmdgt._core.session import session
@@ -73,3 +74,5 @@ def clear() -> None:
 
 
 session.register("meshes", clear)
+# a forked child (a test rank, a DataLoader worker) owns none of its parent's process groups
+os.register_at_fork(after_in_child=clear)
