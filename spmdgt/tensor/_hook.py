@@ -40,9 +40,30 @@ class NoRule(RuntimeError):
 _decomps: dict[object, object] = {}
 
 
-# Statistics whose decompositions divide by a count of elements (N, N - 1, a group's size).
-_STATISTICS = frozenset(
+# Ops whose decomposition reads a size of a possibly sharded input (a mean's divisor, the
+# ``2 / numel`` of a squared error's gradient, a variance's ``N - 1``): the losses with a
+# ``mean`` reduction and the statistics. Each is checked by the training-pattern sweep or the
+# OpInfo sweep. Not every op with a decomposition belongs here: running it on the DTensors
+# would be exact in principle, but its outputs need not have the strides of the op's own
+# kernel (attention's), which later views rely on, and one decomposition
+# (``multilabel_margin_loss_forward``) computed other values on DTensors than its kernel
+# does on the shards, which DTensor's own derived strategy gets right.
+_SIZE_READING = frozenset(
     {
+        "mse_loss",
+        "mse_loss_backward",
+        "smooth_l1_loss",
+        "smooth_l1_loss_backward",
+        "huber_loss",
+        "huber_loss_backward",
+        "soft_margin_loss",
+        "soft_margin_loss_backward",
+        "binary_cross_entropy",
+        "binary_cross_entropy_backward",
+        "binary_cross_entropy_with_logits",
+        "hinge_embedding_loss",
+        "margin_ranking_loss",
+        "multi_margin_loss",
         "var",
         "std",
         "var_mean",
@@ -58,14 +79,8 @@ _STATISTICS = frozenset(
 
 
 def _reads_sizes(op_call) -> bool:
-    """Does ``op_call``'s decomposition read a size (a mean's divisor)? The losses (their
-    ``mean`` reductions) and the statistics. Other ops keep DTensor's decomposition-derived
-    strategy: running their decomposition would be exact too, but its outputs need not have
-    the strides of the op's own kernel (attention's), which later views rely on."""
-    if op_call._schema.is_mutable:  # in-place ops take spmdgt's INPLACE route
-        return False
-    name = op_call._schema.name.split("::")[-1]
-    return "loss" in name or name in _STATISTICS
+    """Does ``op_call``'s decomposition read a size (see ``_SIZE_READING``)?"""
+    return op_call._schema.name.split("::")[-1] in _SIZE_READING
 
 
 def _own_decomposition(op_call):
