@@ -548,7 +548,42 @@ def _on_reduction(func, args, kwargs):
         and ties_matter(func, args, kwargs)
     ):
         return _fallback.run_global(func, args, kwargs, "gradient shared among tied values")
-    return _dtensor(func, args, kwargs)
+    out = _dtensor(func, args, kwargs)
+    if op_name(func) in _NAN_REDUCTIONS:
+        return _keep_nan(func, args, kwargs, out)
+    return out
+
+
+# Maxima and minima of a whole tensor or over dims (``max()``, ``amax``, ``aminmax``...):
+# DTensor combines the ranks' results with a max/min all-reduce, which drops NaN where torch
+# propagates it. ``max``/``min`` with a dim return indices and are exact already.
+_NAN_REDUCTIONS = frozenset({"max", "min", "amax", "amin", "aminmax"})
+
+
+def _keep_nan(func, args, kwargs, out):
+    """``out`` with NaN wherever what it reduces holds a NaN, as torch gives: one more
+    reduction of ``isnan`` over the same dims (a collective only where a sharded dim is
+    reduced), decided from dtype, dims and placements alike on every rank."""
+    x = args[0] if args else kwargs.get("input")
+    if not isinstance(x, DTensor) or not x.dtype.is_floating_point:
+        return out
+    if not any(isinstance(p, Shard) for p in x._spec.placements):
+        return out  # each rank's kernel sees the whole tensor
+    name = op_name(func)
+    if name in ("max", "min") and (len(args) > 1 or "dim" in kwargs):
+        return out  # (values, indices): DTensor's rule keeps NaN
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
+    if isinstance(dim, int):
+        dim = (dim,)
+    nan = torch.isnan(x)
+    nan = nan.any() if not dim else nan.any(dim=tuple(dim), keepdim=keepdim)
+    fill = torch.full((), float("nan"), dtype=x.dtype)
+    if name == "aminmax":
+        return torch.return_types.aminmax(
+            (torch.where(nan, fill, out[0]), torch.where(nan, fill, out[1]))
+        )
+    return torch.where(nan, fill, out)
 
 
 HANDLERS = {
