@@ -253,12 +253,11 @@ def _library_roots(torch: Any) -> tuple[tuple[str, ...], tuple[str, ...], str]:
     """(library prefixes, generated-code prefixes, dynamo's eval_frame.py)."""
     from torch._dynamo import eval_frame
 
-    import spmdgt
-
     paths = sysconfig.get_paths()
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # spmdgt/, no import up
     lib = {
         os.path.dirname(os.path.abspath(torch.__file__)),
-        os.path.dirname(os.path.abspath(spmdgt.__file__)),
+        package,
         paths["stdlib"],
         paths["platstdlib"],
         paths["purelib"],

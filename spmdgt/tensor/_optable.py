@@ -570,9 +570,11 @@ def _keep_nan(func, args, kwargs, out):
     if not any(isinstance(p, Shard) for p in x._spec.placements):
         return out  # each rank's kernel sees the whole tensor
     name = op_name(func)
-    if name in ("max", "min") and (len(args) > 1 or "dim" in kwargs):
-        return out  # (values, indices): DTensor's rule keeps NaN
-    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    if name in ("max", "min") and not isinstance(out, torch.Tensor):
+        return out  # (values, indices), or with dim: DTensor's rule keeps NaN
+    if name in ("max", "min") and len(args) > 1:
+        return out  # the elementwise max(x, y): no reduction
+    dim = kwargs.get("dim", kwargs.get("axis", args[1] if len(args) > 1 else None))
     keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
     if isinstance(dim, int):
         dim = (dim,)

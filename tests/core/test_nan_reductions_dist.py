@@ -18,6 +18,8 @@ CASES = [
     ("aminmax()", lambda x: torch.aminmax(x)),
     ("aminmax(dim=0)", lambda x: torch.aminmax(x, dim=0)),
     ("max(1).values", lambda x: x.max(1).values),
+    ("max(axis=1).values", lambda x: x.max(axis=1).values),
+    ("amax(axis=0)", lambda x: torch.amax(x, axis=0)),
     ("max(x, y)", lambda x: torch.max(x, x * 2)),
 ]
 
