@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-__all__ = ["NoRule", "check_torch", "install", "installed", "uninstall"]
+__all__ = ["NoRule", "check_torch", "install", "installed", "running_backward", "uninstall"]
 
 
 class NoRule(RuntimeError):
@@ -162,6 +162,20 @@ def check_torch() -> None:
         )
 
 
+_backward = [0]  # > 0 while spmdgt runs the autograd engine (``backward``/``autograd.grad``)
+
+
+class running_backward:
+    """While the autograd engine runs under spmdgt (``_optable``'s ``AUTOGRAD`` route): a
+    backward op without a rule for its layout takes the exact fallback in the hook."""
+
+    def __enter__(self) -> None:
+        _backward[0] += 1
+
+    def __exit__(self, *exc: object) -> None:
+        _backward[0] -= 1
+
+
 def installed() -> bool:
     """Whether the hook is in DTensor's dispatcher."""
     return bool(_original)
@@ -208,9 +222,14 @@ def install() -> None:
         except NoRule:
             raise
         except Exception as e:
-            if ours:
-                raise NoRule(op_call, e) from e
-            raise
+            if not ours:
+                raise
+            if _backward[0] and not op_call._schema.is_mutable:
+                # a backward op on an intermediate DTensor (not a gt.Tensor: no
+                # __torch_dispatch__ of ours to catch NoRule): the exact fallback here, at the
+                # aten level, as __torch_dispatch__ does for saved gt.Tensors
+                return run_global(op_call, args, kwargs, NoRule(op_call, e).reason())
+            raise NoRule(op_call, e) from e
 
     setattr(dispatcher, _ENTRY, propagate)
     _original.append(original)

@@ -63,7 +63,7 @@ from torch.distributed.tensor import DTensor, Shard
 from spmdgt.tensor import _fallback
 from spmdgt.tensor._assign import assign
 from spmdgt.tensor._fallback import op_name
-from spmdgt.tensor._hook import NoRule
+from spmdgt.tensor._hook import NoRule, running_backward
 
 __all__ = [
     "DTENSOR",
@@ -487,7 +487,8 @@ def _dtensor(func, args, kwargs, inplace: bool = False):
 
 
 def _on_autograd(func, args, kwargs):
-    return func(*args, **kwargs)
+    with running_backward():
+        return func(*args, **kwargs)
 
 
 def _on_view(func, args, kwargs):
