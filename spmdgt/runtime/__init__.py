@@ -13,13 +13,15 @@ import torch
 import torch.distributed as dist
 
 from spmdgt.runtime import _agree
-from spmdgt.runtime._agree import RankDivergenceError, RankTimeoutError
+from spmdgt.runtime._agree import RankDivergenceError, RankTimeoutError, all_ranks, any_rank
 from spmdgt.runtime._state import Runtime, get_runtime, init, shutdown, world_mesh
 
 __all__ = [
     "RankDivergenceError",
     "RankTimeoutError",
     "Runtime",
+    "all_ranks",
+    "any_rank",
     "barrier",
     "connect",
     "device",

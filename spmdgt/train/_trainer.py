@@ -733,10 +733,7 @@ class DistributedTrainer:
     def _compile_fallback(self, comp) -> None:
         """Some rank failed to compile a block: every rank turns compilation off (collective:
         every rank gets here alike, from the agreed flush)."""
-        failures: list = [list(comp.failures)]
-        if self.rt.world_size > 1:
-            failures = [None] * self.rt.world_size
-            dist.all_gather_object(failures, list(comp.failures))
+        failures = runtime.all_ranks(list(comp.failures))  # on the agreement side group
         reason = "; ".join(f"rank {r}: {f}" for r, fs in enumerate(failures) for f in fs)
         comp.turn_off(reason)
         runtime.print0(
