@@ -12,7 +12,8 @@ One process: ``python train.py``. N processes: ``torchrun --nproc_per_node=N tra
 The full guide is docs/trainer.md. Machinery: ``_strategies`` (wrapping: ``apply_tp``,
 ``apply_ac``, ``apply_compile``, ``apply_fsdp``/``apply_ddp``), ``_trainer`` (the loop),
 ``_checkpoint`` (atomic DCP checkpoints), ``_comm`` (collective algebra and logging), ``_units``
-(FSDP's units), ``_compile``, ``_profilers``, ``_summary``, ``_data``, ``_batches``, ``_config``.
+(the blocks: FSDP's units and compile's), ``_compile``, ``_profilers``, ``_summary``, ``_data``,
+``_batches`` (a batch into the model, its loss out), ``_config``.
 """
 
 from spmdgt.train._checkpoint import CheckpointError
@@ -25,6 +26,7 @@ from spmdgt.train._config import (
     TrainConfig,
     TrainingConfig,
     load_train_config,
+    override,
 )
 from spmdgt.train._data import OptimizedDataLoader, ResumableDistributedSampler
 from spmdgt.train._profilers import PerformanceProfiler
@@ -47,4 +49,5 @@ __all__ = [
     "build_scheduler",
     "load_train_config",
     "measure_bandwidth",
+    "override",
 ]

@@ -8,7 +8,7 @@ nothing and hang."""
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -18,12 +18,15 @@ from spmdgt.runtime import Runtime
 __all__ = [
     "agree_on_group",
     "batch_size_of",
+    "call_model",
     "check_loader",
     "check_same_batch",
     "describe",
     "loader_len",
+    "loss_from_output",
     "num_samples",
     "num_tokens",
+    "split_batch",
     "to_device",
 ]
 
@@ -72,10 +75,15 @@ def agree_on_group(pending: list, where: str, rt: Runtime, device: torch.device)
 
 
 def check_same_batch(inputs: object, rt: Runtime, device: torch.device) -> None:
-    """Tensor parallelism needs the same batch on every rank; check the first one."""
-    if rt.world_size == 1 or not isinstance(inputs, torch.Tensor):
+    """Tensor parallelism needs the same batch on every rank; check the first one (every
+    tensor in it: a dict batch's ``input_ids``, ``attention_mask`` and ``labels`` alike)."""
+    tensors = _tensors(inputs)
+    if rt.world_size == 1 or not tensors:
         return
-    t = torch.stack([inputs.double().sum(), (inputs.double() ** 2).sum()]).to(device)
+    t = torch.stack(
+        [torch.stack([x.double().sum(), (x.double() ** 2).sum()]) for x in tensors]
+    ).flatten()
+    t = t.to(device)
     out = [torch.zeros_like(t) for _ in range(rt.world_size)]
     dist.all_gather(out, t)
     if any(not torch.equal(o, out[0]) for o in out):
@@ -85,6 +93,87 @@ def check_same_batch(inputs: object, rt: Runtime, device: torch.device) -> None:
             + ", ".join(f"rank {r}: {o[0].item():.6g}" for r, o in enumerate(out))
             + "); create the loader with OptimizedDataLoader.create(..., shard=False)"
         )
+
+
+def _tensors(x: object) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, Mapping):
+        x = list(x.values())
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in _tensors(v)]
+    return []
+
+
+# ----------------------------------------------------------------- into the model and out
+
+
+def split_batch(batch: object, with_loss_fn: bool) -> tuple[object, object]:
+    """``(inputs, targets)`` of one batch, the way users of torch and of Hugging Face write
+    them: a pair is ``(inputs, targets)``; a mapping (``{"input_ids", "attention_mask",
+    "labels"}``, HF's ``BatchEncoding``) is the model's keyword arguments, its ``labels``
+    taken out as the targets when a ``loss_fn`` computes the loss (else the model gets them
+    and computes its own); anything else is the model's one input."""
+    if isinstance(batch, Mapping):
+        if not with_loss_fn:
+            return batch, None
+        if "labels" not in batch:
+            raise ValueError(
+                "with a loss_fn, a dict batch needs a 'labels' entry (the loss_fn's targets); "
+                f"got keys {sorted(batch)}"
+            )
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        return inputs, batch["labels"]
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    if with_loss_fn:
+        raise ValueError(
+            "with a loss_fn, batches must be (inputs, targets) pairs or dicts with 'labels'; "
+            f"got {type(batch).__name__}"
+        )
+    return batch, None
+
+
+def call_model(model: torch.nn.Module, inputs: object) -> object:
+    """``model(**inputs)`` for a mapping (HF models take keyword arguments), else
+    ``model(inputs)``."""
+    if isinstance(inputs, Mapping):
+        return model(**inputs)
+    return model(inputs)
+
+
+def loss_from_output(out: object, with_loss_fn: bool) -> object:
+    """What a ``loss_fn`` is given, or the loss itself without one.
+
+    With a ``loss_fn``: the output's ``logits`` when it has them (HF's ``ModelOutput``),
+    else the output. Without: the output's ``loss`` when the model computed one (HF's
+    ``ModelOutput.loss``, or a dict's ``"loss"``), else the output (a model returning its
+    scalar loss)."""
+    if with_loss_fn:
+        logits = _field(out, "logits")
+        return out if logits is None else logits
+    loss = _field(out, "loss")
+    if loss is not None:
+        return loss
+    if not isinstance(out, torch.Tensor) and _has_field(out, "loss"):
+        raise ValueError(
+            f"the model returned {type(out).__name__} with loss=None: put 'labels' in the "
+            "batch so the model computes its loss, or pass loss_fn=... (it is given the "
+            "output's logits and the batch's labels)"
+        )
+    return out
+
+
+def _field(out: object, name: str) -> object:
+    if isinstance(out, torch.Tensor):
+        return None
+    if isinstance(out, Mapping):
+        return out.get(name)
+    return getattr(out, name, None)
+
+
+def _has_field(out: object, name: str) -> bool:
+    return (name in out) if isinstance(out, Mapping) else hasattr(out, name)
 
 
 def loader_len(loader: object) -> int | None:
@@ -103,7 +192,7 @@ def to_device(x: object, device: torch.device) -> object:
         return x.to(device, non_blocking=True)
     if isinstance(x, (list, tuple)):
         return type(x)(to_device(v, device) for v in x)
-    if isinstance(x, dict):
+    if isinstance(x, Mapping):
         return {k: to_device(v, device) for k, v in x.items()}
     return x
 
@@ -113,20 +202,25 @@ def num_samples(x: object) -> int:
         return x.shape[0] if x.ndim else 1
     if isinstance(x, (list, tuple)) and x:
         return num_samples(x[0])
-    if isinstance(x, dict) and x:
-        return num_samples(next(iter(x.values())))
+    if isinstance(x, Mapping) and x:
+        return num_samples(_first(x))
     return 1
 
 
 def num_tokens(x: object) -> int:
-    """Token count of an integer id tensor ``[batch, seq, ...]``; 0 when not token ids."""
+    """Token count of an integer id tensor ``[batch, seq, ...]`` (a mapping's
+    ``input_ids``); 0 when not token ids."""
     if isinstance(x, torch.Tensor):
         return x.numel() if x.ndim >= 2 and not x.is_floating_point() else 0
     if isinstance(x, (list, tuple)) and x:
         return num_tokens(x[0])
-    if isinstance(x, dict) and x:
-        return num_tokens(next(iter(x.values())))
+    if isinstance(x, Mapping) and x:
+        return num_tokens(_first(x))
     return 0
+
+
+def _first(x: Mapping) -> object:
+    return x["input_ids"] if "input_ids" in x else next(iter(x.values()))
 
 
 def describe(x: object) -> str:

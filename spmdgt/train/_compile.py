@@ -4,9 +4,9 @@
 activation checkpointing (``checkpoint_wrapper``, when configured), then ``torch.compile`` of
 each block, then FSDP2 (``fully_shard`` per block, then the root) or DDP around the model.
 
-What a *block* is: the elements of the model's ``ModuleList`` of layers (torchtitan's
-``model.layers``; the list named ``layers``, ``blocks``, ``h`` or ``layer`` wins, else the list
-holding the most parameters). Repeated blocks share one compiled graph (dynamo guards on their
+What a *block* is: ``_units.find_blocks``, the one rule FSDP2's units use too (the elements
+of the model's ``ModuleList`` of layers, torchtitan's ``model.layers``; HF's
+``model.model.layers``). Repeated blocks share one compiled graph (dynamo guards on their
 structure, not their identity), so the cost is one compile, not one per layer. A model without
 such a list is compiled whole (one ``GT_VERBOSE`` line says so).
 
@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from spmdgt._core import env as _env
+from spmdgt.train._units import find_blocks
 
 __all__ = [
     "CompileError",
@@ -54,8 +55,6 @@ __all__ = [
     "compile_seconds",
     "find_blocks",
 ]
-
-_BLOCK_LIST_NAMES = ("layers", "blocks", "h", "layer")
 
 
 class CompileError(RuntimeError):
@@ -104,33 +103,6 @@ def compile_seconds() -> tuple[float, int]:
 
 
 # --------------------------------------------------------------------------- blocks
-
-
-def find_blocks(model: nn.Module) -> tuple[str, list[tuple[str, nn.Module]]] | None:
-    """The model's transformer blocks: ``(list name, [(qualified name, block), ...])``.
-
-    The ``ModuleList`` named ``layers``/``blocks``/``h``/``layer`` (the outermost one found),
-    else the ``ModuleList`` whose elements hold the most parameters; ``None`` when the model has
-    no ``ModuleList`` with parameters (the caller compiles the whole model)."""
-    best: tuple[int, int, str, nn.ModuleList] | None = None
-    inside: set[str] = set()
-    for name, mod in model.named_modules():
-        if not isinstance(mod, nn.ModuleList) or len(mod) == 0:
-            continue
-        if any(name.startswith(p + ".") for p in inside):
-            continue  # a list inside a chosen block list: its blocks are compiled whole
-        params = sum(p.numel() for p in mod.parameters())
-        if params == 0:
-            continue
-        inside.add(name)
-        named = name.rsplit(".", 1)[-1] in _BLOCK_LIST_NAMES
-        key = (int(named), params, name, mod)
-        if best is None or key[:2] > best[:2]:
-            best = key
-    if best is None:
-        return None
-    _, _, name, mod = best
-    return name, [(f"{name}.{i}", b) for i, b in enumerate(mod)]
 
 
 def apply_activation_checkpointing(model: nn.Module) -> list[str]:

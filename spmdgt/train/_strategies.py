@@ -1,7 +1,8 @@
 """Wrap a model for a parallel strategy, on torch's own engines.
 
 * ``ddp``: ``DistributedDataParallel``; gradient accumulation under ``no_sync``.
-* ``fsdp``: FSDP2 ``fully_shard`` on every direct child holding parameters, then the root;
+* ``fsdp``: FSDP2 ``fully_shard`` on every transformer block (``_units``: HF's
+  ``model.model.layers`` too; tied weights stay in one unit), then the root;
   ``MixedPrecisionPolicy(bf16 params, fp32 reduce)`` for mixed precision; accumulation via
   ``set_requires_gradient_sync(False)``. On gloo, reductions are forced to SUM-then-divide
   (``set_force_sum_reduction_for_comms``) rather than trusting an AVG reduce-scatter.

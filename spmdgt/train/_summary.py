@@ -117,6 +117,7 @@ def build_summary(
         else None,
         "avg_loss": sum(losses) / len(losses) if losses else float("nan"),
         "final_loss": losses[-1] if losses else float("nan"),
+        "losses": list(losses),
         "peak_memory_allocated_gb": peak_memory / 1e9,
         "avg_memory_allocated_gb": (sum(stats.memory) / len(stats.memory) / 1e9)
         if stats.memory
@@ -136,9 +137,12 @@ def build_summary(
 
 
 def format_summary(summary: dict) -> str:
-    """Seed 004's layout: a title, a rule, one ``key: value`` per line."""
+    """Seed 004's layout: a title, a rule, one ``key: value`` per line (the per-step
+    ``losses`` stay in the dict: the progress lines and TensorBoard show them)."""
     lines = ["Training Summary", "=" * 50]
     for k, v in summary.items():
+        if k == "losses":
+            continue
         if isinstance(v, float):
             v = f"{v:.4f}" if abs(v) >= 1e-3 or v == 0 else f"{v:.3e}"
         lines.append(f"{k}: {v}")

@@ -31,12 +31,15 @@ from spmdgt.config import ConfigError
 from spmdgt.train._batches import (
     agree_on_group,
     batch_size_of,
+    call_model,
     check_loader,
     check_same_batch,
     describe,
     loader_len,
+    loss_from_output,
     num_samples,
     num_tokens,
+    split_batch,
     to_device,
 )
 from spmdgt.train._checkpoint import (
@@ -128,7 +131,10 @@ class DistributedTrainer:
 
     Batches are ``(inputs, targets)`` and the loss is ``loss_fn(model(inputs), targets)``;
     with ``loss_fn=None`` the model's output (a scalar tensor) is the loss, and a batch that is
-    not a pair is passed to the model whole.
+    not a pair is passed to the model whole. A dict batch is passed as keywords,
+    ``model(**batch)``, and an output with a ``loss`` (Hugging Face's ``ModelOutput``) gives
+    the loss, as in HF's ``Trainer``; with a ``loss_fn``, a dict's ``labels`` are its targets
+    and the output's ``logits`` its input (``_batches.split_batch``/``loss_from_output``).
 
     ``config`` (a ``TrainConfig`` or a YAML path) is the place for settings. The keyword
     arguments named like its fields (``strategy``, ``use_amp``, ``gradient_accumulation_steps``,
@@ -307,26 +313,18 @@ class DistributedTrainer:
                     "optimizer_cls(model.parameters(), ...)"
                 ) from None
 
-    def _unpack(self, batch: object) -> tuple[object, torch.Tensor | None]:
-        if isinstance(batch, (tuple, list)) and len(batch) == 2:
-            inputs, targets = batch
-        elif self.loss_fn is None:
-            inputs, targets = batch, None
-        else:
-            raise ValueError(
-                "with a loss_fn, batches must be (inputs, targets) pairs; got "
-                f"{type(batch).__name__}"
-            )
+    def _unpack(self, batch: object) -> tuple[object, object]:
+        inputs, targets = split_batch(batch, self.loss_fn is not None)
         return to_device(inputs, self.device), to_device(targets, self.device)
 
-    def _loss(self, inputs: object, targets: torch.Tensor | None) -> torch.Tensor:
-        out = self.model(inputs)
+    def _loss(self, inputs: object, targets: object) -> torch.Tensor:
+        out = loss_from_output(call_model(self.model, inputs), self.loss_fn is not None)
         if self.loss_fn is not None:
             loss = self.loss_fn(out, targets)
         elif targets is not None and not (isinstance(out, torch.Tensor) and out.ndim == 0):
             raise ValueError(
-                "no loss_fn was given and the model did not return a scalar loss; pass "
-                "loss_fn=... (e.g. nn.functional.cross_entropy)"
+                f"no loss_fn was given and the model returned {describe(out)}, not a scalar "
+                "loss; pass loss_fn=... (e.g. nn.functional.cross_entropy)"
             )
         else:
             loss = out
