@@ -28,7 +28,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["PerformanceProfiler", "current_memory_bytes", "peak_memory_bytes"]
+__all__ = ["PerformanceProfiler", "cuda_peaks", "current_memory_bytes", "peak_memory_bytes"]
 
 
 def current_memory_bytes(device: torch.device | None = None) -> int:
@@ -48,6 +48,19 @@ def peak_memory_bytes(device: torch.device | None = None) -> int:
         return torch.cuda.max_memory_allocated(device)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
+
+
+def cuda_peaks(device: torch.device) -> dict[str, float]:
+    """On CUDA, the caching allocator's peaks in GB: ``peak_memory_reserved_gb`` (what the
+    process holds from the driver: what must fit) and ``peak_memory_active_gb`` (live blocks);
+    nothing on CPU, where the summary's RSS peak is the figure."""
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {
+        "peak_memory_reserved_gb": torch.cuda.max_memory_reserved(device) / 1e9,
+        "peak_memory_active_gb": stats.get("active_bytes.all.peak", 0) / 1e9,
+    }
 
 
 class PerformanceProfiler:

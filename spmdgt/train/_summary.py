@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from spmdgt.train._strategies import all_reduce_mean
+from spmdgt.train._throughput import Throughput
 
 __all__ = ["MetricsLogger", "ProgressBar", "RunStats", "format_summary"]
 
@@ -28,6 +29,9 @@ class RunStats:
     """Raw per-optimizer-step measurements on this rank."""
 
     step_times: list[float] = field(default_factory=list)
+    data_sec: list[float] = field(default_factory=list)
+    """Seconds each step waited for its batches (the loader's ``next`` and the copy to the
+    device): inside its step time."""
     local_losses: list[float] = field(default_factory=list)  # this rank's means, once flushed
     pending_losses: list[torch.Tensor] = field(default_factory=list)
     """Steps not reduced yet: this rank's summed micro-step losses, 0-d fp32 on the device."""
@@ -90,8 +94,11 @@ def build_summary(
     strategy: str,
     val_loss: float | None,
     comm_source: str | None = "no_collectives",
+    throughput: Throughput | None = None,
 ) -> dict:
-    """The Training Summary dict (seed 004's keys plus warm-up, tokens/s, comm share).
+    """The Training Summary dict (seed 004's keys plus warm-up, tokens/s, comm share, and
+    with ``throughput`` torchtitan's per-device figures: tokens/s, TFLOP/s, MFU, with the
+    FLOP rule and the peak's source; and the share of step time spent waiting for data).
 
     ``comm_source`` names what measured the collectives (``None``: nothing did, and
     ``comm_time_share`` / ``collectives_per_step`` are ``None`` rather than a guess)."""
@@ -131,6 +138,16 @@ def build_summary(
         "world_size": world_size,
         "strategy": strategy,
     }
+    out["data_wait_share"] = (
+        sum(stats.data_sec[warm:]) / total_time if total_time > 0 and stats.data_sec else None
+    )
+    if throughput is not None:
+        samples_all, tokens_all = sum(stats.samples[warm:]), sum(stats.tokens[warm:])
+        out.update(throughput.figures(samples_all, tokens_all, total_time))
+        peak, source = throughput.peak
+        out["flops_estimate"] = throughput.flops.describe(samples_all, tokens_all)
+        out["peak_tflops_per_device"] = peak / 1e12
+        out["peak_flops_source"] = source
     if val_loss is not None:
         out["val_loss"] = val_loss
     return out
@@ -190,18 +207,27 @@ class ProgressBar:
         self.total = total
         self._t0 = time.perf_counter()
 
-    def report(self, step: int, losses: list[float], step_times: list[float]) -> None:
-        """A progress line after a flush: step, last loss, mean loss and time per step of the
-        flushed steps, elapsed time. Printed by rank 0 when no bar is drawn."""
+    def report(self, step: int, losses: list[float], window: dict[str, float | None]) -> None:
+        """A progress line after a flush: step, last loss, mean loss, then the flushed steps'
+        time per step, tokens/s per device, TFLOP/s per device, MFU and data-wait share
+        (``DistributedTrainer._window``), and elapsed time. Printed by rank 0 when no bar is
+        drawn."""
         if not self.lines or not losses:
             return
         head = f"step {step}/{self.total}" if self.total else f"step {step}"
         mean = sum(losses) / len(losses)
-        ms = sum(step_times) / len(step_times) * 1e3 if step_times else float("nan")
+        ms = (window.get("step_time") or float("nan")) * 1e3
+        rates = ""
+        if window.get("tokens_per_sec_per_device") is not None:
+            rates += f" {window['tokens_per_sec_per_device']:,.0f} tok/s/dev"
+        if window.get("tflops_per_device") is not None:
+            rates += f" {window['tflops_per_device']:.3g} TFLOP/s/dev MFU {window['mfu']:.1%}"
+        if window.get("data_wait_share") is not None:
+            rates += f" data {window['data_wait_share']:.0%}"
         elapsed = time.perf_counter() - self._t0
         self.stream.write(
             f"{head} loss {losses[-1]:.4f} (mean of last {len(losses)}: {mean:.4f}) "
-            f"{ms:.1f} ms/step elapsed {_clock(elapsed)}\n"
+            f"{ms:.1f} ms/step{rates} elapsed {_clock(elapsed)}\n"
         )
         self.stream.flush()
 

@@ -53,7 +53,7 @@ from spmdgt.train._comm import InterceptorCollectiveSink
 from spmdgt.train._compile import compile_disabled_by_env, compile_seconds
 from spmdgt.train._config import SchedulerConfig, TrainConfig, load_train_config, override
 from spmdgt.train._data import ResumableDistributedSampler
-from spmdgt.train._profilers import current_memory_bytes, peak_memory_bytes
+from spmdgt.train._profilers import cuda_peaks, current_memory_bytes, peak_memory_bytes
 from spmdgt.train._strategies import Wrapped, all_reduce_mean, clip_grad_norm, wrap_model
 from spmdgt.train._summary import (
     MetricsLogger,
@@ -62,6 +62,7 @@ from spmdgt.train._summary import (
     build_summary,
     format_summary,
 )
+from spmdgt.train._throughput import Throughput
 
 __all__ = ["DistributedTrainer", "build_scheduler"]
 
@@ -187,6 +188,9 @@ class DistributedTrainer:
         self.scaler, self.amp_dtype = self._setup_amp(amp_dtype)
         self.compile = self._decide_compile(self.config.compile)
         self.optimizer = optimizer
+        self.throughput = Throughput(  # FLOPs from the model's shapes, read before wrapping
+            model, self.device, self._compute_dtype(), self.rt.world_size
+        )
         self.wrapped: Wrapped = self._wrap(model)
         self.model = self.wrapped.module
         self.scheduler = scheduler or build_scheduler(optimizer, self.config.training.scheduler)
@@ -236,6 +240,12 @@ class DistributedTrainer:
                 "fp16 AMP needs CUDA and the ddp strategy (FSDP mixed precision uses bf16)"
             )
         return torch.amp.GradScaler("cuda"), amp_dtype
+
+    def _compute_dtype(self) -> torch.dtype:
+        """The dtype matmuls run in (for the peak FLOP/s MFU is measured against): the AMP
+        dtype under AMP or FSDP mixed precision, else fp32."""
+        mixed = self.strategy == "fsdp" and self.config.fsdp.use_mixed_precision
+        return self.amp_dtype if self.config.training.use_amp or mixed else torch.float32
 
     def _wrap(self, model: nn.Module) -> Wrapped:
         """Wrap ``model`` as the config says (``wrap_model``: TP, AC, compile, FSDP/DDP) and
@@ -540,7 +550,9 @@ class DistributedTrainer:
         self.wrapped.log.step = self.global_step
         loss_sum: torch.Tensor | None = None
         samples = tokens = 0
+        waited = 0.0
         for micro in range(group):
+            t = time.perf_counter()
             try:
                 batch = next(source)
             except StopIteration:
@@ -550,6 +562,7 @@ class DistributedTrainer:
                     "(every rank runs as many steps as len() promises, or a collective hangs)"
                 ) from None
             inputs, targets = self._unpack(batch)
+            waited += time.perf_counter() - t
             if not run.checked_batch:
                 check_same_batch(inputs, self.rt, self._comm_device())
                 run.checked_batch = True
@@ -559,6 +572,7 @@ class DistributedTrainer:
             det = loss.detach().float()
             loss_sum = det if loss_sum is None else loss_sum + det
         self._optimizer_step(run.params)
+        run.stats.data_sec.append(waited)
         self.global_step += 1
         self._samples_in_epoch += samples * run.dp
         return loss_sum, samples, tokens
@@ -605,7 +619,7 @@ class DistributedTrainer:
             new = self._log_metrics(run.stats, run.metrics)
             # Where no bar is drawn (a log file, a pipe), rank 0 prints a line at each flush:
             # it only reads what the flush (done on every rank) already brought back.
-            run.bar.report(self.global_step, new, run.stats.step_times[-len(new) :])
+            run.bar.report(self.global_step, new, self._window(run.stats, len(new)))
         max_steps = run.cfg.training.max_steps
         ck = run.cfg.checkpoint
         if ck.dir and ck.every_steps and self.global_step % ck.every_steps == 0:
@@ -656,7 +670,9 @@ class DistributedTrainer:
             strategy=self.strategy,
             val_loss=run.val_loss,
             comm_source=self._attribute_collectives(run),
+            throughput=self.throughput,
         )
+        summary.update(cuda_peaks(self.device))
         comp = self.wrapped.compiled
         if comp is not None:
             summary["compile_backend"] = comp.backend
@@ -756,6 +772,7 @@ class DistributedTrainer:
         for i, loss in enumerate(new, start=start):
             dt = stats.step_times[i]
             mem = memory.get(i)
+            rates = self.throughput.figures(stats.samples[i], stats.tokens[i], dt)
             metrics.scalars(
                 stats.first_step + i + 1,
                 {
@@ -763,10 +780,23 @@ class DistributedTrainer:
                     "train/lr": stats.lrs[i],
                     "perf/step_time_sec": dt,
                     "perf/throughput_samples_per_sec": stats.samples[i] / dt if dt else None,
+                    "perf/tokens_per_sec_per_device": rates["tokens_per_sec_per_device"],
+                    "perf/tflops_per_device": rates["tflops_per_device"],
+                    "perf/mfu": rates["mfu"],
+                    "perf/data_wait_share": stats.data_sec[i] / dt if dt else None,
                     "perf/memory_gb": mem / 1e9 if mem is not None else None,
                 },
             )
         return new
+
+    def _window(self, stats: RunStats, n: int) -> dict[str, float | None]:
+        """The last ``n`` steps' time per step, throughput, MFU and data-wait share: what a
+        progress line prints."""
+        seconds = sum(stats.step_times[-n:])
+        out = self.throughput.figures(sum(stats.samples[-n:]), sum(stats.tokens[-n:]), seconds)
+        out["step_time"] = seconds / n if n else None
+        out["data_wait_share"] = sum(stats.data_sec[-n:]) / seconds if seconds > 0 else None
+        return out
 
     def _make_profiler(self) -> torch.profiler.profile:
         """Per-rank ``torch.profiler`` traces under ``<logdir>/profile`` (``./profiles``)."""

@@ -171,7 +171,8 @@ def test_progress_lines_when_stdout_is_not_a_terminal(capsys):
         window = losses[2 * i : 2 * i + 2]
         mean = sum(window) / 2
         assert line.startswith(f"step {2 * i + 2}/6 loss {window[-1]:.4f} ")
-        assert f"(mean of last 2: {mean:.4f})" in line and " ms/step elapsed " in line
+        assert f"(mean of last 2: {mean:.4f})" in line and " ms/step " in line
+        assert " TFLOP/s/dev MFU " in line and " elapsed " in line
     assert out.index(lines[-1]) < out.index("Training Summary")
 
 
@@ -199,16 +200,21 @@ def test_progress_bar_only_on_a_tty():
     for stream in (tty, pipe):
         bar = ProgressBar(4, True, stream)
         bar.update(2, 0.5, 0.01)
-        bar.report(2, [0.75, 0.5], [0.01, 0.03])
+        window = {"step_time": 0.02, "tokens_per_sec_per_device": 1234.0}
+        window |= {"tflops_per_device": 0.0125, "mfu": 0.0312, "data_wait_share": 0.04}
+        bar.report(2, [0.75, 0.5], window)
         bar.close()
     assert "2/4" in tty.getvalue() and "loss 0.5000" in tty.getvalue()
     assert "mean of last" not in tty.getvalue()  # the bar shows progress on a terminal
-    assert pipe.getvalue().startswith("step 2/4 loss 0.5000 (mean of last 2: 0.6250) 20.0 ms")
+    assert pipe.getvalue().startswith(
+        "step 2/4 loss 0.5000 (mean of last 2: 0.6250) 20.0 ms/step 1,234 tok/s/dev "
+        "0.0125 TFLOP/s/dev MFU 3.1% data 4% elapsed"
+    )
     assert pipe.getvalue().count("\n") == 1 and "[" not in pipe.getvalue()
     for off in (TTY(), io.StringIO()):  # not rank 0: neither
         bar = ProgressBar(4, False, off)
         bar.update(1, 0.1, 0.1)
-        bar.report(1, [0.1], [0.1])
+        bar.report(1, [0.1], {"step_time": 0.1})
         assert off.getvalue() == ""
 
 
