@@ -148,8 +148,11 @@ def _probe(
     kind: str, index: int | None, dtype: torch.dtype, threads: int, n: int
 ) -> tuple[float, float]:
     device = torch.device(kind, index) if index is not None else torch.device(kind)
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
+    # A private generator: the probe must not draw from the run's random stream (dropout,
+    # shuffles and a resumed run's RNG state would change)
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.rand(n, n, device=device, generator=gen).to(dtype)
+    b = torch.rand(n, n, device=device, generator=gen).to(dtype)
     best = float("inf")
     for i in range(6):  # the first warms up
         if kind == "cuda":

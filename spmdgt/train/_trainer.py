@@ -20,13 +20,12 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from spmdgt import interceptor, runtime
+from spmdgt import runtime
 from spmdgt.config import ConfigError
 from spmdgt.train._batches import (
     agree_on_group,
@@ -49,11 +48,19 @@ from spmdgt.train._checkpoint import (
     resolve_checkpoint,
     save_checkpoint,
 )
-from spmdgt.train._comm import InterceptorCollectiveSink
 from spmdgt.train._compile import compile_disabled_by_env, compile_seconds
 from spmdgt.train._config import SchedulerConfig, TrainConfig, load_train_config, override
 from spmdgt.train._data import ResumableDistributedSampler
 from spmdgt.train._profilers import cuda_peaks, current_memory_bytes, peak_memory_bytes
+from spmdgt.train._run import (
+    Run,
+    attach_comm_sink,
+    attribute_collectives,
+    detach_comm_sink,
+    make_profiler,
+    step_scalars,
+    window,
+)
 from spmdgt.train._strategies import Wrapped, all_reduce_mean, clip_grad_norm, wrap_model
 from spmdgt.train._summary import (
     MetricsLogger,
@@ -86,34 +93,6 @@ def build_scheduler(
         return 1.0 - progress
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-@dataclass
-class _Run:
-    """What one ``train()`` call carries from step to step: its config (the trainer's, with
-    the call's ``epochs``/``profile``/``max_steps``), the measurements and the open loggers. A
-    fresh one per call, so a second ``train()`` starts its statistics clean."""
-
-    cfg: TrainConfig
-    stats: RunStats
-    metrics: MetricsLogger
-    bar: ProgressBar
-    prof: torch.profiler.profile | None
-    sink: InterceptorCollectiveSink | None
-    own_interceptor: bool
-    params: list[nn.Parameter]
-    dp: int
-    """Data-parallel ranks: samples per step are this x each rank's."""
-    compile_at_start: float
-    checked_batch: bool
-    """Placements: whether the first batch was checked to be the same on every rank."""
-    windows: list[tuple[int, float, float]] = field(default_factory=list)
-    """(step, start, end) per step: placements' collectives are attributed to steps by time."""
-    val_loss: float | None = None
-    t0: float = 0.0
-    """When the current step's clock started (after the last step's checkpoint write)."""
-    c0: float = 0.0
-    """Compile seconds so far when the clock started: compile time is taken out of the step."""
 
 
 def _as_config(config: TrainConfig | str | os.PathLike | None) -> TrainConfig:
@@ -437,7 +416,7 @@ class DistributedTrainer:
         finally:
             if run.prof is not None:
                 run.prof.__exit__(None, None, None)
-            self._detach_comm_sink(run.sink, run.own_interceptor)
+            detach_comm_sink(run.sink, run.own_interceptor)
             run.bar.close()
         return self._finish(run)
 
@@ -452,7 +431,7 @@ class DistributedTrainer:
                 self.load_checkpoint(found)
                 runtime.print0(f"resumed from {found} at step {self.global_step}")
 
-    def _start_run(self, cfg: TrainConfig, n_batches: int | None) -> _Run:
+    def _start_run(self, cfg: TrainConfig, n_batches: int | None) -> Run:
         """Open one call's measurement: statistics from the current step, the TensorBoard
         writer and progress bar (rank 0), the profiler and, for placements when asked, the
         sink that reads collectives from the interceptor."""
@@ -464,10 +443,10 @@ class DistributedTrainer:
         if total is None and n_batches is not None:
             total = cfg.training.epochs * math.ceil(n_batches / self.accum)
         bar = ProgressBar(total, self.rt.is_main_process)
-        prof = self._make_profiler() if cfg.profile else None
+        prof = make_profiler(self.logdir, self.device, self.rt.rank) if cfg.profile else None
         params = [p for p in self.model.parameters() if p.requires_grad]
-        sink, own_interceptor = self._attach_comm_sink(cfg.profile)
-        return _Run(
+        sink, own_interceptor = attach_comm_sink(self.wrapped.comm_source, cfg.profile)
+        return Run(
             cfg=cfg,
             stats=stats,
             metrics=metrics,
@@ -481,7 +460,7 @@ class DistributedTrainer:
             checked_batch=self.strategy != "placements",
         )
 
-    def _train_epoch(self, run: _Run, loader: Iterable, epoch: int) -> bool:
+    def _train_epoch(self, run: Run, loader: Iterable, epoch: int) -> bool:
         """One pass over ``loader`` from where the epoch stands, a group of micro-batches per
         optimizer step (the last group may be short). Returns True when ``max_steps`` stopped
         it before its end."""
@@ -542,7 +521,7 @@ class DistributedTrainer:
             left = group  # the epoch's last group
         return group, iter(pending[:group]), left
 
-    def _train_step(self, run: _Run, source: Iterator, group: int) -> tuple[torch.Tensor, int, int]:
+    def _train_step(self, run: Run, source: Iterator, group: int) -> tuple[torch.Tensor, int, int]:
         """One optimizer step over ``group`` micro-batches from ``source``: forward and
         backward each (gradients synchronised on the last only), then clip, optimizer and
         scheduler. Returns the summed micro-step losses (on the device: no ``.item()`` per
@@ -597,7 +576,7 @@ class DistributedTrainer:
         return loss
 
     def _end_step(
-        self, run: _Run, loss_sum: torch.Tensor, done: int, samples: int, tokens: int
+        self, run: Run, loss_sum: torch.Tensor, done: int, samples: int, tokens: int
     ) -> bool:
         """Record the step just taken, flush losses every ``log_every`` steps, save a
         checkpoint every ``checkpoint.every_steps``; return whether ``max_steps`` is reached.
@@ -619,7 +598,7 @@ class DistributedTrainer:
             new = self._log_metrics(run.stats, run.metrics)
             # Where no bar is drawn (a log file, a pipe), rank 0 prints a line at each flush:
             # it only reads what the flush (done on every rank) already brought back.
-            run.bar.report(self.global_step, new, self._window(run.stats, len(new)))
+            run.bar.report(self.global_step, new, window(run.stats, len(new), self.throughput))
         max_steps = run.cfg.training.max_steps
         ck = run.cfg.checkpoint
         if ck.dir and ck.every_steps and self.global_step % ck.every_steps == 0:
@@ -628,7 +607,7 @@ class DistributedTrainer:
         return max_steps is not None and self.global_step >= max_steps
 
     def _record_step(
-        self, run: _Run, t1: float, loss_sum: torch.Tensor, done: int, samples: int, tokens: int
+        self, run: Run, t1: float, loss_sum: torch.Tensor, done: int, samples: int, tokens: int
     ) -> int:
         """Append the step that ended at ``t1`` to the run's statistics; return their count.
         Compile time is reported apart: a step that compiled counts without it."""
@@ -644,12 +623,12 @@ class DistributedTrainer:
         stats.lrs.append(self.optimizer.param_groups[0]["lr"])
         return len(stats.step_times)
 
-    def _restart_clock(self, run: _Run) -> None:
+    def _restart_clock(self, run: Run) -> None:
         """Start the next step's clock (and compile-time reading) now."""
         run.t0 = time.perf_counter()
         run.c0 = compile_seconds()[0] if self.compile else 0.0
 
-    def _finish(self, run: _Run) -> dict:
+    def _finish(self, run: Run) -> dict:
         """Close the run: sample memory at the last step, flush the losses left (a collective,
         every rank), save the final checkpoint unless the last step just wrote it, attribute
         the logged collectives to steps, then build, print (rank 0) and return the summary."""
@@ -669,7 +648,7 @@ class DistributedTrainer:
             world_size=self.rt.world_size,
             strategy=self.strategy,
             val_loss=run.val_loss,
-            comm_source=self._attribute_collectives(run),
+            comm_source=attribute_collectives(run, self.wrapped.log, self.wrapped.comm_source),
             throughput=self.throughput,
         )
         summary.update(cuda_peaks(self.device))
@@ -686,49 +665,6 @@ class DistributedTrainer:
         self.last_stats = stats
         runtime.print0(format_summary(summary))
         return summary
-
-    def _attribute_collectives(self, run: _Run) -> str | None:
-        """Give each step its logged collectives (count and seconds) and return what logged
-        them: a torch hook, or the interceptor's stream (placements, read into the log by
-        step windows), or ``None`` when nothing measured them."""
-        log, stats = self.wrapped.log, run.stats
-        comm_source = self.wrapped.comm_source
-        if run.sink is not None:
-            run.sink.fill(log, run.windows)
-            comm_source = "interceptor"
-        if comm_source is not None:
-            counts, secs = log.step_counts(), log.step_seconds()
-            for i in range(len(stats.step_times)):
-                stats.collectives.append(counts.get(stats.first_step + i, 0))
-                stats.comm_sec.append(secs.get(stats.first_step + i, 0.0))
-        return comm_source
-
-    def _attach_comm_sink(self, profile: bool) -> tuple[InterceptorCollectiveSink | None, bool]:
-        """For placements, when measurement is asked for: a sink on the interceptor's stream.
-
-        DTensor's collectives have no hook, and the project has one interception point per
-        rank, so their bytes and times come from ``spmdgt.interceptor``: when it is already on
-        (GT_* variables, ``spmdgt.interceptor.enable``) or ``profile=True`` turns it on for the
-        run. Otherwise nothing is traced and the summary says comm time was not measured.
-        Returns the sink and whether this run enabled the interceptor (and must disable it).
-        """
-        if self.wrapped.comm_source is not None:
-            return None, False
-        own = False
-        if not interceptor.is_enabled():
-            if not profile:
-                return None, False
-            interceptor.enable(stats=False, hotpath=False)
-            own = True
-        return interceptor.add_sink(InterceptorCollectiveSink()), own
-
-    @staticmethod
-    def _detach_comm_sink(sink: InterceptorCollectiveSink | None, own: bool) -> None:
-        if sink is None:
-            return
-        interceptor.remove_sink(sink)  # delivers what is still buffered first
-        if own:
-            interceptor.disable()
 
     def _optimizer_step(self, params: list[nn.Parameter]) -> None:
         if self.scaler is not None:
@@ -766,52 +702,10 @@ class DistributedTrainer:
         new = stats.flush_losses(self._comm_device(), flag=bool(comp.failures) if check else None)
         if check and stats.flag_anywhere:
             self._compile_fallback(comp)
-        if metrics.writer is None:
-            return new
-        memory = dict(zip(stats.memory_steps, stats.memory))
-        for i, loss in enumerate(new, start=start):
-            dt = stats.step_times[i]
-            mem = memory.get(i)
-            rates = self.throughput.figures(stats.samples[i], stats.tokens[i], dt)
-            metrics.scalars(
-                stats.first_step + i + 1,
-                {
-                    "train/loss": loss,
-                    "train/lr": stats.lrs[i],
-                    "perf/step_time_sec": dt,
-                    "perf/throughput_samples_per_sec": stats.samples[i] / dt if dt else None,
-                    "perf/tokens_per_sec_per_device": rates["tokens_per_sec_per_device"],
-                    "perf/tflops_per_device": rates["tflops_per_device"],
-                    "perf/mfu": rates["mfu"],
-                    "perf/data_wait_share": stats.data_sec[i] / dt if dt else None,
-                    "perf/memory_gb": mem / 1e9 if mem is not None else None,
-                },
-            )
+        if metrics.writer is not None:  # rank 0 with a logdir
+            for step, values in step_scalars(stats, start, self.throughput):
+                metrics.scalars(step, values)
         return new
-
-    def _window(self, stats: RunStats, n: int) -> dict[str, float | None]:
-        """The last ``n`` steps' time per step, throughput, MFU and data-wait share: what a
-        progress line prints."""
-        seconds = sum(stats.step_times[-n:])
-        out = self.throughput.figures(sum(stats.samples[-n:]), sum(stats.tokens[-n:]), seconds)
-        out["step_time"] = seconds / n if n else None
-        out["data_wait_share"] = sum(stats.data_sec[-n:]) / seconds if seconds > 0 else None
-        return out
-
-    def _make_profiler(self) -> torch.profiler.profile:
-        """Per-rank ``torch.profiler`` traces under ``<logdir>/profile`` (``./profiles``)."""
-        from torch.profiler import ProfilerActivity, schedule, tensorboard_trace_handler
-
-        out = os.path.join(self.logdir, "profile") if self.logdir else "./profiles"
-        acts = [ProfilerActivity.CPU]
-        if self.device.type == "cuda":
-            acts.append(ProfilerActivity.CUDA)
-        return torch.profiler.profile(
-            activities=acts,
-            schedule=schedule(wait=1, warmup=1, active=3, repeat=1),
-            on_trace_ready=tensorboard_trace_handler(out, worker_name=f"rank{self.rt.rank}"),
-            profile_memory=True,
-        )
 
     @torch.no_grad()
     def evaluate(self, loader: Iterable) -> float:

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from spmdgt.train import DistributedTrainer, OptimizedDataLoader
-from spmdgt.train._throughput import Throughput, flop_model, peak_flops
+from spmdgt.train._throughput import Throughput, _probe, flop_model, peak_flops
 
 
 class _LM(nn.Module):
@@ -47,7 +47,10 @@ def test_flop_rule_counts_multiplying_parameters_and_attention():
 
 
 def test_peak_from_the_table_or_a_probe_and_says_which(monkeypatch):
+    _probe.cache_clear()
+    rng = torch.get_rng_state()
     peak, source = peak_flops(torch.device("cpu"), torch.float32)
+    assert torch.equal(torch.get_rng_state(), rng)  # the run's random stream is untouched
     assert peak > 1e6 and source.startswith("measured: 512^3 float32 matmul on cpu")
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H100 80GB HBM3")
     peak, source = peak_flops(torch.device("cuda", 0), torch.bfloat16)
