@@ -11,8 +11,9 @@ One process: ``python train.py``. N processes: ``torchrun --nproc_per_node=N tra
 
 The full guide is docs/trainer.md. Machinery: ``_strategies`` (wrapping: ``apply_tp``,
 ``apply_ac``, ``apply_compile``, ``apply_fsdp``/``apply_ddp``), ``_trainer`` (the loop),
-``_checkpoint`` (atomic DCP checkpoints), ``_comm`` (collective algebra and logging), ``_units``
-(the blocks: FSDP's units and compile's), ``_compile``, ``_profilers``, ``_summary``, ``_data``,
+``_run`` (one call's measurement), ``_checkpoint`` (atomic DCP checkpoints), ``_comm``
+(collective algebra and logging), ``_units`` (the blocks: FSDP's units and compile's),
+``_compile``, ``_throughput`` (FLOPs, MFU), ``_profilers``, ``_summary``, ``_data``,
 ``_batches`` (a batch into the model, its loss out), ``_config``.
 """
 
