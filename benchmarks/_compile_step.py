@@ -14,6 +14,7 @@ import time
 
 from _example import ROOT
 from _example import load_example as _example
+from _results import Progress
 
 
 def _peak_flops(dtype_bf16: bool) -> float | None:
@@ -196,7 +197,14 @@ def _cold_compile(args, name: str) -> dict:
         proc = ctx.Process(target=_cold_compile_child, args=(args, name, cache, child))
         proc.start()
         child.close()
-        out = parent.recv()
+        try:
+            out = parent.recv()
+        except EOFError:
+            proc.join(timeout=30)
+            raise RuntimeError(
+                f"the fresh process timing {name!r} died without a result (exit code "
+                f"{proc.exitcode}; a negative code is the signal that ended it)"
+            ) from None
         proc.join()
     return out
 
@@ -207,11 +215,14 @@ def compile_section(args) -> dict:
 
     torch.set_num_threads(args.threads)
     ex = _example()
+    say = Progress("bench_trainer compile")
     out = {"cold": {}, "runs": {n: [] for n in _SIDES}}
     for name in ("hand torch.compile", "trainer compile=True"):
+        say(f"cold compile of {name!r} in a fresh process")
         out["cold"][name] = _cold_compile(args, name)
     names = list(_SIDES)
     for i in range(args.compile_rounds):
+        say(f"round {i + 1}/{args.compile_rounds} of the {len(names)} sides")
         order = names[i % len(names) :] + names[: i % len(names)]
         for name in order:
             fn, compiled = _SIDES[name]

@@ -1,6 +1,6 @@
 """The compile pass against eager and hand-written ``torch.compile``, side by side.
 
-    python benchmarks/bench_compile.py [--rounds 5] [--backend inductor]
+    python benchmarks/bench_compile.py [--rounds 5] [--backend inductor] [--json PATH]
 
 One process, 1 CPU thread. Every case times its variants in alternation (``--rounds`` rounds,
 best round kept), after a warm-up that is not timed; compile times are reported apart. Targets:
@@ -33,6 +33,12 @@ from collections.abc import Callable
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the scope2 case's ranks
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _results import Progress, write
+
+Case = tuple[list[str], dict]
+"""What a case returns: its printed lines and its figures (seconds, ratios) for ``--json``."""
 
 N_CHAIN = 1_000_000
 
@@ -122,7 +128,7 @@ def _warm_until_compiled(pss: _Pass, fn: Callable[[], object], limit: int = 2000
     raise RuntimeError("the pass did not compile the function: is it hot? (GT_DEBUG_COMPILE=1)")
 
 
-def case_chain_and_user(pss: _Pass, rounds: int) -> list[str]:
+def case_chain_and_user(pss: _Pass, rounds: int) -> Case:
     x = torch.randn(N_CHAIN)
     hand_fn = _copy(chain, "chain_hand")
     user_fn = _copy(chain, "chain_user")
@@ -167,6 +173,24 @@ def case_chain_and_user(pss: _Pass, rounds: int) -> list[str]:
     e, h, p = best["eager"], best["hand"], best["pass"]
     frac = (e / p) / (e / h)
     ratio = best["user_on"] / best["user_off"]
+    figs = {
+        "chain": {
+            "eager_s": e,
+            "hand_s": h,
+            "pass_s": p,
+            "speedup_hand": e / h,
+            "speedup_pass": e / p,
+            "pass_over_hand_gain": frac,
+            "target_min_pass_over_hand_gain": 0.8,
+            "compile_s": {"hand": hand_compile, "pass": pass_compile, "warmup_pass": t_pass},
+        },
+        "user": {
+            "pass_off_s": best["user_off"],
+            "pass_on_s": best["user_on"],
+            "ratio": ratio,
+            "target_max_ratio": 1.1,
+        },
+    }
     return [
         f"chain   eager {e * 1e3:8.2f} ms  hand {h * 1e3:8.2f} ms ({e / h:.2f}x)  "
         f"pass {p * 1e3:8.2f} ms ({e / p:.2f}x)  pass/hand speed-up {frac:.2f} "
@@ -176,10 +200,10 @@ def case_chain_and_user(pss: _Pass, rounds: int) -> list[str]:
         f"user    own torch.compile: pass off {best['user_off'] * 1e3:8.2f} ms  "
         f"pass on {best['user_on'] * 1e3:8.2f} ms  ratio {ratio:.2f} "
         f"(target <= 1.10: {'ok' if ratio <= 1.1 else 'MISSED'})",
-    ]
+    ], figs
 
 
-def case_small(pss: _Pass, rounds: int) -> list[str]:
+def case_small(pss: _Pass, rounds: int) -> Case:
     a, b = torch.randn(64, 64), torch.randn(64, 64)
     fn = _copy(small, "small_pass")
     pss.on()
@@ -198,14 +222,23 @@ def case_small(pss: _Pass, rounds: int) -> list[str]:
     best = _rounds({"eager": eager, "pass": on}, rounds)
     pss.off()
     s = best["eager"] / best["pass"]
+    figs = {
+        "small": {
+            "eager_s": best["eager"],
+            "pass_s": best["pass"],
+            "speedup": s,
+            "target_min_speedup": 1.2,
+            "compile_s": compile_s,
+        }
+    }
     return [
         f"small   eager {best['eager'] * 1e6:8.1f} us  pass {best['pass'] * 1e6:8.1f} us  "
         f"speed-up {s:.2f}x (target >= 1.20: {'ok' if s >= 1.2 else 'MISSED'})  "
         f"compile {compile_s:.1f}s"
-    ]
+    ], figs
 
 
-def case_module(pss: _Pass, rounds: int) -> list[str]:
+def case_module(pss: _Pass, rounds: int) -> Case:
     a, b = torch.randn(64, 64), torch.randn(64, 64)
     code = compile(_MODULE_LOOP, "bench_module_loop.py", "exec")  # its code is <module>
     n = 2000
@@ -225,11 +258,20 @@ def case_module(pss: _Pass, rounds: int) -> list[str]:
     best = _rounds({"eager": eager, "pass": on}, rounds)
     pss.off()
     r = best["pass"] / best["eager"]
+    figs = {
+        "module": {
+            "eager_s_per_op": best["eager"],
+            "pass_s_per_op": best["pass"],
+            "ratio": r,
+            "target_max_ratio": 1.3,
+            "interceptor_level": pss.level,
+        }
+    }
     return [
         f"module  eager {best['eager'] * 1e6:8.2f} us/op  pass on, nothing hot "
         f"{best['pass'] * 1e6:8.2f} us/op  ratio {r:.2f} (target <= 1.30: "
         f"{'ok' if r <= 1.3 else 'MISSED'}; interceptor level {pss.level})"
-    ]
+    ], figs
 
 
 def _scope_rank(rank: int, world: int, rounds: int, backend: str) -> dict[str, float]:
@@ -280,7 +322,7 @@ def _scope_rank(rank: int, world: int, rounds: int, backend: str) -> dict[str, f
     return best
 
 
-def case_scope2(pss: _Pass, rounds: int) -> list[str]:
+def case_scope2(pss: _Pass, rounds: int) -> Case:
     # The chain in a YAML `compile: true` scope: sharded over 2 forked gloo ranks (as
     # tests/_dist.py starts them) against eager on 2 ranks; and on one process, plain tensors,
     # against eager and hand torch.compile.
@@ -310,27 +352,40 @@ def case_scope2(pss: _Pass, rounds: int) -> list[str]:
         f"{b['scope'] * 1e3:8.2f} ms ({b['eager'] / b['scope']:.2f}x; warm-up incl. compiles "
         f"{b['first']:.1f}s; graphs {b['compiled']}, fallbacks {b['fallbacks']})"
     )
-    return lines
+    keys = ("eager", "hand", "scope", "first", "captured", "compiled", "fallbacks")
+    figs = {
+        "scope2": [{k: r.get(k) for k in keys} for r in two],
+        "scope1": {k: b.get(k) for k in keys},
+    }
+    return lines, figs
 
 
-def case_transformer(pss: _Pass, rounds: int) -> list[str]:
+def case_transformer(pss: _Pass, rounds: int) -> Case:
     """One training step of examples/train_transformer.py: eager, hand ``torch.compile``,
     ``TrainConfig(compile=True)`` and ``GT_AUTO_COMPILE=1`` (MFU on a GPU). It lives in
     ``bench_trainer.py``'s compile section, which this runs (each side's cold compile in a
     fresh process; its own table)."""
+    import json
     import subprocess
+    import tempfile
 
     here = os.path.dirname(os.path.abspath(__file__))
-    cmd = [sys.executable, os.path.join(here, "bench_trainer.py"), "--compile-only"]
-    cmd += ["--compile-rounds", str(rounds)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-    if proc.returncode != 0:
-        return [f"transformer: bench_trainer.py --compile-only failed:\n{proc.stderr[-2000:]}"]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "trainer.json")
+        cmd = [sys.executable, os.path.join(here, "bench_trainer.py"), "--compile-only"]
+        cmd += ["--compile-rounds", str(rounds), "--json", out]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+        if proc.returncode != 0:
+            err = proc.stderr[-2000:]
+            return [f"transformer: bench_trainer.py --compile-only failed:\n{err}"], {}
+        with open(out) as f:
+            figs = {"transformer": json.load(f)["results"].get("compile")}
     text = proc.stdout[proc.stdout.index("compile: one training step") :]
-    return ["transformer " + text.rstrip()]
+    text = text[: text.index("results written to")] if "results written to" in text else text
+    return ["transformer " + text.rstrip()], figs
 
 
-CASES: dict[str, Callable[[_Pass, int], list[str]]] = {
+CASES: dict[str, Callable[[_Pass, int], Case]] = {
     "chain": case_chain_and_user,
     "small": case_small,
     "module": case_module,
@@ -344,6 +399,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--backend", default="inductor")
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated: " + ",".join(CASES))
+    ap.add_argument("--json", metavar="PATH", help="write the figures to PATH")
     args = ap.parse_args()
     torch.set_num_threads(1)
     pss = _Pass(args.backend)
@@ -351,10 +407,25 @@ def main() -> None:
         f"bench_compile: torch {torch.__version__}, 1 thread, backend {args.backend}, "
         f"interceptor level {pss.level}, best of {args.rounds} alternating rounds"
     )
+    progress = Progress("bench_compile")
+    figures: dict = {}
     for name in args.cases.split(","):
-        for line in CASES[name](pss, args.rounds):
+        progress(f"case {name}")
+        lines, figs = CASES[name](pss, args.rounds)
+        figures.update(figs)
+        for line in lines:
             print(line, flush=True)
-    print("pass stats:", pss.stats())
+    stats = pss.stats()
+    print("pass stats:", stats)
+    if args.json:
+        write(
+            args.json,
+            "compile",
+            {"cases": figures, "rounds": args.rounds, "backend": args.backend, "pass": stats},
+            device="cpu",
+            world_size=1,
+            threads={"per_rank": 1},
+        )
 
 
 if __name__ == "__main__":

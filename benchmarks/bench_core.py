@@ -2,6 +2,7 @@
 
     python benchmarks/bench_core.py            # all four, side by side, ratios printed
     python benchmarks/bench_core.py --quick    # fewer iterations (CI smoke)
+    python benchmarks/bench_core.py --json results/core.json   # the figures as a file too
 
 Each pair runs interleaved in one process (A, B, A, B ... best of rounds), so machine noise
 hits both sides alike. Targets: small-op loop <= 1.3x torch, seed 000's baseline
@@ -13,16 +14,39 @@ ranks, and what ``GT_CHECK_RANKS=1`` costs a read, a redistributing matmul and a
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _ranks import run_ranks
+from _results import Progress, write
+
+PAIRS: list[dict] = []
+"""Every pair timed in this run, for ``--json``: name, baseline (what spmdgt is set against),
+both times, unit, ratio (spmdgt / baseline) and the target where there is one."""
+
+
+def record(
+    name: str, baseline: str, base: float, ours: float, unit: str, target: float | None = None
+) -> None:
+    """Keep one pair's figures for ``--json`` (``ratio`` = ours / base: above 1 is slower)."""
+    PAIRS.append(
+        {
+            "name": name,
+            "baseline": baseline,
+            "baseline_value": base,
+            "value": ours,
+            "unit": unit,
+            "ratio": ours / base,
+            "target_max_ratio": target,
+        }
+    )
 
 
 def best_of(fn: Callable[[], None], iters: int, rounds: int) -> float:
@@ -39,8 +63,17 @@ def best_of(fn: Callable[[], None], iters: int, rounds: int) -> float:
     return best
 
 
-def pair(name: str, base: Callable, ours: Callable, iters: int, rounds: int, unit=1e6):
-    """Time ``base`` and ``ours`` in alternating rounds; print best-of times and the ratio."""
+def pair(
+    name: str,
+    base: Callable,
+    ours: Callable,
+    iters: int,
+    rounds: int,
+    unit: float = 1e6,
+    target: float | None = None,
+) -> float:
+    """Time ``base`` (plain torch) and ``ours`` in alternating rounds; print best-of times and
+    the ratio; record them for ``--json``."""
     base(), ours()  # warm
     tb, to = float("inf"), float("inf")
     for _ in range(rounds):  # interleave the two sides
@@ -52,6 +85,7 @@ def pair(name: str, base: Callable, ours: Callable, iters: int, rounds: int, uni
         f"   ratio {to / tb:5.2f}x",
         flush=True,
     )
+    record(name, "torch", tb * unit, to * unit, label + (" per op" if unit > 1e6 else ""), target)
     return to / tb
 
 
@@ -81,6 +115,7 @@ def small_op_loop(q: bool) -> None:
         1,
         30 if q else 200,
         unit=1e6 / (2 * n),
+        target=1.3,
     )
     print(f"{'':<44} target <= 1.30x: {'OK' if r <= 1.3 else 'MISSED'}")
 
@@ -110,6 +145,7 @@ def seed000_baseline(q: bool) -> None:
         5 if q else 20,
         3 if q else 10,
         unit=1e3,
+        target=1.05,
     )
     print(f"{'':<44} target <= 1.05x: {'OK' if r <= 1.05 else 'MISSED'}")
 
@@ -148,18 +184,17 @@ def mlp_step(q: bool) -> None:
         10 if q else 40,
         3 if q else 10,
         unit=1e3,
+        target=1.05,
     )
     print(f"{'':<44} target <= 1.05x: {'OK' if r <= 1.05 else 'MISSED'}")
 
 
-def _two_rank(rank: int, world: int, init: str, q: bool, out) -> None:
-    # gloo ranks on the CPU, also on a GPU machine (a forked child must not touch CUDA)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), GT_DEVICE="cpu")
-    torch.set_num_threads(1)
+def _two_rank(rank: int, world: int, q: bool) -> list | None:
+    """One of 2 forked gloo CPU ranks (``_ranks.run_ranks``: 1 thread, on a GPU machine too);
+    rank 0 returns ``(name, baseline us, spmdgt us)`` per row."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     import spmdgt as gt
 
     gt.register_config("rows", gt.SignalConfig(shard=gt.ShardConfig(axis=0)))
@@ -270,9 +305,7 @@ def _two_rank(rank: int, world: int, init: str, q: bool, out) -> None:
         1,
         1e6 / (2 * n),
     )
-    if rank == 0:
-        out.put(results)
-    dist.destroy_process_group()
+    return results if rank == 0 else None
 
 
 def _share_spec(g, d):
@@ -287,20 +320,15 @@ def _share_spec(g, d):
 
 
 def two_rank_vs_dtensor(q: bool) -> None:
-    ctx = mp.get_context("fork")
-    out = ctx.Queue()
-    init = "file://" + tempfile.mktemp(prefix="gt-bench-")
-    procs = [ctx.Process(target=_two_rank, args=(r, 2, init, q, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = out.get(timeout=600)
-    for p in procs:
-        p.join()
+    # a rank that fails fails the run with its traceback; a hang is killed at the timeout
+    results = run_ranks(_two_rank, 2, q, device="cpu", threads=1, timeout=900)[0]
     for name, tb, to in results:
         base = "DTensor"
         if "GT_CHECK_RANKS" in name or "agreement" in name:
             base = "spmdgt" if "GT_CHECK_RANKS" in name else "gloo"
         print(f"{name:<46} {base:<7} {tb:9.2f} us   spmdgt {to:9.2f} us   ratio {to / tb:5.2f}x")
+        target = 1.0 if base == "DTensor" else None  # no worse than DTensor's own
+        record(name, base if base != "spmdgt" else "spmdgt, check off", tb, to, "us", target)
         if name.startswith("2 ranks: sum()"):
             print(f"{'':<46} target: no worse than DTensor (ratio ~1.0 within noise)")
     print(f"{'':<46} (GT_CHECK_RANKS rows: baseline is spmdgt with the check off)")
@@ -309,6 +337,7 @@ def two_rank_vs_dtensor(q: bool) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", metavar="PATH", help="write the figures to PATH")
     args = parser.parse_args()
     torch.set_num_threads(1)
     import spmdgt as gt
@@ -319,10 +348,21 @@ def main() -> None:
         f"1-rank cases on {where}"
     )
     print("(1 rank, no config: spmdgt tensors are plain torch tensors; 1-rank ratios are noise)\n")
+    progress = Progress("bench_core")
     small_op_loop(args.quick)
     seed000_baseline(args.quick)
     mlp_step(args.quick)
+    progress("1-rank parts done; starting 2 forked ranks (spmdgt against DTensor)")
     two_rank_vs_dtensor(args.quick)
+    if args.json:
+        write(
+            args.json,
+            "core",
+            {"pairs": PAIRS, "quick": args.quick},
+            device=gt.device().type,
+            world_size=[1, 2],
+            threads={"per_rank": 1},
+        )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Cost of the interceptor on the small-op loop ``c = c*b + a`` (64x64, 1 CPU thread).
 
-    python benchmarks/bench_interceptor.py [--iters 20000] [--repeats 5]
+    python benchmarks/bench_interceptor.py [--iters 20000] [--repeats 5] [--json PATH]
 
 Prints, side by side in one process, microseconds per op (best of ``repeats``) for:
 plain torch; the interceptor imported but off (must equal plain: nothing is pushed); the
@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import os
 import shutil
+import sys
 import tempfile
 import time
 
@@ -29,6 +30,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import spmdgt.interceptor as interceptor
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _results import Progress, write
 
 
 class _BareDispatch(TorchDispatchMode):
@@ -73,18 +77,38 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=20000)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--json", metavar="PATH", help="write the figures to PATH")
     args = ap.parse_args()
     torch.set_num_threads(1)
     tmp = tempfile.mkdtemp(prefix="gt-bench-")
     try:
-        _run(args, os.path.join(tmp, "ops.log"))
+        best = _run(args, os.path.join(tmp, "ops.log"))
     finally:
         interceptor.disable()  # closes the log before its folder goes
         shutil.rmtree(tmp, ignore_errors=True)
+    if args.json:
+        base = best["plain torch"]
+        write(
+            args.json,
+            "interceptor",
+            {
+                "workload": "c = c*b + a, 64x64 fp32",
+                "iters": args.iters,
+                "repeats": args.repeats,
+                "unit": "us per op (best of repeats)",
+                "cases": [
+                    {"name": k, "us_per_op": v, "ratio_to_plain": v / base} for k, v in best.items()
+                ],
+            },
+            device="cpu",
+            world_size=1,
+            threads={"per_rank": 1},
+        )
 
 
-def _run(args: argparse.Namespace, log: str) -> None:
-    """Time every case (the log, when a case writes one, goes to ``log``) and print the table."""
+def _run(args: argparse.Namespace, log: str) -> dict[str, float]:
+    """Time every case (the log, when a case writes one, goes to ``log``), print the table and
+    return the best us/op per case."""
     stack: list = []
 
     def push(mode):
@@ -130,7 +154,9 @@ def _run(args: argparse.Namespace, log: str) -> None:
         print(f"native level unavailable ({_native.error()}): skipped")
         cases = {k: v for k, v in cases.items() if "native" not in k}
     best = {k: float("inf") for k in cases}
-    for _ in range(args.repeats):  # interleaved so drift hits every case alike
+    progress = Progress("bench_interceptor")
+    for rep in range(args.repeats):  # interleaved so drift hits every case alike
+        progress(f"round {rep + 1}/{args.repeats} of {len(cases)} cases")
         # untimed: the first case of a round ran ~25% slow (after the last case's teardown)
         _time(args.iters, *cases["plain torch"])
         for name, (setup, teardown) in cases.items():
@@ -145,6 +171,7 @@ def _run(args: argparse.Namespace, log: str) -> None:
     with open(log) as f:
         lines = sum(1 for _ in f)
     print(f"(last log: {lines} lines, in a temporary folder removed at exit)")
+    return best
 
 
 if __name__ == "__main__":

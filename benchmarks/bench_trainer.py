@@ -1,21 +1,24 @@
 """Trainer benchmark: DDP vs FSDP2 vs TP placements, each beside the same loop in raw torch.
 
-Runs the Qwen3-like transformer of examples/train_transformer.py on 2 CPU ranks (forked here,
-gloo over a file:// rendezvous; no torchrun needed) and prints, per strategy: step time,
-throughput, max RSS, communication share and collectives per step for the trainer, the step
-time of a hand-written torch loop doing the same work (DDP / fully_shard / parallelize_module,
-clip, AdamW, ``loss.item()``), and the trainer's added step time; then that added time again on
-the same model at a tiny width (``_overhead_floor``), where compute noise is gone. Then gradient
-accumulation 1 vs 4 (same micro-batch): collectives per optimizer step and step time. Then the
-communication cost model against measurement, per strategy and collective kind, side by side:
-``CommunicationProfiler``'s estimate (latency per collective from a small-message probe + ring
-bytes / bus bandwidth from a large all-reduce probe) beside what the run's collectives counted
-and took (DDP comm hook and FSDP2 collective hooks: issue to completion; placements: a run
-with the interceptor on, whose times are issue times, a lower bound).
+Runs the Qwen3-like transformer of examples/train_transformer.py on 2 CPU ranks (forked here
+by ``_ranks.run_ranks``, gloo over a rendezvous on 127.0.0.1; no torchrun needed; a failing
+rank fails the run with its traceback, a hang is killed at ``--timeout``) and prints, per
+strategy: step time, throughput, max RSS, communication share and collectives per step for
+the trainer, the step time of a hand-written torch loop doing the same work (DDP /
+fully_shard / parallelize_module, clip, AdamW, ``loss.item()``), and the trainer's added step
+time; then that added time again on the same model at a tiny width (``_overhead_floor``),
+where compute noise is gone. Then gradient accumulation 1 vs 4 (same micro-batch):
+collectives per optimizer step and step time. Then the communication cost model against
+measurement, per strategy and collective kind, side by side: ``CommunicationProfiler``'s
+estimate (latency per collective from a small-message probe + ring bytes / bus bandwidth from
+a large all-reduce probe) beside what the run's collectives counted and took (DDP comm hook
+and FSDP2 collective hooks: issue to completion; placements: a run with the interceptor on,
+whose times are issue times, a lower bound).
 
     python benchmarks/bench_trainer.py                 # default size, ~2-3 minutes on 2 cores
     python benchmarks/bench_trainer.py --steps 5 --rounds 1 --dim 64   # quick look
     python benchmarks/bench_trainer.py --compile-only  # just the compile section
+    python benchmarks/bench_trainer.py --json results/trainer.json   # the figures as a file
     python benchmarks/bench_trainer.py --compile-only --dim 1024 --layers 8 --seq-len 512 \
         --batch-size 16 --heads 16 --kv-heads 4        # the issue's GPU size (bf16 on CUDA)
 
@@ -41,16 +44,16 @@ machine. The placements trainer runs with no tracing (comm "n/a": nothing measur
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 from _compile_step import compile_section, report_compile
 from _example import ROOT
 from _example import load_example as _example
+from _ranks import run_ranks
+from _results import Progress, write
 
 TP_PLAN = {
     "layers.*.attn.[qkv]_proj": "colwise",
@@ -58,6 +61,7 @@ TP_PLAN = {
     "layers.*.mlp.gate_proj": "colwise",
     "layers.*.mlp.up_proj": "colwise",
     "layers.*.mlp.down_proj": "rowwise",
+    "layers.*.attn.[qk]_norm": "sharded_input",  # per-head norms over this rank's heads
 }
 
 
@@ -165,6 +169,12 @@ def _raw_case(args, ex, strategy):
             for n in ("attn.o_proj", "mlp.down_proj"):
                 plan[f"layers.{i}.{n}"] = RowwiseParallel()
         parallelize_module(model, mesh, plan)
+        # the per-head q/k norms read this rank's heads only: their whole, plain parameters
+        # get a partial gradient, summed over the ranks (the trainer's sharded_input style)
+        for block in model.layers:
+            for norm in (block.attn.q_norm, block.attn.k_norm):
+                for param in norm.parameters():
+                    param.register_hook(_all_reduce_sum)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sampler = DistributedSampler(
         ds, num_replicas=world if shard else 1, rank=rank if shard else 0, shuffle=True, seed=0
@@ -191,6 +201,15 @@ def _raw_case(args, ex, strategy):
         if len(times) == args.warmup + args.steps:
             break
     return {"avg_step_time": statistics.fmean(times[args.warmup :]), "max_rss_gb": max(mem) / 1e9}
+
+
+def _all_reduce_sum(grad):
+    """A gradient summed over the ranks (a new tensor: a hook must not change its input)."""
+    import torch.distributed as dist
+
+    grad = grad.clone()
+    dist.all_reduce(grad)
+    return grad
 
 
 def _replay(collectives: list[tuple[str, int]], iters: int = 5) -> dict[str, float]:
@@ -275,26 +294,20 @@ def _overhead_floor(args, ex) -> dict[str, dict[str, float]]:
     return out
 
 
-def _rank_main(rank, world, init_file, args, conn):
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        GT_DEVICE="cpu",  # gloo CPU ranks, on a GPU machine too
-    )
+def _rank_main(rank: int, world: int, args) -> dict | None:
+    """One of the 2 CPU ranks (started by ``_ranks.run_ranks``: gloo, 1 thread, the process
+    group joined by ``spmdgt.init()`` as under torchrun); rank 0 returns the figures."""
     import torch
-    import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     from spmdgt.train import CommunicationProfiler, DDPConfig
 
     ex = _example()
     out = {}
+    say = Progress("bench_trainer") if rank == 0 else (lambda msg: None)
     for strategy in ("ddp", "fsdp", "placements"):
         tr, raw = [], []
         for i in range(args.rounds):  # alternate, flipping the order, so drift hits both sides
+            say(f"{strategy}: round {i + 1}/{args.rounds} (trainer and raw loop)")
             if i % 2 == 0:
                 tr.append(_trainer_case(args, ex, strategy))
                 raw.append(_raw_case(args, ex, strategy))
@@ -311,7 +324,9 @@ def _rank_main(rank, world, init_file, args, conn):
         best["trainer_spread"] = _spread([s["avg_step_time"] for s in tr])
         best["raw_spread"] = _spread([r["avg_step_time"] for r in raw])
         out[strategy] = best
+    say("overhead floor (tiny width)")
     out["floor"] = _overhead_floor(args, ex)
+    say("gradient accumulation, collectives, cost model")
     out["accum"] = {a: _trainer_case(args, ex, "ddp", accum=a) for a in (1, 4)}
     out["placements_traced"] = _trainer_case(args, ex, "placements", trace_collectives=True)
     out["replay"] = {
@@ -326,9 +341,7 @@ def _rank_main(rank, world, init_file, args, conn):
         "fsdp": prof.estimate_fsdp_comm_cost(model, world),
         "placements": prof.estimate_placements_comm_cost(model, world, TP_PLAN, batch),
     }
-    dist.destroy_process_group()
-    conn.send(out)
-    conn.close()
+    return out if rank == 0 else None
 
 
 def report(out: dict, args) -> None:
@@ -482,27 +495,95 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=1, help="compile section: torch threads")
     p.add_argument("--compile-only", action="store_true", help="only the compile section")
     p.add_argument("--no-compile", action="store_true", help="skip the compile section")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds for the 2 ranks")
+    p.add_argument("--json", metavar="PATH", help="write the figures to PATH")
     args = p.parse_args(argv)
     sys.path.insert(0, str(ROOT))
-    if args.compile_only:
-        report_compile(compile_section(args), args)
-        return
-    ctx = mp.get_context("fork")
-    with tempfile.TemporaryDirectory() as d:
-        init = os.path.join(d, "rdzv")
-        procs, conns = [], []
-        for r in range(2):
-            parent, child = ctx.Pipe(duplex=False)
-            pr = ctx.Process(target=_rank_main, args=(r, 2, init, args, child))
-            pr.start()
-            procs.append(pr)
-            conns.append(parent)
-        out = conns[0].recv()
-        for pr in procs:
-            pr.join()
-    report(out, args)
+    out, comp = None, None
+    if not args.compile_only:
+        # forked gloo ranks; a failing rank fails the run with its traceback, a hang is killed
+        out = run_ranks(_rank_main, 2, args, device="cpu", threads=1, timeout=args.timeout)[0]
+        report(out, args)
     if not args.no_compile:  # after the forked ranks: this process compiles, they never do
-        report_compile(compile_section(args), args)
+        comp = compile_section(args)
+        report_compile(comp, args)
+    if args.json:
+        write(
+            args.json,
+            "trainer",
+            figures(out, comp, args),
+            device="cuda" if comp and comp["cuda"] else "cpu",
+            world_size={"strategies": 2, "compile": 1},
+            threads={"per_rank": 1, "compile": args.threads},
+        )
+
+
+def figures(out: dict | None, comp: dict | None, args) -> dict:
+    """What ``--json`` keeps: per strategy the step times of trainer and raw loop (medians over
+    rounds), overhead, spread, throughput, memory and communication; the overhead floor,
+    gradient accumulation and the cost model against measurement; the compile section's step
+    time, compile time and loss difference per side."""
+    res: dict = {"config": vars(args)}
+    if out is not None:
+        keep = (
+            "trainer_step_time",
+            "raw_step_time",
+            "paired_min",
+            "paired_median",
+            "paired_max",
+            "trainer_spread",
+            "raw_spread",
+            "throughput_samples_per_sec",
+            "throughput_tokens_per_sec",
+            "max_rss_gb",
+            "raw_max_rss_gb",
+            "comm_time_share",
+            "collectives_per_step",
+            "comm_measured_by",
+        )
+        res["strategies"] = {
+            s: {
+                **{k: out[s].get(k) for k in keep},
+                "overhead": out[s]["trainer_step_time"] / out[s]["raw_step_time"] - 1,
+            }
+            for s in ("ddp", "fsdp", "placements")
+        }
+        res["floor"] = out["floor"]
+        res["accum"] = {
+            a: {k: r.get(k) for k in ("avg_step_time", "collectives_per_step")}
+            for a, r in out["accum"].items()
+        }
+        measured = {s: out[s] for s in ("ddp", "fsdp")}
+        measured["placements"] = out["placements_traced"]
+        res["communication"] = {
+            "estimate": out["estimate"],
+            "replay_s": out["replay"],
+            "measured": {
+                s: {"totals": m["comm_totals"], "steps": m["comm_steps"]}
+                for s, m in measured.items()
+            },
+        }
+    if comp is not None:
+        ref = comp["runs"]["eager (hand loop)"][0]["losses"]
+        sides = {}
+        for name, runs in comp["runs"].items():
+            steps = [r["step"] for r in runs]
+            cold = comp["cold"].get(name)
+            sides[name] = {
+                "step_s_median": statistics.median(steps),
+                "step_s_rounds": steps,
+                "compile_s_cold": cold["compile_sec"] if cold else None,
+                "max_abs_loss_diff": max(
+                    abs(a - b) for r in runs for a, b in zip(r["losses"], ref)
+                ),
+            }
+        res["compile"] = {
+            "sides": sides,
+            "device": comp["device"],
+            "flops_per_step": comp["flops"],
+            "peak_flops": comp["peak"],
+        }
+    return res
 
 
 if __name__ == "__main__":
