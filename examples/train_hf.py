@@ -26,6 +26,7 @@ import argparse
 import fnmatch
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -89,7 +90,13 @@ def _train_config(args: argparse.Namespace):
     from spmdgt.train import load_train_config, override
 
     cfg = load_train_config(args.config or EXAMPLE_YAML)
-    cfg = override(cfg, strategy=args.strategy, max_grad_norm=args.max_grad_norm)
+    cfg = override(
+        cfg,
+        strategy=args.strategy,
+        max_grad_norm=args.max_grad_norm,
+        use_amp=args.amp or None,
+        compile=args.compile or None,
+    )
     if cfg.strategy == "placements" and not args.config:
         names = [n for n, _ in build_model(args).named_modules()]
         table = {p: s for p, s in cfg.placements.items() if fnmatch.filter(names, p)}
@@ -108,7 +115,9 @@ def run_trainer(args: argparse.Namespace) -> dict:
         raise SystemExit(f"--global-batch {args.global_batch} must divide by {dp} ranks")
     model = build_model(args)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
-    trainer = DistributedTrainer(model, opt, config=cfg, log_every=args.log_every)
+    trainer = DistributedTrainer(
+        model, opt, config=cfg, log_every=args.log_every, logdir=args.logdir
+    )
     data = TokenDataset(args.steps * args.global_batch, args.seq_len, args.vocab, args.seed)
     loader = OptimizedDataLoader.create(
         data, args.global_batch // dp, shuffle=False, shard=cfg.strategy != "placements"
@@ -117,23 +126,37 @@ def run_trainer(args: argparse.Namespace) -> dict:
 
 
 def run_reference(args: argparse.Namespace) -> dict:
-    """A plain one-process HF loop over the same global batches: the numbers to reproduce."""
-    model = build_model(args)
+    """A plain one-process HF loop over the same global batches: the numbers to reproduce,
+    and the step time the trainer is measured against (on the GPU when there is one)."""
+    cuda = torch.cuda.is_available() and os.environ.get("GT_DEVICE", "") != "cpu"
+    device = torch.device("cuda" if cuda else "cpu")
+    model = build_model(args).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     data = TokenDataset(args.steps * args.global_batch, args.seq_len, args.vocab, args.seed)
     clip = _train_config(args).training.max_grad_norm
-    losses = []
+    amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.amp)
+    losses, times = [], []
     for step in range(args.steps):
+        t0 = time.perf_counter()
         rows = range(step * args.global_batch, (step + 1) * args.global_batch)
         batch = torch.utils.data.default_collate([data[i] for i in rows])
-        loss = model(**batch).loss
+        with amp:
+            loss = model(**{k: v.to(device) for k, v in batch.items()}).loss
         loss.backward()
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return {"num_steps": args.steps, "final_loss": losses[-1], "losses": losses}
+        losses.append(loss.item())  # synchronises: the step's time is complete
+        times.append(time.perf_counter() - t0)
+    warm = min(2, len(times) - 1)
+    avg = sum(times[warm:]) / len(times[warm:])
+    return {
+        "num_steps": args.steps,
+        "final_loss": losses[-1],
+        "losses": losses,
+        "avg_step_time": avg,
+    }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -157,7 +180,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-grad-norm", type=float, default=None, help="None: the config's")
     p.add_argument("--log-every", type=int, default=5, help="steps between progress lines")
     p.add_argument("--seed", type=int, default=0, help="model init and data")
+    p.add_argument("--amp", action="store_true", help="bf16 autocast (training.use_amp)")
+    p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
     p.add_argument("--reference", action="store_true", help="plain one-process HF loop")
+    p.add_argument("--logdir", help="TensorBoard logdir (compare_runs reads its train/loss)")
     return p.parse_args(argv)
 
 
@@ -166,6 +192,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.reference:
         out = run_reference(args)
         print("Plain HF loop, one process: losses " + " ".join(f"{x:.6f}" for x in out["losses"]))
+        print(f"avg_step_time: {out['avg_step_time']:.4f}")
         return out
     out = run_trainer(args)
     if os.environ.get("RANK", "0") in ("", "0"):
