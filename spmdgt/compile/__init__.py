@@ -2,14 +2,16 @@
 
 Hot functions (``GT_AUTO_COMPILE=1`` or ``spmdgt.compile.enable()``): the interceptor
 samples which user function issues the ops (by op count, so every rank decides at the same
-op); a function with enough samples is handed to ``torch.compile``'s own frame machinery,
-which compiles it at its next call with guards, graph breaks, recompiles and a compiled
-backward. A compile error, a failed agreement or a run-time error sends that function back to
-eager (on every rank when any rank failed). Functions the user compiled are left alone. Guide:
-``docs/compilation.md``; machinery: ``_hot_functions`` (decisions), ``_frames`` (dynamo's frame
-hook),
-``_backend`` (the counted backend), ``_stats`` (the counters); the ranks agree through
-``spmdgt.runtime._agree`` (``propose``, ``any_rank``).
+op; a module's ``forward`` is user code even in site-packages, and a hot one stands for the
+outermost module forward on its stack: the model); a function with enough samples is handed to
+``torch.compile``'s own frame machinery, which compiles it at its next call with guards, graph
+breaks, recompiles and a compiled backward. A compile error, a failed agreement or a run-time
+error sends that function back to eager (on every rank when any rank failed). Functions the
+user compiled are left alone. Guide: ``docs/compilation.md``; machinery: ``_hot_functions``
+(decisions), ``_frames`` (dynamo's frame hook), ``_backend`` (the counted backend), ``_steps``
+(training steps as agreement points: optimizer steps, ``step()``), ``_stats`` (the counters);
+the ranks agree through ``spmdgt.runtime._agree`` (``propose``, ``agree``, ``any_rank``).
+``status()`` says what was compiled, or why nothing was.
 
 Lazy regions (YAML ``compile: true`` scopes, ``GT_WORKER_BATCH_SIZE=N`` or
 ``enable_regions()``): ops on large tensors, plain or sharded, are recorded, their results are
@@ -51,6 +53,8 @@ __all__ = [
     "maybe_enable_from_env",
     "regions_enabled",
     "stats",
+    "status",
+    "step",
 ]
 
 _hot: Any = None
@@ -115,12 +119,41 @@ def enable(
 
 def disable() -> None:
     """Turn hot functions off: sampling stops, the frame hook and its marks go, functions run
-    eagerly."""
+    eagerly. Under ``GT_DEBUG_COMPILE=1`` the last line says what was compiled, or why
+    nothing was (``status()``)."""
     global _hot
     p, _hot = _hot, None
     if p is not None:
+        from spmdgt._core import debuglog as _debuglog
+
+        if _debuglog.COMPILE:
+            _debuglog.debug("compile", f"compile pass off: {p.status()}")
         p.stop()
         _provide()
+
+
+def step() -> None:
+    """Mark the end of a training step, on every rank (a collective decision point).
+
+    Not needed where the step is a ``torch.optim`` optimizer's ``step()``: the pass counts
+    those itself. For a loop without one (a hand-written update, an optimizer of another
+    library), call it once per step on every rank. On more than one rank some steps are the
+    pass's agreement points (steps 1-8, then 16, 32, ..., 256, then every 256th; see
+    ``spmdgt/compile/_steps.py``), where functions found hot on any rank are settled, so a
+    loop that never reads a value on the host still compiles. Every rank must call it the same
+    number of times. A no-op while hot functions are off.
+    """
+    if _hot is not None:
+        _hot.steps.step_eagerly()
+
+
+def status() -> str:
+    """One line: what the hot-function half compiled on this rank, or why nothing was
+    compiled (no hot function, only library frames sampled, waiting for agreement, a hot
+    function not called again, a compile failure...); also ``stats()["status"]``."""
+    if _hot is None:
+        return "hot functions off" + (" (GT_COMPILE=0)" if compile_disabled() else "")
+    return _hot.status()
 
 
 def is_enabled() -> bool:

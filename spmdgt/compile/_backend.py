@@ -1,7 +1,9 @@
 """The backend dynamo hands each graph of a hot function: the real one, counted and guarded.
 
 ``CountingBackend(name)`` compiles with torch's backend of that name (``inductor`` by default,
-``aot_eager`` in tests) and wraps the compiled graph in a ``_Runner`` that counts runs and ops.
+``aot_eager`` in tests), forward and backward at once (``force_non_lazy_backward_lowering``:
+the backward is not left to the first ``backward()``), and wraps the compiled graph in a
+``_Runner`` that counts runs and ops.
 A compiled graph that raises at run time is rerun eagerly (the FX graph dynamo traced, same
 inputs): if eager raises too, the error is the program's and propagates as it would without the
 pass; if eager succeeds, its result is returned, the graph runs eagerly from then on and the
@@ -11,6 +13,7 @@ or a crash that eager would not have.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -41,7 +44,13 @@ class CountingBackend:
         self.code: Any = None  # the hot code being compiled (set by the frame hook)
 
     def __call__(self, gm: Any, example_inputs: list) -> Callable[..., Any]:
-        compiled = self._real(gm, example_inputs)
+        import torch._functorch.config as functorch_config
+
+        # the backward too, now: a failure is then a compile error of this frame (agreed on
+        # every rank, run eagerly), never an error inside the program's backward(), and its
+        # time is the compile's
+        with functorch_config.patch(force_non_lazy_backward_lowering=True):
+            compiled = self._real(gm, example_inputs)
         ops = sum(1 for n in gm.graph.nodes if n.op in _OP_NODES)
         self._stats.graphs += 1
         self._stats.graph_ops += ops
@@ -69,7 +78,7 @@ class _Runner:
         else:
             st.cache_hits += 1
         try:
-            return self._fn(*args)
+            return _join(self._fn(*args))
         except Exception as e:
             if self._fn is self._gm:
                 raise  # already eager: the program's own error
@@ -80,3 +89,31 @@ class _Runner:
             reason = f"runtime error: {type(e).__name__}: {first_line(e)}"
             self._owner._on_runtime_error(self._code, reason)
             return out
+
+
+def _join(out: Any) -> Any:
+    """A graph's outputs, with ``_sharded.Join`` between them and the program where two or
+    more need grad and one is a DTensor (a ``gt.Tensor``): a model's forward returns the loss
+    and the logits, and ``loss.backward()`` leaves the logits' gradient undefined, which the
+    engine then hands AOTAutograd as a plain tensor where the graph traced a DTensor (an error
+    inside ``backward()``). ``Join`` hands it DTensor zeros of the output's placements."""
+    import torch
+
+    if not isinstance(out, (list, tuple)) or not torch.is_grad_enabled():
+        return out
+    need = [i for i, o in enumerate(out) if isinstance(o, torch.Tensor) and o.requires_grad]
+    if len(need) < 2:
+        return out
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is None or not any(isinstance(out[i], dtensor.DTensor) for i in need):
+        return out
+    from spmdgt.compile._sharded import Join, implicit
+
+    with torch._C.DisableTorchFunction(), implicit():
+        joined = Join.apply(*(out[i] for i in need))
+    fixed = list(out)
+    for i, o in zip(need, joined, strict=True):
+        if type(o) is not type(out[i]):  # keep the class (gt.Tensor), as a graph gave it
+            o.__class__ = type(out[i])
+        fixed[i] = o
+    return type(out)(fixed) if isinstance(out, tuple) else fixed

@@ -65,6 +65,11 @@ class FrameHook:
 
         self.hot: set[CodeType] = set()
         self.hot_keys: set[str] = set()  # agreed hot on another rank; found by name here
+        # Set once a model's forward is hot: every model forward (``model_forward(code)``)
+        # reaching the hook is compiled too, as ``torch.compile(model)`` compiles the frames
+        # its graph breaks leave (e.g. the layers below FSDP's hooks, which dynamo skips).
+        self.model_forward: Callable[[CodeType], bool] | None = None
+        self.tried: set[CodeType] = set()  # hot codes handed to the compile step at least once
         self.fallen: set[CodeType] = set()
         self._compile_frame = compile_frame
         self._is_user = is_user
@@ -91,15 +96,48 @@ class FrameHook:
         if code in self.hot or (code.co_name.startswith(_RESUME) and self.hot):
             if code in self.fallen:
                 return self._skip
+            self.tried.add(code)
             return self._compile_frame(frame, cache_entry, frame_state)
         from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 
         if _debug_get_cache_entry_list(code):  # compiled by the user: leave it theirs
             return self._skip_once
+        if self.model_forward is not None and self.model_forward(code):
+            below = self._below_compiled()
+            if below:
+                self.hot.add(code)
+                self.tried.add(code)
+                return self._compile_frame(frame, cache_entry, frame_state)
+            if below is None:  # the model above still runs eagerly (its next call compiles)
+                return self._skip_once
         self._marked.add(code)
         if self._is_user(code):
             self._marked_user.add(code)
         return self._skip
+
+    def _below_compiled(self) -> bool | None:
+        """Whether the frame about to run was called, at any depth, from a frame dynamo
+        compiled (a graph break in a hot model's forward left this layer's forward a frame of
+        its own): True; else from a hot frame running eagerly before its first compile (the
+        call in which it turned hot): None (decided again at the next call); else False (a
+        model that compiled whole never calls it; one that fell back runs it eagerly)."""
+        import sys
+
+        from torch._dynamo.utils import orig_code_map
+
+        # the frame dynamo hands the hook has no f_back: the stack above it is the hook's own
+        # (this function, on_frame, the callback), then the frames that made the call
+        f = sys._getframe(1)
+        depth = 0
+        below_hot = False
+        while f is not None and depth < 64:
+            c = f.f_code
+            if c in orig_code_map or c.co_name.startswith(_RESUME):
+                return True
+            below_hot = below_hot or (c in self.hot and c not in self.tried)
+            f = f.f_back
+            depth += 1
+        return None if below_hot else False
 
     def _hot_by_key(self, code: CodeType) -> bool:
         import os

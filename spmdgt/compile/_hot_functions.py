@@ -12,14 +12,27 @@ Classification of code objects (the sampler's and the hook's):
 - ``STOP``: code running inside a compiled function (dynamo's transformed code, inductor's
   generated modules, dynamo's ``compile_wrapper``): ops there are not attributed to a caller,
   so a function that only calls the user's own compiled function never turns hot around it;
-- ``LIBRARY``: torch, spmdgt, the standard library, site-packages, ``<string>``-like files;
+- ``LIBRARY``: torch, spmdgt, the standard library, site-packages, ``<string>``-like files,
+  except the ``forward`` of an ``nn.Module`` subclass outside torch and spmdgt: a model's
+  forward is the user's code even where it lives in site-packages (Hugging Face models);
 - ``USER``: everything else.
+
+Where the time goes: a hot module ``forward`` stands for the outermost module ``forward`` on
+its stack (the model the program calls, e.g. ``LlamaForCausalLM.forward`` for ops sampled in
+its ``LlamaMLP``), so dynamo compiles the whole model at its next call, as
+``torch.compile(model)`` would, rather than each small layer apart.
+
+On more than one rank a hot function is a proposal, settled at the next agreement point: a
+creation, a host read, or the end of a training step on ``_steps``' schedule (an optimizer
+step, or ``spmdgt.compile.step()``), which every rank reaches in the same order without a host
+read.
 """
 
 from __future__ import annotations
 
 import inspect
 import os
+import sys
 import sysconfig
 import time
 from types import CodeType
@@ -30,6 +43,7 @@ from spmdgt.compile._backend import CountingBackend
 from spmdgt.compile._frames import FrameHook
 from spmdgt.compile._sampler import LIBRARY, STOP, USER, CodeSampler
 from spmdgt.compile._stats import CompileStats, first_line
+from spmdgt.compile._steps import StepPoints
 
 __all__ = ["HotFunctionPass"]
 
@@ -47,7 +61,10 @@ class HotFunctionPass:
         self.hot_at = hot_at
         self.stats = CompileStats()
         self._roots = _library_roots(torch)
+        self._module_type = torch.nn.Module
         self._kinds: dict[CodeType, int] = {}
+        self._forwards: dict[CodeType, bool] = {}  # code -> is an nn.Module's forward
+        self._files: dict[str, Any] = {}  # a source file -> its module (see _module_of)
         self._decided: set[CodeType] = set()  # codes on_hot has ruled on (once each)
         self.backend = CountingBackend(backend, self.stats, self._runtime_fallback)
         self.hook = FrameHook(self._compile_frame, self._is_user, self.backend)
@@ -56,6 +73,9 @@ class HotFunctionPass:
         self._eager_keys: set[str] = set()  # fallen back on some rank at run time (agreed)
         self._ic: Any = None
         self._listener: Any = None  # our on_agreed registration (runtime._agree.Listener)
+        self.steps = StepPoints()  # training steps: agreement points on a schedule
+        self.worker = False  # a DataLoader worker process: decides nothing (see on_hot)
+        self._stood_for: dict[CodeType, CodeType] = {}  # hot forward -> the unit compiled
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self, interceptor: Any) -> None:
@@ -66,6 +86,7 @@ class HotFunctionPass:
         interceptor.set_sampler(self.sampler)
         if self._listener is None:
             self._listener = _agree.on_agreed(self._on_agreed)
+        self.steps.start()
 
     def stop(self) -> None:
         """Stop sampling, remove the hook and its marks (compiled code is dropped by dynamo
@@ -73,13 +94,70 @@ class HotFunctionPass:
         if self._listener is not None:  # ours to remove: enable/disable N times leaves none
             self._listener.remove()
             self._listener = None
+        self.steps.stop()
         if self._ic is not None and self._ic.sampler is self.sampler:
             self._ic.set_sampler(None)
         self.hook.uninstall()
 
     def snapshot(self) -> dict[str, Any]:
-        """The stats entry's ``compilation`` fields (``_stats.CompileStats``)."""
-        return self.stats.snapshot(len(self.sampler.samples()))
+        """The stats entry's ``compilation`` fields (``_stats.CompileStats``), with
+        ``status`` (one line: what compiled, or why nothing did), ``hot_functions``,
+        ``compiled_functions`` and ``pending`` (proposed here, not yet agreed) by name."""
+        samples = self.sampler.samples()
+        out = self.stats.snapshot(len(samples))
+        out["hot_functions"] = sorted(_where(c) for c in self.hook.hot)
+        out["compiled_functions"] = sorted(_where(c) for c in self.stats.compiled_codes)
+        out["pending"] = sorted(_where(c) for c in self._pending())
+        out["training_steps"] = self.steps.count
+        out["status"] = self.status(samples)
+        return out
+
+    def _pending(self) -> list[CodeType]:
+        return [c for c in self._by_key.values() if c not in self._decided]
+
+    def status(self, samples: dict[CodeType, int] | None = None) -> str:
+        """One line: what was compiled, or why nothing was (the first reason that holds)."""
+        st = self.stats
+        if self.worker:
+            return "nothing compiled: a DataLoader worker process (the pass decides nothing here)"
+        if st.compiled_codes:
+            names = ", ".join(sorted(_where(c) for c in st.compiled_codes))
+            failed = f"; fallbacks: {dict(st.fallbacks)}" if st.fallbacks else ""
+            return f"compiled: {names}{failed}"
+        if st.fallbacks:
+            reasons = "; ".join(f"{r} (x{n})" for r, n in st.fallbacks.items())
+            return f"nothing compiled: {reasons}"
+        waiting = [c for c in self.hook.hot if c not in self.hook.fallen]
+        if waiting or self.hook.hot_keys:
+            names = ", ".join(sorted([_where(c) for c in waiting] + sorted(self.hook.hot_keys)))
+            return f"nothing compiled yet: hot, its next call has not come: {names}"
+        pending = self._pending()
+        if pending:
+            names = ", ".join(sorted(_where(c) for c in pending))
+            return (
+                f"nothing compiled yet: waiting for agreement: {names} hot on this rank; the "
+                "ranks settle it at their next agreement point (a spmdgt creation or host "
+                f"read, or a training step on the schedule; {self.steps.count} steps so far)"
+            )
+        if st.skipped:
+            reasons = "; ".join(f"{r} (x{n})" for r, n in st.skipped.items())
+            return f"nothing compiled: hot but not compilable: {reasons}"
+        samples = self.sampler.samples() if samples is None else samples
+        if samples:
+            code, n = max(samples.items(), key=lambda kv: kv[1])
+            return (
+                f"nothing compiled: no hot function yet (the most sampled, {_where(code)}, has "
+                f"{n} of {self.hot_at} samples; one sample per {self.every} ops)"
+            )
+        ops = self._ic.recorded() if self._ic is not None else 0
+        if ops < self.every:
+            return f"nothing compiled: no op sampled yet ({ops} ops since the pass started)"
+        return (
+            f"nothing compiled: no hot function: each of the ~{ops // self.every} samples "
+            f"({ops} ops) ran in library code only "
+            "(torch, spmdgt, the standard library, site-packages other than a module's "
+            "forward) or inside a function you compiled"
+        )
 
     # -- classification -------------------------------------------------------------------------
     def classify(self, code: CodeType) -> int:
@@ -96,11 +174,87 @@ class HotFunctionPass:
             return STOP  # dynamo's transformed code / inductor's generated modules
         if name == self._roots[2] and code.co_name in ("compile_wrapper", "_fn"):
             return STOP  # the user's torch.compile wrapper: what runs below is theirs
-        if name.startswith("<") or name.startswith(self._roots[0]):
+        if name.startswith("<"):
+            return LIBRARY
+        if name.startswith(self._roots[0]):
+            # a model's forward is the user's code, even in site-packages (not torch's own
+            # modules, nor spmdgt's)
+            if not name.startswith(self._roots[3]) and self.is_forward(code):
+                return USER
             return LIBRARY
         return USER
 
     def _is_user(self, code: CodeType) -> bool:
+        return self.classify(code) == USER
+
+    def is_forward(self, code: CodeType) -> bool:
+        """Whether ``code`` is the ``forward`` of an ``nn.Module`` subclass (a method of a
+        class its module defines at top level; decided once per code)."""
+        found = self._forwards.get(code)
+        if found is None:
+            found = self._forwards[code] = self._find_forward(code)
+        return found
+
+    def _find_forward(self, code: CodeType) -> bool:
+        if code.co_name != "forward":
+            return False
+        parts = getattr(code, "co_qualname", "").split(".")
+        if len(parts) < 2 or "<locals>" in parts:
+            return False
+        owner = self._module_of(code.co_filename)
+        for part in parts[:-1]:
+            owner = getattr(owner, part, None)
+        return isinstance(owner, type) and issubclass(owner, self._module_type)
+
+    def _module_of(self, filename: str) -> Any:
+        """The imported module whose source is ``filename`` (None if none is)."""
+        mod = self._files.get(filename)
+        if mod is None:
+            for m in list(sys.modules.values()):
+                f = getattr(m, "__file__", None)
+                if isinstance(f, str):
+                    self._files.setdefault(f, m)
+            mod = self._files.get(filename)
+        return mod
+
+    def _unit(self, code: CodeType) -> CodeType:
+        """What to compile for a hot ``code``: a module forward stands for the outermost
+        module forward on the stack above it (the model the program called), so one compile
+        covers the whole model; anything else stands for itself. The stack is the op's: the
+        sampler calls ``on_hot`` from the op that made ``code`` hot."""
+        if not self.is_forward(code):
+            return code
+        frame = sys._getframe(1)
+        seen = False
+        unit = code
+        while frame is not None:
+            c = frame.f_code
+            if c is code:
+                seen = True
+            elif seen and self.is_forward(c) and self._kind_allows(c):
+                unit = c
+            frame = frame.f_back
+        return unit
+
+    def _forwards_on(self) -> None:
+        """A model's forward is hot: its layers' forwards are compiled too where a graph break
+        leaves them a frame of their own (``FrameHook.model_forward``; their marks, made
+        while they ran eagerly, are lifted). Taken at the agreement point that made the
+        model hot, on every rank alike."""
+        if self.hook.model_forward is None:
+            self.hook.model_forward = self._is_model_forward
+            self.hook.lift_marks()
+
+    def _is_model_forward(self, code: CodeType) -> bool:
+        # a module forward the sampler counts as the user's, and a plain function
+        return (
+            self.is_forward(code)
+            and self.classify(code) == USER
+            and not code.co_flags & _NOT_FUNCTIONS
+        )
+
+    def _kind_allows(self, code: CodeType) -> bool:
+        # a module forward the sampler would count (not torch's or spmdgt's, e.g. DDP's)
         return self.classify(code) == USER
 
     # -- hot ------------------------------------------------------------------------------------
@@ -113,14 +267,39 @@ class HotFunctionPass:
         at the same point of the program everywhere."""
         from spmdgt.runtime import _agree
 
-        if not _agree.active():
-            self._make_hot(codes)
+        if self.worker or _in_dataloader_worker():
+            # a DataLoader worker forked from the rank inherits the pass, and its stack below
+            # the worker loop is the rank's (``main``...): it would turn the rank's functions
+            # hot a second time and print so. Its ops are the loader's, not the program's.
+            self.worker = True
             return
+        units = []
         for code in codes:
+            unit = self._unit(code)
+            if unit is not code:
+                self._stood_for[unit] = code
+            if unit not in units:
+                units.append(unit)
+        if not _agree.active():
+            self._make_hot(units)
+            return
+        for code in units:
             if code not in self._decided:
                 key = _key(code)
+                if key not in self._by_key and _debuglog.COMPILE:
+                    _debuglog.debug(
+                        "compile",
+                        f"hot on this rank: {_where(code)}{self._for(code)}; every rank "
+                        "decides at the next agreement point",
+                    )
                 self._by_key[key] = code
                 _agree.propose(key)
+
+    def _for(self, code: CodeType) -> str:
+        inner = self._stood_for.get(code)
+        if inner is None:
+            return ""
+        return f" (for {_where(inner)}: the outermost module forward on its stack)"
 
     def _on_agreed(self, keys: set[str]) -> None:
         fallen = {k.removeprefix(_EAGER) for k in keys if k.startswith(_EAGER)}
@@ -135,6 +314,8 @@ class HotFunctionPass:
             self.hook.hot_keys.update(missing)
             self.hook.lift_marks()
             self.hook.install()
+            if any(k.endswith(".forward") for k in missing):  # a model's, as on that rank
+                self._forwards_on()
         self._make_hot(codes)
 
     def _make_hot(self, codes: list[CodeType]) -> None:
@@ -161,11 +342,13 @@ class HotFunctionPass:
             self.stats.hot += 1
             self.hook.hot.add(code)
             self.hook.unmark(code)
+            if self.is_forward(code):
+                self._forwards_on()
             if _debuglog.COMPILE:
                 _debuglog.debug(
                     "compile",
-                    f"hot {where} after {self.hot_at} samples (1 per {self.every} ops): "
-                    f"compiling at its next call with {self.backend_name}",
+                    f"hot {where}{self._for(code)} after {self.hot_at} samples (1 per "
+                    f"{self.every} ops): compiling at its next call with {self.backend_name}",
                 )
             self.hook.install()
 
@@ -182,7 +365,17 @@ class HotFunctionPass:
         result: Any = None
         self.backend.code = code
         paused = self._ic.paused() if self._ic is not None else _null()
+        from spmdgt.runtime import _agree
+
         with paused:
+            # The ranks check that they all compile this function *before* any spends the
+            # compile's time (seconds, a minute for a model with inductor): a rank that is
+            # elsewhere (e.g. in a host read the others skip) is an error on every rank now.
+            try:
+                _agree.agree(f"compile of {code.co_name}", site=_where(code))
+            except BaseException:
+                self.backend.code = None
+                raise
             try:
                 result = self.hook.inner(frame, cache_entry, frame_state)
             except Exception as e:  # dynamo or the backend failed: eager is always right
@@ -190,9 +383,9 @@ class HotFunctionPass:
             finally:
                 self.backend.code = None
             reason = f"compile error: {_describe(error)}" if error else ""
-            from spmdgt.runtime import _agree
-
-            failed = _agree.any_rank(error is not None, f"compile of {code.co_name}", _where(code))
+            failed = _agree.any_rank(
+                error is not None, f"compile result of {code.co_name}", _where(code)
+            )
         st.compile_ns += time.perf_counter_ns() - t0
         where = _where(code)
         if failed:
@@ -249,14 +442,18 @@ class HotFunctionPass:
 _EAGER = "eager:"  # a proposal's prefix: this function's graph failed at run time
 
 
-def _library_roots(torch: Any) -> tuple[tuple[str, ...], tuple[str, ...], str]:
-    """(library prefixes, generated-code prefixes, dynamo's eval_frame.py)."""
+def _library_roots(
+    torch: Any,
+) -> tuple[tuple[str, ...], tuple[str, ...], str, tuple[str, ...]]:
+    """(library prefixes, generated-code prefixes, dynamo's eval_frame.py, the folders of
+    torch and spmdgt: libraries whose modules' forwards are never the user's)."""
     from torch._dynamo import eval_frame
 
     paths = sysconfig.get_paths()
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # spmdgt/, no import up
+    torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
     lib = {
-        os.path.dirname(os.path.abspath(torch.__file__)),
+        torch_dir,
         package,
         paths["stdlib"],
         paths["platstdlib"],
@@ -269,7 +466,8 @@ def _library_roots(torch: Any) -> tuple[tuple[str, ...], tuple[str, ...], str]:
         generated: tuple[str, ...] = (os.path.abspath(cache_dir()),)
     except Exception:  # no inductor: nothing generated to recognise
         generated = ()
-    return tuple(sorted(lib)), generated, eval_frame.__file__
+    own = (torch_dir + os.sep, package + os.sep)
+    return tuple(sorted(lib)), generated, eval_frame.__file__, own
 
 
 def _name_of(fn: Any) -> str:
@@ -282,7 +480,15 @@ def _key(code: CodeType) -> str:
 
 
 def _where(code: CodeType) -> str:
-    return f"{code.co_name} ({os.path.basename(code.co_filename)}:{code.co_firstlineno})"
+    name = getattr(code, "co_qualname", code.co_name)
+    return f"{name} ({os.path.basename(code.co_filename)}:{code.co_firstlineno})"
+
+
+def _in_dataloader_worker() -> bool:
+    """Whether this process is a ``torch.utils.data`` worker (its loop sets the worker info;
+    read without importing anything)."""
+    worker = sys.modules.get("torch.utils.data._utils.worker")
+    return worker is not None and getattr(worker, "_worker_info", None) is not None
 
 
 def _describe(e: BaseException) -> str:

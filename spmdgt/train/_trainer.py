@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from spmdgt import compile as gt_compile
 from spmdgt import runtime
 from spmdgt.config import ConfigError
 from spmdgt.train._batches import (
@@ -219,6 +220,12 @@ class DistributedTrainer:
                 "fp16 AMP needs CUDA and the ddp strategy (FSDP mixed precision uses bf16)"
             )
         return torch.amp.GradScaler("cuda"), amp_dtype
+
+    @property
+    def _compiles(self) -> bool:
+        """Whether torch.compile may run during steps (``compile: true``, or the
+        ``GT_AUTO_COMPILE`` pass): its time is then counted and taken out of step times."""
+        return self.compile or gt_compile.is_enabled()
 
     def _compute_dtype(self) -> torch.dtype:
         """The dtype matmuls run in (for the peak FLOP/s MFU is measured against): the AMP
@@ -436,7 +443,7 @@ class DistributedTrainer:
         writer and progress bar (rank 0), the profiler and, for placements when asked, the
         sink that reads collectives from the interceptor."""
         stats = RunStats(first_step=self.global_step)
-        compile_at_start = compile_seconds()[0] if self.compile else 0.0
+        compile_at_start = compile_seconds()[0] if self._compiles else 0.0
         self.wrapped.log.clear()
         metrics = MetricsLogger(self.logdir, self.rt.is_main_process)
         total = cfg.training.max_steps
@@ -612,7 +619,7 @@ class DistributedTrainer:
         """Append the step that ended at ``t1`` to the run's statistics; return their count.
         Compile time is reported apart: a step that compiled counts without it."""
         stats = run.stats
-        compiled_sec = (compile_seconds()[0] - run.c0) if self.compile else 0.0
+        compiled_sec = (compile_seconds()[0] - run.c0) if self._compiles else 0.0
         stats.compile_sec.append(compiled_sec)
         stats.step_times.append(t1 - run.t0 - compiled_sec)
         run.windows.append((self.global_step - 1, run.t0, t1))
@@ -626,7 +633,7 @@ class DistributedTrainer:
     def _restart_clock(self, run: Run) -> None:
         """Start the next step's clock (and compile-time reading) now."""
         run.t0 = time.perf_counter()
-        run.c0 = compile_seconds()[0] if self.compile else 0.0
+        run.c0 = compile_seconds()[0] if self._compiles else 0.0
 
     def _finish(self, run: Run) -> dict:
         """Close the run: sample memory at the last step, flush the losses left (a collective,

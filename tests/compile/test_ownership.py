@@ -17,15 +17,25 @@ def _listeners() -> int:
     return len(_agree._listeners)
 
 
+def _step_hooks() -> int:  # the pass counts optimizer steps through a global post-hook
+    from torch.optim.optimizer import _global_optimizer_post_hooks
+
+    return len(_global_optimizer_post_hooks)
+
+
 def test_enable_disable_n_times_leaves_one_listener_then_none():
     try:
+        hooks = None
         for _ in range(4):
             gt_compile.enable(backend="eager")
             assert gt_compile.is_enabled() and _listeners() == 1
             gt_compile.enable(backend="eager")  # a second enable adds nothing
             assert _listeners() == 1
+            with_pass = _step_hooks()
             gt_compile.disable()
             assert not gt_compile.is_enabled() and _listeners() == 0
+            hooks = _step_hooks() if hooks is None else hooks
+            assert _step_hooks() == hooks == with_pass - 1  # ours went, once
     finally:
         gt.session.reset("compile")
 
