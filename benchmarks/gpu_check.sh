@@ -12,12 +12,12 @@ mkdir -p "$out"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 py=python3
 $py -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
-timeout 150 $py -m pytest tests/gpu -q -x -p no:cacheprovider 2>&1 | tail -5 | tee "$out/gpu_tests.log"
+timeout 75 $py -m pytest tests/gpu -q -x -p no:cacheprovider 2>&1 | tail -5 | tee "$out/gpu_tests.log"
 small=(--steps 6 --log-every 3)
-timeout 60 $py examples/train_hf.py "${small[@]}" --reference 2>&1 | grep -E "losses|avg_step" | tee "$out/hf_small.log"
-timeout 60 $py examples/train_hf.py "${small[@]}" 2>&1 | grep -E "^losses" | tee -a "$out/hf_small.log"
+timeout 45 $py examples/train_hf.py "${small[@]}" --reference 2>&1 | grep -E "losses|avg_step" | tee "$out/hf_small.log"
+timeout 45 $py examples/train_hf.py "${small[@]}" 2>&1 | grep -E "^losses" | tee -a "$out/hf_small.log"
 big=(--dim 2048 --layers 8 --heads 16 --kv-heads 8 --vocab 32000 --seq-len 2048 --global-batch 8
      --steps 20 --log-every 10 --amp)
-timeout 90 $py examples/train_hf.py "${big[@]}" --reference 2>&1 | grep -E "avg_step" | sed 's/^/plain HF loop /' | tee "$out/hf_big.log"
-timeout 120 $py examples/train_hf.py "${big[@]}" 2>&1 | grep -E "^step|avg_step_time|tokens_per_sec_per_device|tflops|mfu|peak_|flops_estimate|data_wait" | sed 's/^/trainer /' | tee -a "$out/hf_big.log"
-timeout 150 $py examples/train_hf.py "${big[@]}" --compile 2>&1 | grep -E "^step|avg_step_time|tflops|mfu|compile_time|compiled_blocks" | sed 's/^/trainer+compile /' | tee -a "$out/hf_big.log"
+timeout 60 $py examples/train_hf.py "${big[@]}" --reference 2>&1 | grep -E "avg_step" | sed 's/^/plain HF loop /' | tee "$out/hf_big.log"
+timeout 75 $py examples/train_hf.py "${big[@]}" 2>&1 | grep -E "^step|avg_step_time|tokens_per_sec_per_device|tflops|mfu|peak_|flops_estimate|data_wait" | sed 's/^/trainer /' | tee -a "$out/hf_big.log"
+timeout 100 $py examples/train_hf.py "${big[@]}" --compile 2>&1 | grep -E "^step|avg_step_time|tflops|mfu|compile_time|compiled_blocks" | sed 's/^/trainer+compile /' | tee -a "$out/hf_big.log"
