@@ -184,11 +184,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
     p.add_argument("--reference", action="store_true", help="plain one-process HF loop")
     p.add_argument("--logdir", help="TensorBoard logdir (compare_runs reads its train/loss)")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="one step for --world ranks in this process (fake process group, fake tensors): "
+        "per-rank memory, collectives, whether it fits",
+    )
+    p.add_argument("--world", type=int, default=64, help="--dry-run: ranks to simulate")
+    p.add_argument("--device", default=None, help="--dry-run: h100, a100-40gb, ... (its memory)")
+    p.add_argument("--interconnect", default=None, help="--dry-run: nvlink4, ib-ndr, ...")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.dry_run:  # e.g. --dry-run --world 64 --device h100 --interconnect ib-ndr
+        from spmdgt.train import dry_run_call
+
+        run = lambda: run_trainer(args)  # noqa: E731
+        report = dry_run_call(run, args.world, device=args.device, interconnect=args.interconnect)
+        print(report)
+        return report.to_dict()
     if args.reference:
         out = run_reference(args)
         print("Plain HF loop, one process: losses " + " ".join(f"{x:.6f}" for x in out["losses"]))

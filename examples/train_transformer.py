@@ -446,6 +446,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="DataLoader workers; None: the trainer picks from the machine, the plain loop 0",
     )
     p.add_argument("--pytorch", action="store_true", help="plain torch loop for comparison")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="one step for --world ranks in this process (fake process group, fake tensors): "
+        "per-rank memory, collectives, whether it fits",
+    )
+    p.add_argument("--world", type=int, default=64, help="--dry-run: ranks to simulate")
+    p.add_argument("--device", default=None, help="--dry-run: h100, a100-40gb, ... (its memory)")
+    p.add_argument("--interconnect", default=None, help="--dry-run: nvlink4, ib-ndr, ...")
     args = p.parse_args(argv)
     if args.dim % args.heads or args.heads % args.kv_heads:
         p.error("--dim must divide by --heads and --heads by --kv-heads")
@@ -458,12 +467,21 @@ def main(argv: list[str] | None = None) -> dict:
     """Parse ``argv`` and train; a bad config exits with status 2 and one message (rank 0's)
     rather than a traceback on every rank (every rank reads the same files and fails alike)."""
     from spmdgt.config import ConfigError
-    from spmdgt.train import CheckpointError
+    from spmdgt.train import CheckpointError, DryRunError, dry_run_call
 
     args = parse_args(argv)
     try:
+        if args.dry_run:
+            report = dry_run_call(
+                lambda: run_trainer(args),
+                args.world,
+                device=args.device,
+                interconnect=args.interconnect,
+            )
+            print(report)
+            return report.to_dict()
         return run_pytorch(args) if args.pytorch else run_trainer(args)
-    except (ConfigError, CheckpointError) as e:
+    except (ConfigError, CheckpointError, DryRunError) as e:
         if _is_rank0():
             print(f"train_transformer.py: error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -105,7 +105,9 @@ def init(backend: str | None = None) -> Runtime:
             _owns_process_group = True
             atexit.register(_destroy_at_exit)
         _runtime = Runtime(rank, world, local_rank, device, backend_used)
-        if world > 1:
+        # torch's fake process group (a dry run, ``spmdgt.train._dryrun``) is one process
+        # standing in for the world: there are no peers to agree with or take seeds from.
+        if world > 1 and backend_used != "fake":
             from spmdgt.runtime._seed import agree_at_init
 
             _per_rank_compile_cache(rank)

@@ -13,8 +13,9 @@ The full guide is docs/trainer.md. Machinery: ``_strategies`` (wrapping: ``apply
 ``apply_ac``, ``apply_compile``, ``apply_fsdp``/``apply_ddp``), ``_trainer`` (the loop),
 ``_run`` (one call's measurement), ``_checkpoint`` (atomic DCP checkpoints), ``_comm``
 (collective algebra and logging), ``_units`` (the blocks: FSDP's units and compile's),
-``_compile``, ``_throughput`` (FLOPs, MFU), ``_profilers``, ``_summary``, ``_data``,
-``_batches`` (a batch into the model, its loss out), ``_config``.
+``_compile``, ``_dryrun`` (a step for a world that is not there), ``_throughput`` (FLOPs,
+MFU), ``_profilers``, ``_summary``, ``_data``, ``_batches`` (a batch into the model, its loss
+out), ``_config``.
 """
 
 from spmdgt.train._checkpoint import CheckpointError
@@ -30,6 +31,7 @@ from spmdgt.train._config import (
     override,
 )
 from spmdgt.train._data import OptimizedDataLoader, ResumableDistributedSampler
+from spmdgt.train._dryrun import DryRunError, DryRunReport, dry_run, dry_run_call
 from spmdgt.train._profilers import PerformanceProfiler
 from spmdgt.train._trainer import DistributedTrainer, build_scheduler
 
@@ -40,6 +42,8 @@ __all__ = [
     "CommunicationProfiler",
     "DDPConfig",
     "DistributedTrainer",
+    "DryRunError",
+    "DryRunReport",
     "FSDPConfig",
     "OptimizedDataLoader",
     "PerformanceProfiler",
@@ -48,6 +52,8 @@ __all__ = [
     "TrainConfig",
     "TrainingConfig",
     "build_scheduler",
+    "dry_run",
+    "dry_run_call",
     "load_train_config",
     "measure_bandwidth",
     "override",

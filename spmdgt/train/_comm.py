@@ -32,6 +32,7 @@ call it together.
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 import math
 import time
@@ -149,8 +150,11 @@ class CollectiveLog:
         return dict(out)
 
 
-def _first(f: torch.futures.Future) -> torch.Tensor:
-    return f.value()[0]
+def _reduced(f: torch.futures.Future, buf: torch.Tensor) -> torch.Tensor:
+    """The all-reduced bucket: the future's tensor, ``buf`` itself (reduced in place) when the
+    future carries none (torch's fake process group, which a dry run uses)."""
+    value = f.value()
+    return value[0] if value else buf
 
 
 def ddp_counting_hook(log: CollectiveLog):
@@ -168,13 +172,13 @@ def ddp_counting_hook(log: CollectiveLog):
         buf.div_(world)
         fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
         if rec is None:
-            return fut.then(_first)
+            return fut.then(lambda f: _reduced(f, buf))
 
         # One callback, as torch's own Python allreduce_hook has: it unwraps the result and
         # stamps the completion time. DDP waits on this future, so the stamp is written first.
         def done(f: torch.futures.Future, rec: _Record = rec) -> torch.Tensor:
             rec.end = time.perf_counter()
-            return f.value()[0]
+            return _reduced(f, buf)
 
         return fut.then(done)
 
@@ -631,6 +635,27 @@ class CommunicationProfiler:
             nbytes += 4 * placed_params  # one fp32 norm per sharded gradient
             count += 1
         return self._cost({"all_reduce": (factor * nbytes, count)}, n)
+
+    def estimate_counted(
+        self, totals: Mapping[str, Mapping[str, float]], world_size: int
+    ) -> dict[str, float]:
+        """The cost of collectives counted elsewhere (a dry run's, a ``CollectiveLog``'s):
+        ``totals`` by kind, each with a ``count`` and the ``bytes`` of the full buffers, as
+        ``CollectiveLog.totals`` gives them. Ring bytes per rank by the same algebra
+        (``measured_bytes_per_rank``), then ``latency + bytes / bandwidth`` per collective.
+        A kind the model has no probe for (``broadcast``, ``all_to_all``) is costed with the
+        all-reduce's latency and bandwidth."""
+        ring = self.measured_bytes_per_rank({k: dict(t) for k, t in totals.items()}, world_size)
+        parts = {k: (ring[f"{k}_bytes"], int(t["count"])) for k, t in totals.items()}
+        if world_size <= 1:
+            return self._cost(parts, world_size)
+        costed = copy.copy(self)  # this profiler's own tables stay as they are
+        costed._latency = dict(self.latency)
+        costed._bandwidths = dict(self.bandwidths)
+        for k in set(totals) - set(KINDS):
+            costed._latency.setdefault(k, costed._latency.get("all_reduce", math.nan))
+            costed._bandwidths.setdefault(k, costed._bandwidths.get("all_reduce", math.nan))
+        return costed._cost(parts, world_size)
 
     @staticmethod
     def measured_bytes_per_rank(

@@ -198,3 +198,16 @@ def test_hf_example_under_torchrun_fsdp():
     ref = EX.run_reference(EX.parse_args(SMALL))["losses"]
     got = [float(x) for x in lines[0].split()[1:]]
     assert got == pytest.approx(ref, abs=1e-5)
+
+
+def test_hf_example_dry_run_at_a_world_it_does_not_have(capsys):
+    # --dry-run --world 8: one process, a fake group of 8 and fake tensors; FSDP's shards of
+    # the tied Qwen3 are an eighth of the parameters (uneven dims round up on low ranks)
+    out = EX.main([*SMALL, "--dry-run", "--world", "8", "--device", "h100", "--tie"])
+    assert out["world"] == 8 and out["fits"] is True
+    model = EX.build_model(EX.parse_args(["--tie"]))
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert sum(out["params"]) == total  # every byte sharded once over the 8 ranks
+    kinds = {row["kind"] for row in out["collectives"]}
+    assert {"all_gather", "reduce_scatter"} <= kinds
+    assert "fits in" in capsys.readouterr().out

@@ -1,0 +1,136 @@
+"""The fake world: torch's fake process group of ``world`` ranks and fake tensors, and the
+workarounds that let the trainer's wrapping run on them (each says which torch internal it
+meets).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from spmdgt.train._dryrun._tables import DryRunError
+
+__all__ = ["fake_world"]
+
+# --------------------------------------------------------------------------- the fake world
+
+
+@contextlib.contextmanager
+def fake_world(world: int) -> Iterator[object]:
+    """Rank 0 of a ``world``-rank fake process group and its 1-D ``DeviceMesh`` (yielded),
+    for the duration; the group is destroyed after. Refuses a process that already has one."""
+    _check_world(world)
+    if dist.is_available() and dist.is_initialized():
+        raise DryRunError(
+            f"a dry run makes its own fake world of {world} ranks, but this process already "
+            f"has a process group ({dist.get_backend()}, world {dist.get_world_size()}): run "
+            "it in a fresh process, not under torchrun"
+        )
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        yield DeviceMesh("cpu", list(range(world)))
+    finally:
+        dist.destroy_process_group()
+
+
+def _check_world(world: object) -> None:
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise DryRunError(f"the world size must be an integer >= 1, got {world!r}")
+
+
+def _fake_mode():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode()
+
+
+@contextlib.contextmanager
+def _wrappable(model: nn.Module) -> Iterator[None]:
+    """What ``wrap_model`` needs to run on fake parameters, for the duration:
+
+    * ``model.to(device)`` is a no-op on this instance: the fake parameters are on their
+      device already, and torch cannot swap a fake parameter for itself (it holds weak
+      references, which ``torch.utils.swap_tensors`` refuses);
+    * DDP's two start-up collectives (the parameter-shape check and the broadcast of rank 0's
+      values) read tensor data and are skipped: they run once at wrap time, in no step."""
+    import torch.nn.parallel.distributed as ddp_module
+
+    saved = ddp_module._verify_param_shape_across_processes, ddp_module._sync_module_states
+    ddp_module._verify_param_shape_across_processes = lambda *a, **k: None
+    ddp_module._sync_module_states = lambda *a, **k: None
+    model.__dict__["to"] = lambda *a, **k: model
+    try:
+        yield
+    finally:
+        model.__dict__.pop("to", None)
+        ddp_module._verify_param_shape_across_processes, ddp_module._sync_module_states = saved
+
+
+@contextlib.contextmanager
+def _dtensor_metadata_apart() -> Iterator[None]:
+    """DTensor computes an op's output shape on full-size fake tensors, in the active fake
+    mode when there is one: the dry run's, whose trackers would count those full-size tensors
+    as memory (a phantom 0.5 GiB at the clip's norm of 8 layers at world 64). For the
+    duration, DTensor makes its own fake mode for that, as in a real run, and the trackers
+    skip it (they track only the fake mode they were entered in)."""
+    import torch.distributed.tensor._sharding_prop as sharding_prop
+
+    saved = getattr(sharding_prop, "detect_fake_mode", None)
+    if saved is None:  # a torch that does not look for the active fake mode there
+        yield
+        return
+    sharding_prop.detect_fake_mode = lambda *args: None
+    try:
+        yield
+    finally:
+        sharding_prop.detect_fake_mode = saved
+
+
+class _FloatsFake(TorchDispatchMode):
+    """Float ``empty`` tensors come out fake (DDP's rebuilt gradient buckets); integer ones
+    stay real (the bucket indices DDP broadcasts and reads back)."""
+
+    def __init__(self, fake_mode: object) -> None:
+        super().__init__()
+        self.fake_mode = fake_mode
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        dtype = kwargs.get("dtype")
+        if func is torch.ops.aten.empty.memory_format and (
+            dtype is None or dtype.is_floating_point
+        ):
+            with self.fake_mode:  # type: ignore[attr-defined]
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _rebuild_ddp_buckets(module: nn.Module, fake_mode: object) -> None:
+    """DDP rebuilds its gradient buckets (in the order gradients arrived) at the second
+    forward; its C++ reducer reads the bucket indices it broadcasts, which a fake tensor
+    cannot give. Rebuild here, outside the fake mode, with only the float buffers fake."""
+    if not isinstance(module, nn.parallel.DistributedDataParallel):
+        return
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes(), _FloatsFake(fake_mode):
+        module.reducer._rebuild_buckets()
+
+
+def _rebind_optimizer(
+    optimizer: torch.optim.Optimizer, old: list[nn.Parameter], new: list[nn.Parameter]
+) -> None:
+    """Point ``optimizer`` at the wrapped model's parameters, as the trainer does."""
+    if len(old) == len(new) and all(a is b for a, b in zip(old, new)):
+        return
+    index = {id(p): i for i, p in enumerate(old)}
+    for group in optimizer.param_groups:
+        group["params"] = [new[index[id(p)]] for p in group["params"]]
