@@ -91,6 +91,30 @@ def _tracker(wrapped: Wrapped, optimizer: torch.optim.Optimizer) -> tuple[object
     return tracker, "MemTracker"
 
 
+def _wrap_like_the_trainer(
+    model: nn.Module, cfg: TrainConfig, world: int, mesh: object, amp_dtype: torch.dtype
+) -> Wrapped:
+    """The trainer's own ``wrap_model`` with the trainer's config, on the fake world (eager:
+    ``compile`` is off in a dry run)."""
+    with _wrappable(model):
+        return wrap_model(
+            model,
+            cfg.strategy,
+            device=torch.device("cpu"),
+            world_size=world,
+            backend="fake",
+            use_amp=cfg.training.use_amp,
+            amp_dtype=amp_dtype,
+            find_unused_parameters=cfg.ddp.find_unused_parameters,
+            ddp=cfg.ddp,
+            fsdp=cfg.fsdp,
+            placements=cfg.placements,
+            mesh=mesh if world > 1 else None,
+            compile=False,
+            activation_checkpointing=cfg.activation_checkpointing,
+        )
+
+
 def _simulate(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -126,23 +150,7 @@ def _simulate(
             activations[0] = max(activations[0], int(per_device.get("Activation", 0)))
 
     with fake_mode, _dtensor_metadata_apart():  # type: ignore[attr-defined]
-        with _wrappable(model):
-            wrapped = wrap_model(
-                model,
-                cfg.strategy,
-                device=torch.device("cpu"),
-                world_size=world,
-                backend="fake",
-                use_amp=cfg.training.use_amp,
-                amp_dtype=amp_dtype,
-                find_unused_parameters=cfg.ddp.find_unused_parameters,
-                ddp=cfg.ddp,
-                fsdp=cfg.fsdp,
-                placements=cfg.placements,
-                mesh=mesh if world > 1 else None,
-                compile=False,
-                activation_checkpointing=cfg.activation_checkpointing,
-            )
+        wrapped = _wrap_like_the_trainer(model, cfg, world, mesh, amp_dtype)
         _rebind_optimizer(optimizer, old, list(model.parameters()))
         params = [p for p in wrapped.module.parameters() if p.requires_grad]
         inputs, targets = split_batch(batch, loss_fn is not None)
