@@ -7,9 +7,13 @@ strategy DTensor derives from that decomposition when the decomposition reads a 
 losses' ``mean``, the statistics): DTensor traces it at the global shape but runs the op on
 local shards, so a ``2 / numel`` became ``2 / local numel``; (2) runs an exact rewrite of an op
 whose registered rule is wrong for some arguments (``nll_loss``'s weighted mean); (3) turns
-"no rule for this layout" into ``NoRule``, on which the op takes the exact fallback.
-``install()`` / ``uninstall()``; ``check_torch()`` runs at import and names torch's version
-if the private entry moved.
+"no rule for this layout" into ``NoRule``, on which the op takes the exact fallback; (4) slices
+a replicated attention mask to match batch- or head-sharded inputs for the CPU attention
+kernels, which take the mask as a keyword argument DTensor never redistributes
+(``_attention.place_mask``). ``install()`` also registers the attention strategies DTensor
+lacks (``_attention.install``) and bounds DTensor's decomposition-based strategy search inside
+spmdgt's calls (``MAX_DECOMP_CANDIDATES``); ``uninstall()`` undoes all of it. ``check_torch()``
+runs at import and names torch's version if the private entry moved.
 """
 
 from __future__ import annotations
@@ -162,6 +166,80 @@ def check_torch() -> None:
         )
 
 
+# DTensor derives a strategy for an op that has none by tracing the op's decomposition once
+# for every combination of candidate placements of its inputs (each input: replicated, or
+# sharded on any of its dims): 5 ** n traces for n 4-dim inputs, uncached while torch.compile
+# traces. CPU attention's backward (7 inputs: 78,125 traces) once sat there for minutes, "a
+# hang". Inside spmdgt's calls, and while torch.compile traces, a search larger than this tries
+# two candidates only: the inputs' own placements and full replication. DTensor still finds
+# the op's rule for the layout it has where one holds, and replicates (exact) otherwise.
+MAX_DECOMP_CANDIDATES = 256
+
+
+def _candidate_bound(op_schema) -> int:
+    """An upper bound of the number of candidates DTensor's decomposition search would try
+    (``DecompShardingStrategy._get_candidate_placements``), from the input specs alone."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    from torch.utils._pytree import tree_leaves
+
+    specs = [
+        s
+        for s in tree_leaves(list(op_schema.args_schema) + list(op_schema.kwargs_schema.values()))
+        if isinstance(s, DTensorSpec)
+    ]
+    kinds = {Replicate()}
+    for s in specs:
+        kinds.update(s.placements)
+    shards = any(isinstance(p, Shard) for p in kinds)
+    n = 1
+    for s in specs:
+        n *= len(kinds) + (s.ndim if shards else 0)
+    return n
+
+
+def _own_and_replicated(op_schema) -> list[tuple]:
+    """The two kinds of candidates a bounded search tries: each mesh dim's placements of the
+    inputs as they are, and every input replicated (None for a non-tensor argument, as
+    DTensor's own candidates have it)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    from torch.utils._pytree import tree_leaves
+
+    flat = tree_leaves(list(op_schema.args_schema) + list(op_schema.kwargs_schema.values()))
+    ndim = max((s.mesh.ndim for s in flat if isinstance(s, DTensorSpec)), default=1)
+    out = [tuple(Replicate() if isinstance(s, DTensorSpec) else None for s in flat)]
+    for i in range(ndim):
+        own = tuple(s.placements[i] if isinstance(s, DTensorSpec) else None for s in flat)
+        if own not in out:
+            out.append(own)
+    return out
+
+
+def _bound_decomp_search(search) -> None:
+    """Wrap ``search._get_candidate_placements`` (DTensor's decomposition-based strategy
+    search) so a search over more than ``MAX_DECOMP_CANDIDATES`` candidates, inside spmdgt's
+    calls, tries the inputs' own placements and full replication only."""
+    original = search._get_candidate_placements
+
+    def candidates(op_schema):
+        if torch._C._get_dtensor_allow_implicit_replication():
+            n = _candidate_bound(op_schema)
+            if n > MAX_DECOMP_CANDIDATES:
+                from spmdgt._core import debuglog as _debuglog
+
+                if _debuglog.SHARDING:
+                    _debuglog.debug(
+                        "sharding",
+                        f"{op_schema.op}: no sharding strategy; {n} candidate layouts for "
+                        "DTensor's decomposition search, trying the inputs' own and replicated",
+                    )
+                return _own_and_replicated(op_schema)
+        return original(op_schema)
+
+    search._get_candidate_placements = candidates
+
+
 _backward = [0]  # > 0 while spmdgt runs the autograd engine (``backward``/``autograd.grad``)
 
 
@@ -200,14 +278,20 @@ def install() -> None:
     ``uninstall()`` puts torch's entry back."""
     if _original:
         return
+    from spmdgt.tensor import _attention
     from spmdgt.tensor._fallback import run_global
 
     dispatcher = DTensor._op_dispatcher
     original = getattr(dispatcher, _ENTRY)
+    masked = (_attention.CPU_FLASH, _attention.CPU_FLASH_BACKWARD)
 
     def propagate(op_call, args, kwargs, op_info, *rest, **kw):
         ours = torch._C._get_dtensor_allow_implicit_replication()
         if ours:
+            if op_call in masked:
+                out = _attention.place_mask(op_call, args, kwargs)
+                if out is not None:
+                    return out
             decomp = _own_decomposition(op_call)
             if decomp is not None and _sharded(op_info.schema.args_spec):
                 try:
@@ -233,14 +317,24 @@ def install() -> None:
 
     setattr(dispatcher, _ENTRY, propagate)
     _original.append(original)
+    _attention.install()
+    search = getattr(dispatcher.sharding_propagator, "decomp_strategy", None)
+    if search is not None:  # torch < 2.13 derives no strategy from decompositions
+        _bound_decomp_search(search)
 
 
 def uninstall() -> None:
     """Put DTensor's own sharding-propagation entry back."""
     if _original:
+        from spmdgt.tensor import _attention
+
         # the instance attribute goes: the class's method shows through again
         delattr(DTensor._op_dispatcher, _ENTRY)
         _original.clear()
+        _attention.uninstall()
+        search = getattr(DTensor._op_dispatcher.sharding_propagator, "decomp_strategy", None)
+        if search is not None:  # the class's method shows through again
+            search.__dict__.pop("_get_candidate_placements", None)
 
 
 check_torch()

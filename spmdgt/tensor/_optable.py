@@ -24,7 +24,9 @@ route              why
 ``GLOBAL``         output shape depends on data (``nonzero``, ``unique``, boolean-mask reads)
                    or the op draws random numbers (``dropout``, ``bernoulli``...): run on the
                    global values on every rank, which is exactly one process's computation
-                   (the ranks' generators agree, see ``runtime/_seed``).
+                   (the ranks' generators agree, see ``runtime/_seed``). A dropout that draws
+                   nothing (``p=0``, or not training; ``is_identity_dropout``) returns its
+                   input as torch does: DTensor's path, no gather.
 ``GUARDED``        DTensor's rule is wrong for some inputs, told apart by dtype, dim and layout
                    (``guard``): ``argmax/argmin`` on a bool input (torch rejects it; DTensor
                    computes through ``max`` and answers), without a dim where the shards
@@ -40,6 +42,10 @@ route              why
                    evenly among tied maxima, which one shard cannot see.
 ``BATCH_ONLY``     convolutions and adaptive pooling: DTensor's path for an input sharded
                    evenly on the batch dim (or replicated), global values otherwise.
+``ATTENTION``      ``scaled_dot_product_attention``: DTensor's path, each rank on its own rows
+                   or heads, for inputs sharded on a batch dim or the head dim with the mask
+                   laid out alike or broadcast (``_attention.why_not_local``, uneven shards
+                   too); global values for other layouts and for ``dropout_p > 0``.
 ``AUTOGRAD``       ``backward()`` / ``torch.autograd.grad``: run as they are. A backward op
                    with no rule for its layout takes the exact fallback at the aten level
                    (``gt.Tensor.__torch_dispatch__``), never the whole backward again.
@@ -60,7 +66,7 @@ import math
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from spmdgt.tensor import _fallback
+from spmdgt.tensor import _attention, _fallback
 from spmdgt.tensor._assign import assign
 from spmdgt.tensor._fallback import op_name
 from spmdgt.tensor._hook import NoRule, running_backward
@@ -71,6 +77,7 @@ __all__ = [
     "GLOBAL",
     "GUARDED",
     "ASSIGN",
+    "ATTENTION",
     "AUTOGRAD",
     "BATCH_ONLY",
     "IRREGULAR",
@@ -100,7 +107,8 @@ __all__ = [
     AUTOGRAD,
     GUARDED,
     ASSIGN,
-) = range(11)
+    ATTENTION,
+) = range(12)
 
 # Output shape depends on the values: DTensor cannot say it without running the op.
 _DATA_DEPENDENT = frozenset(
@@ -137,6 +145,7 @@ _RANDOM = frozenset(
         "dropout1d",
         "dropout2d",
         "dropout3d",
+        "feature_dropout",
         "alpha_dropout",
         "feature_alpha_dropout",
         "native_dropout",
@@ -214,6 +223,9 @@ _BATCH_ONLY = frozenset(
         "adaptive_max_pool3d_with_indices",
     }
 )
+
+# Attention: local on batch or head shards (``_attention.why_not_local``), global otherwise.
+_ATTENTION = frozenset({"scaled_dot_product_attention"})
 
 # DTensor's rules assume even shards here (parity sweep: wrong values or shapes otherwise).
 _IRREGULAR = frozenset(
@@ -343,6 +355,8 @@ def _classify(func) -> int:
         return IRREGULAR
     if name in _BATCH_ONLY:
         return BATCH_ONLY
+    if name in _ATTENTION:
+        return ATTENTION
     if name in _VIEWS:
         return VIEW
     return DTENSOR
@@ -457,6 +471,38 @@ def guard(func, args, kwargs) -> str | None:
     return None
 
 
+# Dropouts that draw nothing when ``p == 0`` or not training: torch returns the input itself
+# (``aten::dropout``'s ``p == 0 || !train`` early return), so each rank's shard is exactly its
+# part of the result. name -> the default of ``training`` (``F.alpha_dropout``'s is False).
+_DROPOUTS = {
+    "dropout": True,
+    "dropout1d": True,
+    "dropout2d": True,
+    "dropout3d": True,
+    "feature_dropout": True,
+    "alpha_dropout": False,
+    "feature_alpha_dropout": False,
+}
+
+
+def is_identity_dropout(func, args, kwargs) -> bool:
+    """A dropout that changes nothing and draws no number: ``p == 0``, or ``training`` False
+    (``F.dropout(x, p, training, inplace)``, ``torch.dropout(x, p, train)`` and the feature
+    and alpha variants), out of place. Reads the arguments only, alike on every rank."""
+    name = op_name(func)
+    if name not in _DROPOUTS:
+        return False
+    if kwargs.get("inplace", args[3] if len(args) > 3 else False):
+        return False  # F.dropout3d(x, inplace=True) views x in place (unsqueeze_): a mutation
+    p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+    train = kwargs.get("training", kwargs.get("train", args[2] if len(args) > 2 else None))
+    if train is None:
+        train = _DROPOUTS[name]
+    if isinstance(p, torch.Tensor) or isinstance(train, torch.Tensor):
+        return False
+    return p == 0 or not train
+
+
 def batch_sharded_evenly(a) -> bool:
     """True when DTensor ``a`` is replicated or sharded evenly on dim 0 only, over the world."""
     if is_irregular(a):
@@ -513,6 +559,8 @@ def _on_inplace(func, args, kwargs):
 
 def _on_global(func, args, kwargs):
     check_supported(func, args)
+    if is_identity_dropout(func, args, kwargs):  # draws nothing: each rank's shard as it is
+        return _dtensor(func, args, kwargs)
     if kwargs.get("inplace") is True:  # F.dropout(x, inplace=True): a mutation of x
         return _fallback.run_inplace(func, args, kwargs, "random op in place")
     return _fallback.run_global(func, args, kwargs, "data-dependent shape or random op")
@@ -534,6 +582,15 @@ def _on_guarded(func, args, kwargs):
 def _on_batch_only(func, args, kwargs):
     if any(isinstance(a, DTensor) and not batch_sharded_evenly(a) for a in args):
         return _fallback.run_global(func, args, kwargs, "DTensor's rule needs batch shards")
+    return _dtensor(func, args, kwargs)
+
+
+def _on_attention(func, args, kwargs):
+    """``ATTENTION``: each rank's own rows (or heads) through DTensor's strategies where the
+    layout allows it exactly (``_attention.why_not_local``), global values otherwise."""
+    why = _attention.why_not_local(args, kwargs, _world_size())
+    if why is not None:
+        return _fallback.run_global(func, args, kwargs, why)
     return _dtensor(func, args, kwargs)
 
 
@@ -601,6 +658,7 @@ HANDLERS = {
     IRREGULAR: _on_irregular,
     BATCH_ONLY: _on_batch_only,
     AUTOGRAD: _on_autograd,
+    ATTENTION: _on_attention,
 }
 
 
