@@ -12,7 +12,7 @@ mkdir -p "$out"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 py=python3
 $py -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
-timeout 120 $py -m pytest tests/gpu -q -x -p no:cacheprovider 2>&1 | tail -5 | tee "$out/gpu_tests.log"
+timeout 120 $py -m pytest tests/gpu -o addopts="" -q -x -p no:cacheprovider -W ignore 2>&1 | tail -5 | tee "$out/gpu_tests.log"
 small=(--steps 6 --log-every 3)
 timeout 45 $py examples/train_hf.py "${small[@]}" --reference 2>&1 | grep -E "losses|avg_step" | tee "$out/hf_small.log"
 timeout 45 $py examples/train_hf.py "${small[@]}" 2>&1 | grep -E "^losses" | tee -a "$out/hf_small.log"
