@@ -16,24 +16,7 @@ import pytest
 import torch
 
 from tests._dist import run_ranks
-
-pytest.importorskip("transformers")
-
-
-def _llama():
-    import transformers as T
-
-    torch.manual_seed(0)
-    c = T.LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return T.LlamaForCausalLM(c)
+from tests._hf import tiny_llama
 
 
 def _batches(n):
@@ -45,7 +28,7 @@ def _train(batches, progress=None):
     """The plain loop: no creation, no host read. Losses detached (read after the loop).
     (It turns hot too, from the backward's and the optimizer's ops, but it is called once
     with the pass on: a second call would compile the loop itself.)"""
-    m = _llama()
+    m = tiny_llama()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     losses = []
     for ids in batches:
@@ -61,7 +44,7 @@ def _train(batches, progress=None):
 
 def _train_sharded(batches):
     """``_train`` again, a function of its own (see ``_train``)."""
-    m = _llama()
+    m = tiny_llama()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     losses = []
     for ids in batches:

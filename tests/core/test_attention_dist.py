@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests._dist import run_ranks
+from tests._hf import tiny_gpt2, tiny_llama
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 
@@ -187,33 +188,7 @@ def test_a_dropout_that_draws_nothing_stays_on_each_shard(tmp_path):
 
 
 def _hf_models():
-    import transformers as T
-
-    torch.manual_seed(0)
-    llama = T.LlamaForCausalLM(
-        T.LlamaConfig(
-            vocab_size=128,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-        )
-    )
-    gpt2 = T.GPT2LMHeadModel(  # dropout p=0 in training mode: the identity, no draw
-        T.GPT2Config(
-            vocab_size=128,
-            n_embd=64,
-            n_layer=2,
-            n_head=4,
-            n_positions=64,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-        )
-    )
-    return {"llama": llama, "gpt2": gpt2}
+    return {"llama": tiny_llama(), "gpt2": tiny_gpt2()}  # GPT-2: dropout p=0, no draw
 
 
 def _hf_steps(rank, world):
@@ -263,7 +238,6 @@ def _hf_steps(rank, world):
 
 
 def test_hugging_face_models_train_on_a_batch_signal_with_no_gather(tmp_path):
-    pytest.importorskip("transformers")
     for failures, counts in run_ranks(_hf_steps, 2, tmp_path, timeout=240):
         assert failures == []
         assert counts == {"llama": {}, "gpt2": {}}  # attention and dropout(p=0): no fallback
