@@ -74,19 +74,32 @@ def agree_on_group(pending: list, where: str, rt: Runtime, device: torch.device)
     return agreed
 
 
-def check_same_batch(inputs: object, rt: Runtime, device: torch.device) -> None:
-    """Tensor parallelism needs the same batch on every rank; check the first one (every
-    tensor in it: a dict batch's ``input_ids``, ``attention_mask`` and ``labels`` alike)."""
+def check_same_batch(
+    inputs: object, rt: Runtime, device: torch.device, group: object = None
+) -> None:
+    """Tensor parallelism needs the same batch on every rank of a tensor-parallel ``group``
+    (``None``: the world); check the first one (every tensor in it: a dict batch's
+    ``input_ids``, ``attention_mask`` and ``labels`` alike). Collective over ``group``."""
     tensors = _tensors(inputs)
-    if rt.world_size == 1 or not tensors:
+    size = rt.world_size if group is None else dist.get_world_size(group)
+    if size == 1 or not tensors:
         return
     t = torch.stack(
         [torch.stack([x.double().sum(), (x.double() ** 2).sum()]) for x in tensors]
     ).flatten()
     t = t.to(device)
-    out = [torch.zeros_like(t) for _ in range(rt.world_size)]
-    dist.all_gather(out, t)
+    out = [torch.zeros_like(t) for _ in range(size)]
+    dist.all_gather(out, t, group=group)
     if any(not torch.equal(o, out[0]) for o in out):
+        if group is not None:
+            raise ValueError(
+                "tensor parallelism needs the same batch on every rank of a tensor-parallel "
+                "group, but the first batches differ (checksums: "
+                + ", ".join(f"tp rank {r}: {o[0].item():.6g}" for r, o in enumerate(out))
+                + "); shard the loader over the data-parallel ranks only: "
+                "OptimizedDataLoader.create(..., num_replicas=trainer.data_parallel_size, "
+                "rank=trainer.data_parallel_rank)"
+            )
         raise ValueError(
             "strategy 'placements' (tensor parallel) needs the same batch on every rank, "
             "but the first batches differ (checksums: "

@@ -23,6 +23,7 @@ YAML (every section optional; unknown keys are errors naming file and key)::
     compile: false                 # torch.compile each block (TP -> AC -> compile -> FSDP)
     compile_backend: inductor      # any torch.compile backend name (aot_eager: no codegen)
     activation_checkpointing: false  # recompute each block's activations in backward
+    parallelism: {dp_replicate: 1, dp_shard: -1, tp: 1}  # 2-D/3-D mesh (torchtitan's names)
 
 Load with ``load_train_config(path)``; pass the result as ``DistributedTrainer(config=...)``.
 The config is the one place for these settings: the trainer's keyword arguments of the same
@@ -41,6 +42,7 @@ __all__ = [
     "CheckpointConfig",
     "DDPConfig",
     "FSDPConfig",
+    "ParallelismConfig",
     "SchedulerConfig",
     "TrainConfig",
     "TrainingConfig",
@@ -179,6 +181,68 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class ParallelismConfig:
+    """The device mesh, in torchtitan's names and order: ``(dp_replicate, dp_shard, tp)``.
+
+    The defaults (``dp_replicate: 1, dp_shard: -1, tp: 1``) are today's 1-D world mesh: every
+    rank in one data-parallel group (``placements``: one tensor-parallel group). ``-1`` (at
+    most one size) means "the ranks left": the world size over the other sizes. The product
+    must equal the world size, checked where the mesh is built (``resolve``)."""
+
+    dp_replicate: int = 1
+    """Data-parallel replicas: HSDP's replicate dim (FSDP shards within each replica)."""
+    dp_shard: int = -1
+    """FSDP's shard dim (-1: the rest of the world)."""
+    tp: int = 1
+    """Tensor-parallel ranks: the ``placements`` table is applied within this dim."""
+
+    def __post_init__(self) -> None:
+        for key in ("dp_replicate", "dp_shard", "tp"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or (value < 1 and value != -1):
+                raise ConfigError(
+                    f"must be a positive integer or -1 (the rest), got {value!r}",
+                    key=f"parallelism.{key}",
+                    value=value,
+                )
+        rest = [k for k in ("dp_replicate", "dp_shard", "tp") if getattr(self, k) == -1]
+        if len(rest) > 1:
+            raise ConfigError(
+                f"at most one size may be -1 (the rest), got -1 for {', '.join(rest)}",
+                key=f"parallelism.{rest[1]}",
+                value=-1,
+            )
+
+    @property
+    def is_default(self) -> bool:
+        """Whether this is today's 1-D world mesh (no tensor or replicate dim)."""
+        return self.dp_replicate == 1 and self.tp == 1
+
+    def resolve(self, world_size: int) -> tuple[int, int, int]:
+        """``(dp_replicate, dp_shard, tp)`` with -1 filled in; a ``ConfigError`` naming
+        ``parallelism``, the sizes and the world size when they do not multiply to it."""
+        sizes = [self.dp_replicate, self.dp_shard, self.tp]
+        known = 1
+        for v in sizes:
+            if v != -1:
+                known *= v
+        if -1 in sizes and known and world_size % known == 0:
+            sizes[sizes.index(-1)] = world_size // known
+        if -1 in sizes or sizes[0] * sizes[1] * sizes[2] != world_size:
+            raise ConfigError(
+                f"dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x tp={self.tp} "
+                f"must multiply to the world size {world_size}",
+                key="parallelism",
+                value={
+                    "dp_replicate": self.dp_replicate,
+                    "dp_shard": self.dp_shard,
+                    "tp": self.tp,
+                },
+            )
+        return sizes[0], sizes[1], sizes[2]
+
+
+@dataclass(kw_only=True, slots=True)
 class TrainConfig:
     """Everything the trainer reads from YAML."""
 
@@ -215,6 +279,8 @@ class TrainConfig:
     activation_checkpointing: bool = False
     """Wrap each block in ``checkpoint_wrapper``: its activations are recomputed in backward
     (less memory, about one more forward of compute)."""
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    """The mesh ``(dp_replicate, dp_shard, tp)``; the default is the 1-D world mesh."""
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -251,6 +317,21 @@ class TrainConfig:
                     key="compile_backend",
                     value=self.compile_backend,
                 )
+        if self.parallelism.tp != 1 and not self.placements:
+            raise ConfigError(
+                f"parallelism.tp={self.parallelism.tp} needs a non-empty 'placements' table "
+                "(applied within the tp dim)",
+                key="parallelism.tp",
+                value=self.parallelism.tp,
+            )
+        if self.parallelism.tp != 1 and self.strategy == "ddp":
+            raise ConfigError(
+                "strategy 'ddp' cannot run over tensor-parallel (DTensor) parameters (torch's "
+                "DDP does not support them); use strategy 'fsdp' with parallelism.tp, or "
+                "'placements' for tensor parallelism alone",
+                key="parallelism.tp",
+                value=self.parallelism.tp,
+            )
         if self.strategy == "placements" and not self.placements:
             raise ConfigError(
                 "strategy 'placements' needs a non-empty 'placements' table "

@@ -110,6 +110,8 @@ class OptimizedDataLoader:
         prefetch_factor: int | None = None,
         persistent_workers: bool | None = None,
         collate_fn=None,
+        num_replicas: int | None = None,
+        rank: int | None = None,
     ) -> DataLoader:
         """A ``DataLoader`` over ``dataset`` with ``batch_size`` samples per rank.
 
@@ -120,11 +122,25 @@ class OptimizedDataLoader:
         CUDA is in use; ``prefetch_factor`` to 2 with workers.
         ``drop_last`` drops the sampler's tail so every rank gets equally many samples and
         the loader's last short batch.
+
+        ``num_replicas`` and ``rank`` (with ``shard=True``) shard over the data-parallel ranks
+        rather than the world: on a mesh with a ``tp`` dim (``parallelism``), pass the
+        trainer's ``data_parallel_size`` and ``data_parallel_rank`` so every tensor-parallel
+        rank of a data group reads the same rows. Defaults: the world size and rank.
         """
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         rt = runtime.get_runtime()
-        replicas, rank = (rt.world_size, rt.rank) if shard else (1, 0)
+        if (num_replicas is None) != (rank is None):
+            raise ValueError("pass num_replicas and rank together (or neither)")
+        if not shard:
+            replicas, rank = 1, 0
+        elif num_replicas is not None:
+            if not 0 <= rank < num_replicas:
+                raise ValueError(f"rank must be in [0, {num_replicas}), got {rank}")
+            replicas = num_replicas
+        else:
+            replicas, rank = rt.world_size, rt.rank
         sampler = ResumableDistributedSampler(
             dataset,
             num_replicas=replicas,

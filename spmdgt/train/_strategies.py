@@ -174,17 +174,20 @@ def _refuse_unplaced_beside_colwise(
             )
 
 
-def _sum_gradients_over_ranks(model: nn.Module, table: dict[str, str]) -> None:
+def _sum_gradients_over_ranks(
+    model: nn.Module, table: dict[str, str], group: object = None
+) -> None:
     """``sharded_input`` modules read this rank's part of a colwise output (a per-head norm
     over this rank's heads), so each rank's gradient of their whole, plain parameters is a
-    partial sum: a hook on each gradient sums it over the ranks before it accumulates (once
+    partial sum: a hook on each gradient sums it over the tensor-parallel ``group`` (``None``:
+    the world) before it accumulates (once
     per backward, so gradient accumulation stays exact). Every rank runs the same backward,
     so the hooks' all-reduces come in the same order everywhere."""
     import torch.distributed as dist
 
     def summed(grad: torch.Tensor) -> torch.Tensor:
         grad = grad.clone()
-        dist.all_reduce(grad)
+        dist.all_reduce(grad, group=group)
         return grad
 
     for name, module in model.named_modules():
@@ -236,24 +239,42 @@ def wrap_model(
     compile: bool = False,
     compile_backend: str = "inductor",
     activation_checkpointing: bool = False,
+    tp_mesh: object = None,
+    dp_mesh: object = None,
 ) -> Wrapped:
     """Move ``model`` to ``device`` and wrap it for ``strategy`` (no wrapping in a world of 1).
 
     The one place that decides the order, torchtitan's (``parallelize_llama``): tensor
     parallel, activation checkpointing, ``torch.compile`` per block, then FSDP2 or DDP. Each
     step is an ``apply_*`` function of its own. ``strategy`` and ``placements`` come validated
-    from ``TrainConfig``; ``compile`` must already be agreed by every rank."""
+    from ``TrainConfig``; ``compile`` must already be agreed by every rank.
+
+    ``mesh`` is the 1-D world mesh (today's behaviour: the strategy spans every rank). On a
+    2-D/3-D mesh (``parallelism``) the trainer passes ``tp_mesh`` (the ``tp`` dim: the
+    ``placements`` table is applied there) and ``dp_mesh`` (the data-parallel dims: FSDP2
+    shards over ``dp_shard``, HSDP when it is 2-D, or DDP over its group)."""
     assert strategy in STRATEGIES, strategy  # TrainConfig validated it
     ddp = ddp or DDPConfig()
     fsdp = fsdp or FSDPConfig()
     model = model.to(device)
     distributed = world_size > 1
+    two_d = tp_mesh is not None or dp_mesh is not None
+    if not two_d:  # the 1-D world mesh: TP over it for placements, else data parallel
+        tp_mesh = mesh if strategy == "placements" and distributed else None
+        dp_mesh = mesh if strategy != "placements" else None
+        tp_size = world_size
+        dp_size = world_size if strategy != "placements" else 1
+    else:
+        tp_size = tp_mesh.size() if tp_mesh is not None else 1
+        dp_size = dp_mesh.size() if dp_mesh is not None else 1
+    data_parallel = distributed and dp_size > 1
     wrapped = Wrapped(model, strategy, 1, autocast_dtype=amp_dtype if use_amp else None)
-    if strategy == "placements":
-        assert placements, "TrainConfig requires a placements table for 'placements'"
-        plan = _placement_plan(model, placements, world_size)  # checked in a world of 1 too
-        if distributed:
-            apply_tp(model, mesh, plan, placements)
+    if strategy == "placements" or (two_d and tp_mesh is not None):
+        assert placements, "TrainConfig requires a placements table for tensor parallelism"
+        plan = _placement_plan(model, placements, tp_size)  # checked in a world of 1 too
+        if tp_mesh is not None:
+            group = tp_mesh.get_group() if two_d else None  # None: the world, as before
+            apply_tp(model, tp_mesh, plan, placements, group=group)
             # DTensor's collectives have no hook: the trainer reads them from the interceptor's
             # op stream when measurement is asked for (see DistributedTrainer.train).
             wrapped.comm_source = None
@@ -261,29 +282,32 @@ def wrap_model(
         wrapped.autocast_dtype = amp_dtype  # same numerics as bf16 params: autocast the forward
     # FSDP's units by name, taken before apply_ac wraps them: a compile fallback (a model
     # without a block list) compiles the units themselves, not their checkpoint wrappers.
-    fallback = _fsdp_named_blocks(model) if strategy == "fsdp" and distributed else None
+    fallback = _fsdp_named_blocks(model) if strategy == "fsdp" and data_parallel else None
     if activation_checkpointing:
         apply_ac(model)
     if compile:
         # DTensor collectives run inside tensor-parallel blocks: a compile failure is then an
         # error, never an eager fallback on one rank (it could order those collectives
         # differently). DDP's and FSDP2's collectives run in hooks around the blocks.
-        in_blocks = strategy == "placements" and distributed
+        in_blocks = tp_mesh is not None
         wrapped.compiled = apply_compile(model, compile_backend, in_blocks, fallback)
-    if distributed and strategy == "ddp":
-        wrapped.module = apply_ddp(model, device, ddp, find_unused_parameters, wrapped.log)
-        wrapped.data_parallel_size = world_size
+    if data_parallel and strategy == "ddp":
+        group = None if not two_d else _dp_group(dp_mesh)
+        wrapped.module = apply_ddp(
+            model, device, ddp, find_unused_parameters, wrapped.log, group=group
+        )
+        wrapped.data_parallel_size = dp_size
         wrapped.comm_source = "ddp_comm_hook"
-    elif distributed and strategy == "fsdp":
+    elif data_parallel and strategy == "fsdp":
         if find_unused_parameters:
             warnings.warn(
                 "find_unused_parameters does nothing under FSDP2 (it handles unused parameters)",
                 stacklevel=_USER_FRAME,
             )
         mixed = fsdp.use_mixed_precision or use_amp
-        wrapped.fsdp_modules = apply_fsdp(model, mesh, fsdp, amp_dtype if mixed else None)
+        wrapped.fsdp_modules = apply_fsdp(model, dp_mesh, fsdp, amp_dtype if mixed else None)
         _log_fsdp_collectives(wrapped.fsdp_modules, wrapped.log, sum_only=backend != "nccl")
-        wrapped.data_parallel_size = world_size
+        wrapped.data_parallel_size = dp_size
         # FSDP's own MixedPrecisionPolicy casts; autocast stays off so compute is what it says.
         wrapped.autocast_dtype = None
         wrapped.comm_source = "fsdp2_collective_hooks"
@@ -296,14 +320,20 @@ _USER_FRAME = 4
 
 
 def apply_tp(
-    model: nn.Module, mesh: object, plan: dict[str, object], table: dict[str, str]
+    model: nn.Module,
+    mesh: object,
+    plan: dict[str, object],
+    table: dict[str, str],
+    group: object = None,
 ) -> None:
-    """Tensor parallelism: ``parallelize_module`` with ``plan`` on ``mesh``, then the gradient
-    hooks of the ``sharded_input`` modules (their whole parameters see a part of the input)."""
+    """Tensor parallelism: ``parallelize_module`` with ``plan`` on ``mesh`` (1-D: the world's
+    or a bigger mesh's ``tp`` dim), then the gradient hooks of the ``sharded_input`` modules
+    (their whole parameters see a part of the input), summing over ``group`` (the ``tp``
+    dim's process group on a bigger mesh; ``None``: the world)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     parallelize_module(model, mesh, plan)
-    _sum_gradients_over_ranks(model, table)
+    _sum_gradients_over_ranks(model, table, group)
 
 
 def apply_ac(model: nn.Module) -> None:
@@ -365,19 +395,27 @@ def apply_ddp(
     ddp: DDPConfig,
     find_unused_parameters: bool,
     log: CollectiveLog,
+    group: object = None,
 ) -> nn.parallel.DistributedDataParallel:
     """``DistributedDataParallel`` around the whole (possibly compiled) model, last: dynamo
     never traces DDP itself. A comm hook doing DDP's divide + SUM all-reduce records each
-    bucket's all-reduce in ``log``."""
+    bucket's all-reduce in ``log``. ``group``: the data-parallel process group (``None``:
+    the world)."""
     ids = [device.index] if device.type == "cuda" else None
     module = nn.parallel.DistributedDataParallel(
         model,
         device_ids=ids,
+        process_group=group,
         bucket_cap_mb=ddp.bucket_cap_mb,
         find_unused_parameters=find_unused_parameters,
     )
-    module.register_comm_hook(None, ddp_counting_hook(log))
+    module.register_comm_hook(group, ddp_counting_hook(log))
     return module
+
+
+def _dp_group(mesh: object) -> object:
+    """One process group over every rank of the data-parallel mesh (DDP takes one group)."""
+    return mesh.get_group() if mesh.ndim == 1 else mesh._flatten().get_group()
 
 
 def _fsdp_named_blocks(model: nn.Module) -> list[tuple[str, nn.Module]] | None:
@@ -394,7 +432,9 @@ def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float) -> torch.Ten
 
     Sharded (DTensor) gradients contribute their *global* norm, replicated plain gradients
     their own: the result equals clipping the unsharded model in one process. Tensor-parallel
-    models mix both kinds, which ``torch.nn.utils.clip_grad_norm_`` cannot combine in one call.
+    models mix both kinds, which ``torch.nn.utils.clip_grad_norm_`` cannot combine in one call,
+    and on a 2-D mesh DTensors on different meshes (``(dp_shard, tp)`` and ``dp_shard``): their
+    norms are taken per mesh.
     """
     from torch.distributed.tensor import DTensor
 
@@ -404,17 +444,22 @@ def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float) -> torch.Ten
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
     plain = [g for g in grads if not isinstance(g, DTensor)]
     sq = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
-    if sharded:
-        n = torch.nn.utils.get_total_norm(sharded, 2.0)
+    # One norm per mesh: tensor parallel under FSDP2 leaves DTensors on the 2-D
+    # (dp_shard, tp) mesh beside the replicated modules' on dp_shard alone, and DTensor ops
+    # do not mix meshes. Each mesh's norm is reduced over it (full_tensor), then combined.
+    by_mesh: dict[object, list[nn.Parameter]] = {}
+    for p in parameters:
+        if isinstance(p.grad, DTensor):
+            by_mesh.setdefault(p.grad.device_mesh, []).append(p)
+    for group in by_mesh.values():
+        n = torch.nn.utils.get_total_norm([p.grad for p in group], 2.0)
         n = n.full_tensor() if isinstance(n, DTensor) else n
         sq = sq + n.float() ** 2
     if plain:
         sq = sq + torch.nn.utils.get_total_norm(plain, 2.0).float() ** 2
     total = sq.sqrt()
-    if sharded:
-        torch.nn.utils.clip_grads_with_norm_(
-            [p for p in parameters if isinstance(p.grad, DTensor)], max_norm, total
-        )
+    for group in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     if plain:
         torch.nn.utils.clip_grads_with_norm_(
             [p for p in parameters if p.grad is not None and not isinstance(p.grad, DTensor)],

@@ -129,6 +129,13 @@ class DistributedTrainer:
     The optimizer must be built on ``model.parameters()`` *before* it is given here; FSDP2 and
     tensor parallelism swap parameters for DTensors in place, so the trainer rebuilds the
     optimizer's param groups over the wrapped model's parameters (same order, same options).
+
+    ``config.parallelism`` lays the ranks out on a ``(dp_replicate, dp_shard, tp)`` mesh
+    (``device_mesh``; ``None`` for the default 1-D world). ``data_parallel_size`` and
+    ``data_parallel_rank`` say which rows this rank reads: pass them to
+    ``OptimizedDataLoader.create(..., num_replicas=, rank=)`` so the TP ranks of a data group
+    share a batch (on the 1-D world they are the world size and rank; 1 and 0 for
+    ``placements``).
     """
 
     def __init__(
@@ -244,6 +251,7 @@ class DistributedTrainer:
                 "optimizer_cls(model.parameters(), ...) on the model given here"
             )
         cfg = self.config
+        meshes = self._build_mesh()
         wrapped = wrap_model(
             model,
             cfg.strategy,
@@ -256,13 +264,50 @@ class DistributedTrainer:
             ddp=cfg.ddp,
             fsdp=cfg.fsdp,
             placements=cfg.placements,
-            mesh=runtime.device_mesh() if self.rt.world_size > 1 else None,
+            mesh=runtime.device_mesh() if self.rt.world_size > 1 and not meshes else None,
             compile=self.compile,
             compile_backend=cfg.compile_backend,
             activation_checkpointing=cfg.activation_checkpointing,
+            **meshes,
         )
         self._rebind_optimizer(old_params, list(model.parameters()))
         return wrapped
+
+    def _build_mesh(self) -> dict[str, object]:
+        """The ``parallelism`` block's meshes for ``wrap_model``: ``{}`` for today's 1-D world
+        mesh (``dp_replicate`` and ``tp`` of 1), else ``tp_mesh`` and ``dp_mesh`` cut from one
+        ``init_device_mesh`` of shape ``(dp_replicate, dp_shard, tp)``. Sets
+        ``data_parallel_rank``/``data_parallel_size`` (a rank's coordinate in the data dims:
+        the TP ranks of a data group share it, and the batch). A bad block is a
+        ``ConfigError`` on every rank, before any collective."""
+        cfg = self.config
+        world, rank = self.rt.world_size, self.rt.rank
+        rep, shard, tp = cfg.parallelism.resolve(world)
+        self.device_mesh = None
+        if rep == 1 and tp == 1:  # today's path, bit for bit
+            data = 1 if cfg.strategy == "placements" else world
+            self.data_parallel_size, self.data_parallel_rank = data, rank if data > 1 else 0
+            return {}
+        if cfg.strategy == "placements" and rep * shard > 1:
+            raise ConfigError(
+                f"strategy 'placements' is tensor parallelism alone, but parallelism gives "
+                f"dp_replicate={rep} x dp_shard={shard} data-parallel ranks; use strategy "
+                "'fsdp' (or 'ddp' without tp) for the data dims, or tp = the world size",
+                key="parallelism",
+                value={"dp_replicate": rep, "dp_shard": shard, "tp": tp},
+            )
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(
+            self.device.type, (rep, shard, tp), mesh_dim_names=("dp_replicate", "dp_shard", "tp")
+        )
+        self.device_mesh = mesh
+        self.data_parallel_size = rep * shard
+        self.data_parallel_rank = rank // tp  # row-major: (dp_replicate, dp_shard) then tp
+        dp_mesh = None
+        if rep * shard > 1:
+            dp_mesh = mesh["dp_replicate", "dp_shard"] if rep > 1 else mesh["dp_shard"]
+        return {"tp_mesh": mesh["tp"] if tp > 1 else None, "dp_mesh": dp_mesh}
 
     def _decide_compile(self, asked: bool) -> bool:
         """Whether to compile: asked for and not vetoed by ``GT_COMPILE=0``, the same on every
@@ -335,6 +380,13 @@ class DistributedTrainer:
         if dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=dtype)
+
+    def _tp_group(self) -> object:
+        """The tensor-parallel process group on a mesh with a ``tp`` dim > 1, else ``None``."""
+        mesh = self.device_mesh
+        if mesh is None or mesh["tp"].size() == 1:
+            return None
+        return mesh["tp"].get_group()
 
     def _comm_device(self) -> torch.device:
         return self.device if self.rt.backend == "nccl" else torch.device("cpu")
@@ -464,7 +516,7 @@ class DistributedTrainer:
             params=params,
             dp=self.wrapped.data_parallel_size,
             compile_at_start=compile_at_start,
-            checked_batch=self.strategy != "placements",
+            checked_batch=self.strategy != "placements" and self._tp_group() is None,
         )
 
     def _train_epoch(self, run: Run, loader: Iterable, epoch: int) -> bool:
@@ -550,7 +602,7 @@ class DistributedTrainer:
             inputs, targets = self._unpack(batch)
             waited += time.perf_counter() - t
             if not run.checked_batch:
-                check_same_batch(inputs, self.rt, self._comm_device())
+                check_same_batch(inputs, self.rt, self._comm_device(), self._tp_group())
                 run.checked_batch = True
             samples += num_samples(inputs)
             tokens += num_tokens(inputs)

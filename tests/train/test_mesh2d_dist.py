@@ -1,0 +1,204 @@
+"""The trainer on a 2-D/3-D mesh (``parallelism``) equals one-process torch on the same data.
+
+Four gloo ranks. ``dp_shard=2 x tp=2`` (FSDP2 over tensor-parallel DTensors) and
+``dp_replicate=2 x dp_shard=2`` (HSDP) each train a few AdamW steps with clipping on a batch
+of 3 rows per data-parallel rank (6 global: not a power of two); every step's loss and the
+final full weights must equal the one-process reference at 1e-5 (fp32; the differences are
+sum-order rounding, ~1e-7). A bad ``parallelism`` block is a ``ConfigError`` on every rank.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed.checkpoint  # imported before fork: children inherit it
+import torch.distributed.tensor.parallel
+import torch.nn.functional as F
+
+from spmdgt.config import ConfigError
+from spmdgt.train import DistributedTrainer, OptimizedDataLoader, ParallelismConfig, TrainConfig
+from tests._dist import run_ranks
+from tests.train._models import (
+    HIDDEN,
+    TP_HIDDEN,
+    full_state,
+    make_dataset,
+    make_model,
+    make_optimizer,
+    reference_train,
+)
+
+PER_DP_RANK, STEPS, CLIP = 3, 4, 0.5  # 48 rows: 4 steps of 12 under HSDP
+TP_PLAN = {"up": "colwise", "down": "rowwise", "norm": "replicate"}
+
+
+def _train(rank: int, world: int, parallelism: dict, hidden: int, strategy: str = "fsdp") -> tuple:
+    torch.set_num_threads(1)
+    model = make_model(hidden=hidden)
+    cfg = TrainConfig(
+        strategy=strategy,
+        placements=TP_PLAN if parallelism.get("tp", 1) > 1 else {},
+        parallelism=ParallelismConfig(**parallelism),
+    )
+    trainer = DistributedTrainer(
+        model, make_optimizer(model), loss_fn=F.mse_loss, max_grad_norm=CLIP, config=cfg
+    )
+    loader = OptimizedDataLoader.create(
+        make_dataset(),
+        PER_DP_RANK,
+        shuffle=False,
+        num_replicas=trainer.data_parallel_size,
+        rank=trainer.data_parallel_rank,
+    )
+    summary = trainer.train(loader, max_steps=STEPS)
+    dp = (trainer.data_parallel_rank, trainer.data_parallel_size)
+    return full_state(trainer.model), trainer.last_stats.global_losses, summary, dp
+
+
+def _check(results: list, hidden: int, dp_size: int) -> float:
+    ref, ref_losses = reference_train(
+        make_dataset(), PER_DP_RANK * dp_size, STEPS, max_grad_norm=CLIP, hidden=hidden
+    )
+    worst = 0.0
+    for state, losses, summary, _ in results:
+        assert summary["num_steps"] == STEPS
+        for k, v in ref.items():
+            torch.testing.assert_close(state[k], v, atol=1e-5, rtol=0, msg=k)
+            worst = max(worst, float((state[k] - v).abs().max()))
+        got, want = torch.tensor(losses), torch.tensor(ref_losses)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+        worst = max(worst, float((got - want).abs().max()))
+    return worst
+
+
+def test_fsdp_over_tp_2x2_matches_single_process(tmp_path):
+    out = run_ranks(_train, 4, tmp_path, {"dp_shard": 2, "tp": 2}, TP_HIDDEN, timeout=180)
+    # rank = dp_rank * tp + tp_rank: both TP ranks of a data group read the same rows
+    assert [r[3] for r in out] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    print("max |diff| vs one process (dp_shard=2 x tp=2):", _check(out, TP_HIDDEN, 2))
+
+
+def test_hsdp_2x2_matches_single_process(tmp_path):
+    # HIDDEN=11: every dim-0 shard is uneven (6/5) over dp_shard.
+    out = run_ranks(_train, 4, tmp_path, {"dp_replicate": 2, "dp_shard": 2}, HIDDEN, timeout=180)
+    assert [r[3] for r in out] == [(0, 4), (1, 4), (2, 4), (3, 4)]
+    print("max |diff| vs one process (dp_replicate=2 x dp_shard=2):", _check(out, HIDDEN, 4))
+
+
+def test_ddp_over_both_data_dims_and_pure_tp_match_single_process(tmp_path):
+    # ddp with dp_replicate=2 x dp_shard=2: one DDP group over both data dims.
+    for sub in ("ddp", "tp"):
+        (tmp_path / sub).mkdir()
+    out = run_ranks(_train, 4, tmp_path / "ddp", {"dp_replicate": 2, "dp_shard": 2}, HIDDEN, "ddp")
+    print("max |diff| vs one process (ddp 2 x 2):", _check(out, HIDDEN, 4))
+    # placements with tp=4: tensor parallelism alone, every rank one data group.
+    out = run_ranks(_train, 4, tmp_path / "tp", {"dp_shard": 1, "tp": 4}, TP_HIDDEN, "placements")
+    assert [r[3] for r in out] == [(0, 1)] * 4
+    print("max |diff| vs one process (placements tp=4):", _check(out, TP_HIDDEN, 1))
+
+
+def _world_sharded_loader(rank: int, world: int) -> str:
+    torch.set_num_threads(1)
+    model = make_model(hidden=TP_HIDDEN)
+    cfg = TrainConfig(
+        strategy="fsdp", placements=TP_PLAN, parallelism=ParallelismConfig(dp_shard=2, tp=2)
+    )
+    trainer = DistributedTrainer(model, make_optimizer(model), loss_fn=F.mse_loss, config=cfg)
+    loader = OptimizedDataLoader.create(make_dataset(), PER_DP_RANK, shuffle=False)
+    try:
+        trainer.train(loader, max_steps=1)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_tp_ranks_with_different_batches_are_an_error(tmp_path):
+    for message in run_ranks(_world_sharded_loader, 4, tmp_path):
+        assert "tensor-parallel group" in message and "data_parallel_rank" in message, message
+
+
+def _bad(rank: int, world: int) -> list[str]:
+    torch.set_num_threads(1)
+    messages = []
+    for parallelism in ({"dp_shard": 3}, {"dp_shard": -1, "tp": -1}, {"tp": 0}):
+        model = make_model(hidden=TP_HIDDEN)
+        try:
+            cfg = TrainConfig(
+                strategy="fsdp", placements=TP_PLAN, parallelism=ParallelismConfig(**parallelism)
+            )
+            DistributedTrainer(model, make_optimizer(model), loss_fn=F.mse_loss, config=cfg)
+        except ConfigError as e:
+            messages.append(str(e))
+        else:
+            messages.append("no error")
+    return messages
+
+
+def test_bad_parallelism_is_a_config_error_on_every_rank(tmp_path):
+    out = run_ranks(_bad, 4, tmp_path)
+    for product, two_rest, zero in out:
+        assert "'parallelism'" in product and "world size 4" in product, product
+        assert "dp_shard=3" in product, product
+        assert "parallelism." in two_rest and "-1" in two_rest, two_rest
+        assert "'parallelism.tp'" in zero and "0" in zero, zero
+
+
+def test_default_parallelism_is_the_world():
+    p = ParallelismConfig()
+    assert p.is_default and p.resolve(4) == (1, 4, 1)
+    assert ParallelismConfig(dp_replicate=2, dp_shard=1, tp=-1).resolve(8) == (2, 1, 4)
+    with pytest.raises(ConfigError, match=r"parallelism\.dp_replicate"):
+        ParallelismConfig(dp_replicate=True)
+    with pytest.raises(ConfigError, match=r"parallelism\.tp"):
+        TrainConfig(strategy="ddp", placements=TP_PLAN, parallelism=ParallelismConfig(tp=2))
+
+
+class _HeadNormAttention(torch.nn.Module):
+    """q/o projections around a per-head norm (Qwen3's q_norm), 2 heads of 4."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_proj = torch.nn.Linear(6, 8)
+        self.q_norm = torch.nn.LayerNorm(4)
+        self.o_proj = torch.nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.q_proj(x)
+        h = self.q_norm(h.unflatten(-1, (-1, 4))).flatten(-2)
+        return self.o_proj(torch.tanh(h))
+
+
+def _head_norm_grads_2d(rank: int, world: int) -> tuple:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from spmdgt import runtime
+    from spmdgt.train._strategies import wrap_model
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model, ref = _HeadNormAttention(), _HeadNormAttention()
+    ref.load_state_dict(model.state_dict())
+    with torch.no_grad():  # a weight that is not all ones: its gradient differs per head
+        for m in (model, ref):
+            m.q_norm.weight.copy_(torch.linspace(0.5, 1.5, 4))
+    mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    dp_rank = rank // 2  # each data group its own batch: a world-wide sum would mix them
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(1 + dp_rank))
+    table = {"q_proj": "colwise", "o_proj": "rowwise", "q_norm": "sharded_input"}
+    wrapped = wrap_model(
+        model,
+        "fsdp",
+        device=torch.device("cpu"),
+        world_size=world,
+        backend=runtime.get_runtime().backend,
+        placements=table,
+        tp_mesh=mesh["tp"],
+    )
+    wrapped.module(x).pow(2).mean().backward()
+    ref(x).pow(2).mean().backward()
+    return model.q_norm.weight.grad, ref.q_norm.weight.grad
+
+
+def test_sharded_input_gradients_sum_over_the_tp_group_only(tmp_path):
+    for got, want in run_ranks(_head_norm_grads_2d, 4, tmp_path):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
