@@ -11,11 +11,11 @@ One process: ``python train.py``. N processes: ``torchrun --nproc_per_node=N tra
 
 The full guide is docs/trainer.md. Machinery: ``_strategies`` (wrapping: ``apply_tp``,
 ``apply_ac``, ``apply_compile``, ``apply_fsdp``/``apply_ddp``), ``_trainer`` (the loop),
-``_run`` (one call's measurement), ``_checkpoint`` (atomic DCP checkpoints), ``_comm``
-(collective algebra and logging), ``_units`` (the blocks: FSDP's units and compile's),
-``_compile``, ``_dryrun`` (a step for a world that is not there), ``_throughput`` (FLOPs,
-MFU), ``_profilers``, ``_summary``, ``_data``, ``_batches`` (a batch into the model, its loss
-out), ``_config``.
+``_run`` (one call's measurement), ``_mesh`` (the parallelism block's meshes),
+``_checkpoint`` (atomic DCP checkpoints), ``_comm`` (collective algebra and logging),
+``_units`` (the blocks: FSDP's units and compile's), ``_compile``, ``_dryrun`` (a step for a
+world that is not there), ``_throughput`` (FLOPs, MFU), ``_profilers``, ``_summary``,
+``_data``, ``_batches`` (a batch into the model, its loss out), ``_config``.
 """
 
 from spmdgt.train._checkpoint import CheckpointError

@@ -52,6 +52,7 @@ from spmdgt.train._checkpoint import (
 from spmdgt.train._compile import compile_disabled_by_env, compile_seconds
 from spmdgt.train._config import SchedulerConfig, TrainConfig, load_train_config, override
 from spmdgt.train._data import ResumableDistributedSampler
+from spmdgt.train._mesh import build_layout, tp_group
 from spmdgt.train._profilers import cuda_peaks, current_memory_bytes, peak_memory_bytes
 from spmdgt.train._run import (
     Run,
@@ -274,40 +275,14 @@ class DistributedTrainer:
         return wrapped
 
     def _build_mesh(self) -> dict[str, object]:
-        """The ``parallelism`` block's meshes for ``wrap_model``: ``{}`` for today's 1-D world
-        mesh (``dp_replicate`` and ``tp`` of 1), else ``tp_mesh`` and ``dp_mesh`` cut from one
-        ``init_device_mesh`` of shape ``(dp_replicate, dp_shard, tp)``. Sets
-        ``data_parallel_rank``/``data_parallel_size`` (a rank's coordinate in the data dims:
-        the TP ranks of a data group share it, and the batch). A bad block is a
-        ``ConfigError`` on every rank, before any collective."""
-        cfg = self.config
-        world, rank = self.rt.world_size, self.rt.rank
-        rep, shard, tp = cfg.parallelism.resolve(world)
-        self.device_mesh = None
-        if rep == 1 and tp == 1:  # today's path, bit for bit
-            data = 1 if cfg.strategy == "placements" else world
-            self.data_parallel_size, self.data_parallel_rank = data, rank if data > 1 else 0
-            return {}
-        if cfg.strategy == "placements" and rep * shard > 1:
-            raise ConfigError(
-                f"strategy 'placements' is tensor parallelism alone, but parallelism gives "
-                f"dp_replicate={rep} x dp_shard={shard} data-parallel ranks; use strategy "
-                "'fsdp' (or 'ddp' without tp) for the data dims, or tp = the world size",
-                key="parallelism",
-                value={"dp_replicate": rep, "dp_shard": shard, "tp": tp},
-            )
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh(
-            self.device.type, (rep, shard, tp), mesh_dim_names=("dp_replicate", "dp_shard", "tp")
+        """The ``parallelism`` block's meshes for ``wrap_model`` (``{}``: today's 1-D world);
+        sets ``device_mesh`` and this rank's ``data_parallel_rank``/``data_parallel_size``."""
+        layout = build_layout(
+            self.config.parallelism, self.strategy, self.rt.world_size, self.rt.rank, self.device
         )
-        self.device_mesh = mesh
-        self.data_parallel_size = rep * shard
-        self.data_parallel_rank = rank // tp  # row-major: (dp_replicate, dp_shard) then tp
-        dp_mesh = None
-        if rep * shard > 1:
-            dp_mesh = mesh["dp_replicate", "dp_shard"] if rep > 1 else mesh["dp_shard"]
-        return {"tp_mesh": mesh["tp"] if tp > 1 else None, "dp_mesh": dp_mesh}
+        self.device_mesh = layout.mesh
+        self.data_parallel_size, self.data_parallel_rank = layout.dp_size, layout.dp_rank
+        return layout.wrap_kwargs()
 
     def _decide_compile(self, asked: bool) -> bool:
         """Whether to compile: asked for and not vetoed by ``GT_COMPILE=0``, the same on every
@@ -383,10 +358,7 @@ class DistributedTrainer:
 
     def _tp_group(self) -> object:
         """The tensor-parallel process group on a mesh with a ``tp`` dim > 1, else ``None``."""
-        mesh = self.device_mesh
-        if mesh is None or mesh["tp"].size() == 1:
-            return None
-        return mesh["tp"].get_group()
+        return tp_group(self.device_mesh)
 
     def _comm_device(self) -> torch.device:
         return self.device if self.rt.backend == "nccl" else torch.device("cpu")
