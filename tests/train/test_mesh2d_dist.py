@@ -9,6 +9,8 @@ sum-order rounding, ~1e-7). A bad ``parallelism`` block is a ``ConfigError`` on 
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 import torch.distributed.checkpoint  # imported before fork: children inherit it
@@ -202,3 +204,65 @@ def _head_norm_grads_2d(rank: int, world: int) -> tuple:
 def test_sharded_input_gradients_sum_over_the_tp_group_only(tmp_path):
     for got, want in run_ranks(_head_norm_grads_2d, 4, tmp_path):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------ checkpoints on 2-D
+
+
+def _ckpt_trainer(root: str | None, parallelism: dict | None, seed: int = 0):
+    from spmdgt.train import CheckpointConfig
+
+    model = make_model(seed=seed, hidden=TP_HIDDEN)
+    cfg = TrainConfig(
+        strategy="fsdp",
+        placements=TP_PLAN if parallelism and parallelism.get("tp", 1) > 1 else {},
+        parallelism=ParallelismConfig(**(parallelism or {})),
+        checkpoint=CheckpointConfig(dir=root),
+    )
+    return DistributedTrainer(
+        model, make_optimizer(model), loss_fn=F.mse_loss, max_grad_norm=CLIP, config=cfg
+    )
+
+
+def _run_2x2(rank: int, world: int, root: str | None, steps: int, seed: int = 0) -> tuple:
+    torch.set_num_threads(1)
+    t = _ckpt_trainer(root, {"dp_shard": 2, "tp": 2}, seed)
+    loader = OptimizedDataLoader.create(
+        make_dataset(),
+        PER_DP_RANK,
+        shuffle=False,
+        num_replicas=t.data_parallel_size,
+        rank=t.data_parallel_rank,
+    )
+    t.train(loader, max_steps=steps)
+    return t.global_step, t.last_stats.global_losses, full_state(t.model)
+
+
+def test_a_2x2_checkpoint_resumes_on_2x2_bitwise_and_in_one_process(tmp_path):
+    """fsdp x tp (2x2) saves at step 2; a fresh 2x2 run (another init: overwritten by the load)
+    resumes to step 4 with the uninterrupted run's losses and weights, bitwise; the same
+    checkpoint loads into one unwrapped process (DCP gathers the 2-D shards; the data
+    position, 12 global samples, carries over) and continues like one-process torch (1e-5)."""
+    root = str(tmp_path / "ck")
+    full = run_ranks(_run_2x2, 4, tmp_path, None, STEPS)
+    first = run_ranks(_run_2x2, 4, tmp_path, root, 2)
+    shutil.copytree(root, tmp_path / "ck_one")  # step 2's checkpoint, for one process below
+    second = run_ranks(_run_2x2, 4, tmp_path, root, STEPS, 5)
+    for r in range(4):
+        assert second[r][0] == STEPS
+        assert first[r][1] + second[r][1] == full[r][1]  # exact float equality
+        for k, v in full[r][2].items():
+            assert torch.equal(second[r][2][k], v), k
+
+    ref_state, ref_losses = reference_train(
+        make_dataset(), PER_DP_RANK * 2, STEPS, max_grad_norm=CLIP, hidden=TP_HIDDEN
+    )
+    one = _ckpt_trainer(str(tmp_path / "ck_one"), None, seed=7)  # a world of one: unwrapped
+    one.train(
+        OptimizedDataLoader.create(make_dataset(), PER_DP_RANK * 2, shuffle=False), max_steps=STEPS
+    )
+    assert one.global_step == STEPS
+    losses = first[0][1] + one.last_stats.global_losses
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), atol=1e-5, rtol=0)
+    for k, v in ref_state.items():
+        torch.testing.assert_close(one.model.state_dict()[k], v, atol=1e-5, rtol=0)
