@@ -85,53 +85,57 @@ _BYTE_UNITS = {
 _NUMBER = r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*"
 
 
+def _parse(value: float | str, pattern: str, read, what: str, example: str) -> float:
+    """``value`` as a number: itself when it is one, else ``read(match)`` of ``pattern`` (a
+    number then its unit), ``None`` from ``read`` meaning a unit it does not know."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    m = re.fullmatch(_NUMBER + pattern + r"\s*", str(value))
+    amount = read(m) if m is not None else None
+    if amount is None:
+        raise DryRunError(f"not a {what}: {value!r} (write e.g. {example})")
+    return amount
+
+
+def _positive(amount: float, value: object, what: str, allow_zero: bool = False) -> float:
+    if not ((amount >= 0 if allow_zero else amount > 0) and math.isfinite(amount)):
+        raise DryRunError(f"a {what} must be {'>=' if allow_zero else '>'} 0, got {value!r}")
+    return amount
+
+
 def parse_bytes(value: float | str) -> float:
     """``80GB`` (1e9), ``80GiB`` (2**30), ``512MiB``, or a number of bytes, as bytes."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        amount = float(value)
-    else:
-        m = re.fullmatch(_NUMBER + r"([A-Za-z]*)\s*", str(value))
-        unit = m.group(2).lower() if m else None
-        if m is None or unit not in _BYTE_UNITS:
-            raise DryRunError(
-                f"not a memory size: {value!r} (write e.g. 80GB, 80GiB, 512MiB, or bytes)"
-            )
-        amount = float(m.group(1)) * _BYTE_UNITS[unit]
-    if not (amount > 0 and math.isfinite(amount)):
-        raise DryRunError(f"a memory size must be > 0, got {value!r}")
-    return amount
+
+    def read(m: re.Match) -> float | None:
+        unit = _BYTE_UNITS.get(m.group(2).lower())
+        return None if unit is None else float(m.group(1)) * unit
+
+    amount = _parse(value, r"([A-Za-z]*)", read, "memory size", "80GB, 80GiB, 512MiB, or bytes")
+    return _positive(amount, value, "memory size")
 
 
 def parse_bandwidth(value: float | str) -> float:
     """``50GB/s`` (bytes), ``400Gb/s`` or ``400Gbps`` (bits), or a number of bytes/s."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        rate = float(value)
-    else:
-        m = re.fullmatch(_NUMBER + r"([kKmMgGtT]?)(B|b|bit)?(?:/s|ps)?\s*", str(value))
-        if m is None or (m.group(2) and not m.group(3)):
-            raise DryRunError(
-                f"not a bandwidth: {value!r} (write e.g. 50GB/s for bytes, 400Gb/s for bits)"
-            )
+
+    def read(m: re.Match) -> float | None:
+        if m.group(2) and not m.group(3):
+            return None
         scale = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[m.group(2).lower()]
-        rate = float(m.group(1)) * scale / (8 if m.group(3) in ("b", "bit") else 1)
-    if not (rate > 0 and math.isfinite(rate)):
-        raise DryRunError(f"a bandwidth must be > 0, got {value!r}")
-    return rate
+        return float(m.group(1)) * scale / (8 if m.group(3) in ("b", "bit") else 1)
+
+    pattern = r"([kKmMgGtT]?)(B|b|bit)?(?:/s|ps)?"
+    rate = _parse(value, pattern, read, "bandwidth", "50GB/s for bytes, 400Gb/s for bits")
+    return _positive(rate, value, "bandwidth")
 
 
 def parse_seconds(value: float | str) -> float:
     """``20us``, ``0.02ms``, ``1e-5s`` or a number of seconds."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        sec = float(value)
-    else:
-        m = re.fullmatch(_NUMBER + r"(s|ms|us|µs|ns)?\s*", str(value))
-        if m is None:
-            raise DryRunError(f"not a time: {value!r} (write e.g. 20us, 0.02ms, 2e-5)")
-        unit = {"s": 1, None: 1, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}[m.group(2)]
-        sec = float(m.group(1)) * unit
-    if not (sec >= 0 and math.isfinite(sec)):
-        raise DryRunError(f"a latency must be >= 0, got {value!r}")
-    return sec
+    units = {"s": 1, None: 1, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+    sec = _parse(
+        value, r"(s|ms|us|µs|ns)?", lambda m: float(m.group(1)) * units[m.group(2)], "time",
+        "20us, 0.02ms, 2e-5",
+    )  # fmt: skip
+    return _positive(sec, value, "latency", allow_zero=True)
 
 
 def _key(name: str) -> str:
