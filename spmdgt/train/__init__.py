@@ -15,7 +15,7 @@ The full guide is docs/trainer.md. Machinery: ``_strategies`` (wrapping: ``apply
 ``_checkpoint`` (atomic DCP checkpoints), ``_comm`` (collective algebra and logging),
 ``_units`` (the blocks: FSDP's units and compile's), ``_compile``, ``_dryrun`` (a step for a
 world that is not there), ``_throughput`` (FLOPs, MFU), ``_profilers``, ``_summary``,
-``_data``, ``_batches`` (a batch into the model, its loss out), ``_config``.
+``_data``, ``_batches`` (a batch into the model, its loss out), ``_schedule``, ``_config``.
 """
 
 from spmdgt.train._checkpoint import CheckpointError
@@ -34,7 +34,8 @@ from spmdgt.train._config import (
 from spmdgt.train._data import OptimizedDataLoader, ResumableDistributedSampler
 from spmdgt.train._dryrun import DryRunError, DryRunReport, dry_run, dry_run_call
 from spmdgt.train._profilers import PerformanceProfiler
-from spmdgt.train._trainer import DistributedTrainer, build_scheduler
+from spmdgt.train._schedule import build_scheduler
+from spmdgt.train._trainer import DistributedTrainer
 
 __all__ = [
     "CheckpointConfig",

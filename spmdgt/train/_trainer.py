@@ -50,7 +50,7 @@ from spmdgt.train._checkpoint import (
     save_checkpoint,
 )
 from spmdgt.train._compile import compile_disabled_by_env, compile_seconds
-from spmdgt.train._config import SchedulerConfig, TrainConfig, load_train_config, override
+from spmdgt.train._config import TrainConfig, load_train_config, override
 from spmdgt.train._data import ResumableDistributedSampler
 from spmdgt.train._mesh import build_layout, tp_group
 from spmdgt.train._profilers import cuda_peaks, current_memory_bytes, peak_memory_bytes
@@ -63,6 +63,7 @@ from spmdgt.train._run import (
     step_scalars,
     window,
 )
+from spmdgt.train._schedule import build_scheduler
 from spmdgt.train._strategies import Wrapped, all_reduce_mean, clip_grad_norm, wrap_model
 from spmdgt.train._summary import (
     MetricsLogger,
@@ -73,28 +74,7 @@ from spmdgt.train._summary import (
 )
 from spmdgt.train._throughput import Throughput
 
-__all__ = ["DistributedTrainer", "build_scheduler"]
-
-
-def build_scheduler(
-    optimizer: torch.optim.Optimizer, cfg: SchedulerConfig
-) -> torch.optim.lr_scheduler.LRScheduler | None:
-    """A ``LambdaLR`` for ``cfg`` (None for ``constant``): warm-up, then linear or cosine decay."""
-    if cfg.type == "constant" and cfg.warmup_steps == 0:
-        return None
-    warm, total = cfg.warmup_steps, cfg.total_steps or 0
-
-    def factor(step: int) -> float:
-        if step < warm:
-            return (step + 1) / warm
-        if cfg.type == "constant":
-            return 1.0
-        progress = min((step - warm) / max(total - warm, 1), 1.0)
-        if cfg.type == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * progress))
-        return 1.0 - progress
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+__all__ = ["DistributedTrainer"]
 
 
 def _as_config(config: TrainConfig | str | os.PathLike | None) -> TrainConfig:
