@@ -1,4 +1,5 @@
-"""DeviceMeshes for signals: the world mesh, and one 1-D sub-mesh per distinct ``workers`` list.
+"""DeviceMeshes for signals: the world mesh, one 1-D sub-mesh per distinct ``workers`` list,
+and the config's named n-D mesh (``named_mesh``: ``mesh: {dp: 2, tp: 2}`` in the YAML).
 
 Every rank runs the same program and so asks for the same meshes in the same order, which is
 what ``new_group`` needs: a sub-mesh is built on first use on every rank, members or not.
@@ -12,9 +13,10 @@ import warnings
 from spmdgt._core.session import session
 from spmdgt.runtime._state import get_runtime, world_mesh
 
-__all__ = ["clear", "mesh_for", "mesh_ranks"]
+__all__ = ["clear", "mesh_for", "mesh_ranks", "named_mesh"]
 
 _cache: dict[tuple[int, ...], object] = {}
+_named: dict[tuple[tuple[str, int], ...], object] = {}
 _warned: set[tuple[int, ...]] = set()
 
 
@@ -55,6 +57,25 @@ def mesh_for(workers: list[int] | None, signal: str | None = None):
     return mesh
 
 
+def named_mesh(dims: tuple[tuple[str, int], ...]):
+    """The n-D mesh over every rank with ``dims`` (name, size) pairs, row-major, made once.
+
+    Sizes must multiply to the world size (the config checks that, naming file and key,
+    before any rank gets here). Every rank builds it in the same program order: each dim's
+    process groups are made by ``init_device_mesh`` collectively."""
+    key = tuple((str(n), int(s)) for n, s in dims)
+    mesh = _named.get(key)
+    if mesh is None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        world_mesh()  # the default group must exist first
+        names = tuple(n for n, _ in key)
+        sizes = tuple(s for _, s in key)
+        mesh = init_device_mesh(get_runtime().device_type, sizes, mesh_dim_names=names)
+        _named[key] = mesh
+    return mesh
+
+
 def mesh_ranks(mesh) -> list[int]:
     """Global ranks of a 1-D (or flattened n-D) mesh, in mesh order.
 
@@ -70,6 +91,7 @@ def mesh_ranks(mesh) -> list[int]:
 def clear() -> None:
     """Forget cached sub-meshes (after the process group is destroyed)."""
     _cache.clear()
+    _named.clear()
     _warned.clear()
 
 
