@@ -154,7 +154,7 @@ def _rank_main(rank, world, init_file, conn, cases, log_path, gloo_timeout) -> N
 
         from spmdgt.tensor._meshes import mesh_for
         from spmdgt.tensor._tensor import global_value
-        from tests.parity.layouts import PLACEMENTS, rank_layout, sub_mesh_ranks
+        from tests.parity.layouts import MESH_2D, PLACEMENTS, fits, rank_layout, sub_mesh_ranks
 
         warnings.simplefilter("ignore")
         torch.set_num_threads(1)
@@ -168,7 +168,11 @@ def _rank_main(rank, world, init_file, conn, cases, log_path, gloo_timeout) -> N
         )
         mesh_for(None)  # every rank builds the meshes, in the same order, before any case
         mesh_for(sub_mesh_ranks(world))
-        layouts = {p: rank_layout(p, world) for p in PLACEMENTS}
+        if fits("mesh_s0s1", world):  # the 2x2 mesh of the 2-D layouts, at world 4 only
+            from spmdgt.tensor._meshes import named_mesh
+
+            named_mesh(MESH_2D)
+        layouts = {p: rank_layout(p, world) for p in PLACEMENTS if fits(p, world)}
         channel = _RankChannel(conn)
 
         def fetch(t):

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from tests.parity import patterns, prepare, runner
-from tests.parity.layouts import PLACEMENTS, min_dim
+from tests.parity.layouts import PLACEMENTS, fits, min_dim
 from tests.parity.observe import primary_tensor
 from tests.parity.prepare import RowKey, full_name
 from tests.parity.verdict import CRASH, EQUAL, FAILURES, HANG, OUTCOMES, RAISES, judge, worst
@@ -133,7 +133,8 @@ def all_rows(
     variants: Iterable[str] = VARIANTS,
 ) -> list[RowKey]:
     """Every row the sweep can run, restricted to the given ops, worlds, placements, variants
-    (a placement needing 2-D inputs only for ops that have such a sample)."""
+    (a placement needing 2-D inputs only for ops that have such a sample; a 2-D mesh layout
+    only at its world, 4)."""
     table = sweep_ops()
     names = sorted(table) if ops is None else list(ops)
     unknown = [n for n in names if n not in table]
@@ -149,7 +150,9 @@ def all_rows(
             for placement in placements:
                 if top < min_dim(placement):
                     continue
-                rows.extend(RowKey(name, variant, placement, w) for w in worlds)
+                rows.extend(
+                    RowKey(name, variant, placement, w) for w in worlds if fits(placement, w)
+                )
     return sorted(rows)
 
 
