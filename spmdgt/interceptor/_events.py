@@ -25,6 +25,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 __all__ = [
     "COLLECTIVE_KINDS",
     "COLUMNS",
+    "COLUMNS_V1",
     "COMM",
     "DEFAULT_KIND",
     "DTYPE_SHORT",
@@ -65,6 +66,9 @@ class OpEvent(NamedTuple):
     (``torch.mul``, ``Tensor.__mul__``, ``dist.all_reduce``) and 1 for an ATen op seen inside an
     escalated region (DTensor ops, backward) or in ``level="aten"`` mode. ``phase`` is ``fwd``,
     ``bwd`` or ``opt``. ``nbytes`` is the payload a collective moves on this rank (0 otherwise).
+    ``group`` is the mesh dim a collective ran on (``tp``, ``dp_shard``, ``world`` for the
+    default group: ``_groups.group_label``); ``None`` for other ops and at the native level,
+    whose observer sees no process group.
     """
 
     seq: int
@@ -78,6 +82,7 @@ class OpEvent(NamedTuple):
     inputs: tuple[tuple, ...]  # (shape, dtype, placements) per tensor arg: see TensorSpec
     output: tuple[tuple, ...]
     nbytes: int
+    group: str | None = None
 
 
 @runtime_checkable
@@ -163,8 +168,10 @@ EVENTS: dict[str, str] = {"comm": "COMM", "wait": "WAIT"}  # the log's $4; any o
 # renders them in the order given here).
 COLUMNS = (
     "elapsed", "rank", "seq", "event", "phase", "kind", "op", "bytes", "dur", "level", "signal",
-    "inputs", "outputs", "placements",
+    "inputs", "outputs", "placements", "group",
 )  # fmt: skip
+# Logs written before the ``group`` column have the first 14 (readers accept both).
+COLUMNS_V1 = COLUMNS[:14]
 
 # ``str(torch.float32)`` without ``torch.`` -> the log's short form; other dtypes keep that name.
 DTYPE_SHORT: dict[str, str] = {

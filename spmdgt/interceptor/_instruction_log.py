@@ -17,6 +17,14 @@ One line per op event, whitespace-separated, every column always present ("-" wh
     $12 inputs      64x64:f32,64x64:f32 (first 4 tensor args)
     $13 outputs     64x64:f32
     $14 placements  inputs->outputs for DTensors: S(0),R->S(0); - for plain tensors
+    $15 group       the mesh dim a collective ran on: tp, dp_shard, dp_replicate, world (the
+                    default group, what a 1-D run has); - for other ops and at the native
+                    level (its observer sees no process group)
+
+``awk '$4=="COMM" {n[$15]++} END {for (g in n) print g, n[g]}'`` counts collectives per mesh dim.
+Column 15 came after the first version of this log; the header's ``columns=`` lists a file's
+columns, and the readers (``_logreader``, ``top``, ``trace``, ``visualize``) take files with
+or without it (a missing ``group`` reads as ``-``).
 
 So ``awk '{print $1, $7, $9}'`` prints start time, op and duration; awk reads "2.3s", "12.3us"
 and "4096B" as numbers (``awk '$9+0 > 1000'`` finds ops over 1 ms). Lines starting with ``#``
@@ -139,7 +147,7 @@ class _Formatter:
         mid = f"{event_of(e.kind)} {e.phase} {e.kind} {e.op} {e.nbytes}B"
         tail = (
             f"{e.level} {sig} {self.specs(e.inputs)} {self.specs(e.output)} "
-            f"{self.placements(e.inputs, e.output)}"
+            f"{self.placements(e.inputs, e.output)} {e.group or '-'}"
         )
         return mid, tail
 
@@ -149,7 +157,7 @@ class _Formatter:
         out = []
         origin, rank, cache = self.origin_ns, self.rank, self._lines
         for e in events:
-            key = (e.op, e.level, e.phase, e.signal, e.inputs, e.output, e.nbytes)
+            key = (e.op, e.level, e.phase, e.signal, e.inputs, e.output, e.nbytes, e.group)
             parts = cache.get(key)
             if parts is None:
                 if len(cache) > 50_000:  # bound memory on shape-polymorphic programs

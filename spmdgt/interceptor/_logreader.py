@@ -128,6 +128,9 @@ class LogRecord:
     outputs: str
     placements: str
     start_unix_ns: int = 0  # the rank's clock origin, from its header (0 if none was seen)
+    group: str = "-"
+    """The mesh dim a collective ran on (column 15: ``tp``, ``dp_shard``, ``world``...); ``-``
+    for other ops, the native level, and logs written before the column existed."""
 
     @property
     def t_unix(self) -> float:
@@ -152,14 +155,15 @@ def _nonneg_int(text: str, what: str) -> int:
 def parse_line(line: str, start_unix_ns: int = 0) -> LogRecord:
     """Parse one non-header log line; raises ``ValueError`` naming the line if malformed.
 
-    Malformed: not 14 columns, undecodable or NUL bytes, an event/phase/kind the writers never
-    produce, a number that does not parse or is NaN, infinite or negative.
+    Malformed: not 15 columns (or 14: a log from before the ``group`` column), undecodable or
+    NUL bytes, an event/phase/kind the writers never produce, a number that does not parse or
+    is NaN, infinite or negative.
     """
     if "\ufffd" in line or "\x00" in line:
         raise MalformedLine("binary bytes", line)
     f = line.split()
-    if len(f) != 14:
-        raise MalformedLine(f"{len(f)} columns, expected 14", line)
+    if len(f) not in (14, 15):
+        raise MalformedLine(f"{len(f)} columns, expected 15 (or 14)", line)
     try:
         if f[3] not in EVENTS:
             raise ValueError(f"unknown event {f[3]!r}")
@@ -183,6 +187,7 @@ def parse_line(line: str, start_unix_ns: int = 0) -> LogRecord:
             outputs=f[12],
             placements=f[13],
             start_unix_ns=start_unix_ns,
+            group=f[14] if len(f) == 15 else "-",
         )
     except ValueError as e:
         raise MalformedLine(str(e), line) from None
@@ -302,6 +307,12 @@ def check_status(s: Any) -> str | None:
         _short_text(k) and _finite(v) for k, v in shares.items()
     ):
         return "time_share is not a map of kinds to finite numbers"
+    for key in ("collectives_by_group", "collective_bytes_by_group"):
+        groups = s.get(key, {})
+        if not isinstance(groups, dict) or not all(
+            _short_text(k) and _finite(v) for k, v in groups.items()
+        ):
+            return f"{key} is not a map of mesh dims to finite numbers"
     for key in ("phase", "level", "host"):
         if key in s and not _short_text(s[key]):
             return f"{key} is not short printable text"

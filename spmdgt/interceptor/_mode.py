@@ -48,8 +48,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from spmdgt._core import scope as _scope
-from spmdgt.interceptor._events import OVERHEAD, OpEvent, Sink, classify
+from spmdgt.interceptor._events import COMM, OVERHEAD, OpEvent, Sink, classify
 from spmdgt.interceptor._events import op_name as _op_name
+from spmdgt.interceptor._groups import group_of_call
 
 __all__ = ["Interceptor", "get_interceptor"]
 
@@ -131,7 +132,7 @@ class _AtenMode(TorchDispatchMode):
         untracked = self._untracked.get(func)
         if untracked is None:
             untracked = self._untracked[func] = _untracked(func)
-        if untracked:
+        if untracked is True:
             return func(*args, **(kwargs or {}))
         for t in types:
             if issubclass(t, self._dtensor):
@@ -144,19 +145,25 @@ class _AtenMode(TorchDispatchMode):
         t0 = _perf_ns()
         out = func(*args, **kwargs) if kwargs else func(*args)
         t1 = _perf_ns()
-        ic._record(func, t0, t1 - t0, self.level, _specs(args), _out_specs(out))
+        grp = group_of_call(func, args, kwargs) if untracked == _COMM_OP else None
+        ic._record(func, t0, t1 - t0, self.level, _specs(args), _out_specs(out), grp)
         return out
 
 
-def _untracked(func: Any) -> bool:
+_COMM_OP = 2  # ``_untracked``'s answer for a collective: recorded with its group's mesh dim
+
+
+def _untracked(func: Any) -> bool | int:
     """Higher-order operators (their inner ops are recorded) and ``overhead`` ops (the
-    profiler's ``record_function`` ops: ``_events.KINDS``): not instructions at any level."""
+    profiler's ``record_function`` ops: ``_events.KINDS``): not instructions at any level
+    (True). A collective: ``_COMM_OP``; anything else False."""
     if isinstance(func, torch._ops.HigherOrderOperator):
         return True
-    return classify(_op_name(func)) == OVERHEAD
+    kind = classify(_op_name(func))
+    return True if kind == OVERHEAD else (_COMM_OP if kind == COMM else False)
 
 
-_RECORD, _BACKWARD, _SKIP = 0, 1, 2
+_RECORD, _BACKWARD, _SKIP, _COMM = 0, 1, 2, 3  # _COMM: recorded with its group's mesh dim
 # Metadata queries reach __torch_function__ too (``t.shape`` is ``Tensor.shape.__get__``); they
 # run no kernel, so they are not instructions.
 _METADATA = {
@@ -177,7 +184,10 @@ def _verdict(func: Any) -> int:
     if getattr(func, "__name__", "") in _METADATA:
         return _SKIP
     name = _op_name(func)
-    return _SKIP if name.startswith(_BOOKKEEPING) or classify(name) == OVERHEAD else _RECORD
+    kind = classify(name)
+    if name.startswith(_BOOKKEEPING) or kind == OVERHEAD:
+        return _SKIP
+    return _COMM if kind == COMM else _RECORD
 
 
 class _TorchMode(TorchFunctionMode):
@@ -218,14 +228,16 @@ class _TorchMode(TorchFunctionMode):
             try:
                 with self.aten:
                     out = func(*args, **kwargs) if kwargs else func(*args)
-                ic._record(func, t0, _perf_ns() - t0, 0, ins, _out_specs(out))
+                grp = group_of_call(func, args, kwargs) if verdict == _COMM else None
+                ic._record(func, t0, _perf_ns() - t0, 0, ins, _out_specs(out), grp)
             finally:
                 ic.phase = old_phase
         else:
             t0 = _perf_ns()
             out = func(*args, **kwargs) if kwargs else func(*args)
             t1 = _perf_ns()
-            ic._record(func, t0, t1 - t0, 0, ins, _out_specs(out))
+            grp = group_of_call(func, args, kwargs) if verdict == _COMM else None
+            ic._record(func, t0, t1 - t0, 0, ins, _out_specs(out), grp)
         sampler = ic.sampler
         if sampler is not None:  # the compile pass's hot-function detector (``_sampler``)
             sampler.left -= 1
@@ -268,10 +280,13 @@ class Interceptor:
         self.sampler: Any = None  # a ``_sampler.CodeSampler`` while the compile pass runs
 
     # -- hot path ---------------------------------------------------------------------------
-    def _record(self, func, t0: int, dur: int, level: int, ins: tuple, outs: tuple) -> None:
+    def _record(
+        self, func, t0: int, dur: int, level: int, ins: tuple, outs: tuple, group=None
+    ) -> None:
+        # ``group``: the mesh dim a collective ran on (``_groups``), None for other ops
         self.seq += 1
         buf = self._buf
-        buf.append((self.seq, t0, dur, func, level, self.phase, self._signal(), ins, outs))
+        buf.append((self.seq, t0, dur, func, level, self.phase, self._signal(), ins, outs, group))
         if len(buf) >= self._batch or t0 > self._next_tick:
             self.drain(tick=t0 > self._next_tick)
 
@@ -299,14 +314,14 @@ class Interceptor:
             events = []
             append = events.append
             cache, names = self._names, self._name
-            for seq, t0, dur, func, level, phase, sig, ins, outs in raw:
+            for seq, t0, dur, func, level, phase, sig, ins, outs, grp in raw:
                 got = cache.get(func)
                 name, kind = got if got is not None else names(func)
                 nbytes = _comm_bytes(ins, outs) if kind == "comm" else 0
                 append(
                     _tuple_new(
                         OpEvent,
-                        (seq, t0, dur, name, kind, level, phase, sig, ins, outs, nbytes),
+                        (seq, t0, dur, name, kind, level, phase, sig, ins, outs, nbytes, grp),
                     )
                 )
             for sink in self.sinks:
@@ -370,7 +385,8 @@ class Interceptor:
             sinks = [s for s in self.sinks if not getattr(s, "native", False)]
             if sinks:
                 new = _tuple_new
-                events = [new(OpEvent, r) for r in raw]
+                # the C++ observer sees no process group: no mesh dim (``OpEvent.group``)
+                events = [new(OpEvent, (*r, None)) for r in raw]
                 for sink in sinks:
                     sink.on_events(events)
         if tick:

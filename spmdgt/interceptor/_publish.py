@@ -415,6 +415,9 @@ class RunDirPublisher:
             "collectives_total": coll,
             "collectives_per_s": (coll - coll_last) / interval,
             "collective_bytes": s.collective_bytes,
+            # collectives and bytes per mesh dim so far (``top``'s last column on a 2-D mesh)
+            "collectives_by_group": dict(getattr(s, "by_group", {})),
+            "collective_bytes_by_group": dict(getattr(s, "bytes_by_group", {})),
             "phase": self.ic.phase,
             "level": self.ic.level,
             "trace_dirs": list(self.trace_roots),

@@ -100,6 +100,8 @@ class StatsSink:
         self.count_by_kind: Counter[str] = Counter()
         self.collectives: Counter[str] = Counter()
         self.collective_bytes = 0
+        self.by_group: Counter[str] = Counter()  # collectives per mesh dim (``OpEvent.group``)
+        self.bytes_by_group: Counter[str] = Counter()
         self.collective_ns = 0
         self.busy_ns = 0  # time inside level-0 ops (children are inside their parent)
         self.first_ns: int | None = None
@@ -123,6 +125,9 @@ class StatsSink:
                 if kind == "comm":
                     self.collectives[e.op] += 1
                     self.collective_bytes += e.nbytes
+                    group = e.group or "-"
+                    self.by_group[group] += 1
+                    self.bytes_by_group[group] += e.nbytes
                 self.collective_ns += e.dur_ns
             if e.level == 0:
                 top_names.append(e.op)
@@ -169,6 +174,9 @@ def _entry(c: Any, rank: int, hotpath: HotPathDetector | None, top_level: int) -
             "bytes": c.collective_bytes,
             "time_s": c.collective_ns * 1e-9,
             "by_op": dict(c.collectives),
+            # per mesh dim (``tp``, ``dp_shard``, ``world``...); empty at the native level
+            "by_group": dict(getattr(c, "by_group", {})),
+            "bytes_by_group": dict(getattr(c, "bytes_by_group", {})),
         },
         "by_kind": dict(c.count_by_kind),
         "time_s_by_kind": {k: v * 1e-9 for k, v in c.time_ns_by_kind.items()},

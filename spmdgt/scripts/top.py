@@ -7,7 +7,10 @@
 Reads the ``rank<r>.json`` status files ranks rewrite about once a second (``_publish``), so it
 can start before the job (it waits) or after it. Columns: ops/s and busy% over the rank's last
 interval; the share of wall time in each op kind; collectives/s and bytes so far; ``age``, the
-seconds since the rank last published (a rank stuck in one long op or a hang shows here).
+seconds since the rank last published (a rank stuck in one long op or a hang shows here). On a
+2-D (or N-D) mesh a last column, ``by mesh dim``, splits the collectives so far by the mesh dim
+they ran on (``tp:24 dp_shard:12``): TP's inside a node, FSDP's across. A 1-D run, whose
+collectives all run on the ``world`` group, prints without it, as before.
 
 A status file that is not one (half-written, binary, a JSON list, a NaN count) is left out and
 counted: ``--once`` says so in one line on stderr, the live view in the frame's last line. While
@@ -46,23 +49,38 @@ def _bytes(n: float) -> str:
     return f"{n:.1f}GB"
 
 
+def _by_dim(s: dict) -> str:
+    groups = s.get("collectives_by_group", {})
+    return " ".join(f"{g}:{n}" for g, n in sorted(groups.items()) if g != "-") or "-"
+
+
+def _has_mesh_dims(statuses: list[dict]) -> bool:
+    """Whether any rank ran a collective on a named mesh dim (not the world group)."""
+    return any(g not in ("world", "-") for s in statuses for g in s.get("collectives_by_group", {}))
+
+
 def render(
     statuses: list[dict],
     now: float | None = None,
-    width: int = 110,
+    width: int | None = None,
     run_dir: str | None = None,
     skipped: Skipped | None = None,
 ) -> str:
     """One frame of the view as text (no terminal control codes).
 
     ``run_dir`` is named (absolute) while no rank has published; ``skipped``, when it counted
-    something, adds its one-line summary at the bottom.
+    something, adds its one-line summary at the bottom. ``width`` cuts lines (default 110, 160
+    with the mesh-dim column).
     """
     now = time.time() if now is None else now
+    dims = _has_mesh_dims(statuses)
+    if width is None:
+        width = 160 if dims else 110
     head = (
         f"{'rank':>4} {'ops/s':>9} {'busy%':>6} "
         + " ".join(f"{_SHORT[k]:>5}" for k in _KINDS)
         + f" {'idle%':>6} {'coll/s':>7} {'colls':>7} {'coll B':>8} {'phase':>5} {'age':>5}"
+        + ("  by mesh dim" if dims else "")
     )
     lines = [f"spmdgt top  {time.strftime('%H:%M:%S', time.localtime(now))}", head]
     if not statuses:
@@ -80,7 +98,7 @@ def render(
             + " ".join(f"{100 * shares.get(k, 0):>5.1f}" for k in _KINDS)
             + f" {100 * s.get('idle_frac', 0):>6.1f} {s.get('collectives_per_s', 0):>7.1f} "
             f"{s.get('collectives_total', 0):>7} {_bytes(s.get('collective_bytes', 0)):>8} "
-            f"{s.get('phase', '-'):>5} {age:>5.1f}"
+            f"{s.get('phase', '-'):>5} {age:>5.1f}" + (f"  {_by_dim(s)}" if dims else "")
         )
     total = sum(s.get("ops_per_s", 0) for s in statuses)
     if statuses:
@@ -97,19 +115,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run top: live frames until Ctrl-C, or one frame with ``--once``."""
     ap = argparse.ArgumentParser(description="Live per-rank view of a running spmdgt job.")
     ap.add_argument("--run-dir", default=_env.text("GT_RUN_DIR") or ".gt_run")
+    ap.add_argument("--width", type=int, default=None, help="characters per line")
     ap.add_argument("--once", action="store_true", help="print one frame and exit")
     ap.add_argument("--interval", type=float, default=1.0)
     args = ap.parse_args(argv)
     if args.once:
         skipped = Skipped()
-        print(render(load_statuses(args.run_dir, skipped), run_dir=args.run_dir))
+        print(render(load_statuses(args.run_dir, skipped), width=args.width, run_dir=args.run_dir))
         skipped.report("top")
         return 0
     try:
         while True:
             skipped = Skipped()
             statuses = load_statuses(args.run_dir, skipped)
-            frame = render(statuses, run_dir=args.run_dir, skipped=skipped)
+            frame = render(statuses, width=args.width, run_dir=args.run_dir, skipped=skipped)
             sys.stdout.write("\x1b[H\x1b[2J" + frame + "\n")  # home + clear: plain ANSI
             sys.stdout.flush()
             time.sleep(args.interval)

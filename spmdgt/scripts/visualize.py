@@ -53,6 +53,8 @@ def chrome_trace(records: Sequence[LogRecord]) -> dict:
             args["placements"] = r.placements
         if r.nbytes:
             args["bytes"] = r.nbytes
+        if r.group != "-":  # the mesh dim a collective ran on (log column 15)
+            args["group"] = r.group
         if r.signal:
             args["signal"] = r.signal
         events.append(

@@ -47,6 +47,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
     DefaultReduceScatter,
 )
 
+from spmdgt.interceptor._groups import WORLD, group_label
 from spmdgt.train._units import fsdp_units
 
 __all__ = [
@@ -80,6 +81,7 @@ class _Record:
     start: float
     step: int
     end: float | None = None
+    dim: str = WORLD  # the mesh dim whose group ran it (``_groups.group_label``)
 
 
 class CollectiveLog:
@@ -94,11 +96,21 @@ class CollectiveLog:
         self.records: list[_Record] = []
         self.enabled = True
         self.step = 0  # optimizer step the next records belong to
+        self._dims: dict[int, str] = {}  # id(process group) -> mesh dim name
 
-    def start(self, kind: str, nbytes: int) -> _Record | None:
+    def dim_of(self, group: object) -> str:
+        """The mesh dim name of ``group`` (``None``: the world), looked up once per group."""
+        key = id(group)
+        got = self._dims.get(key)
+        if got is None:
+            got = self._dims[key] = group_label(group)
+        return got
+
+    def start(self, kind: str, nbytes: int, group: object = None) -> _Record | None:
+        """Record one collective issued now on ``group`` (``None``: the default group)."""
         if not self.enabled:
             return None
-        rec = _Record(kind, int(nbytes), time.perf_counter(), self.step)
+        rec = _Record(kind, int(nbytes), time.perf_counter(), self.step, None, self.dim_of(group))
         self.records.append(rec)
         return rec
 
@@ -137,6 +149,32 @@ class CollectiveLog:
 
     def clear(self) -> None:
         self.records.clear()
+        self._dims.clear()
+
+    def dims(self) -> list[str]:
+        """The mesh dims the records ran on, in first-seen order."""
+        return list(dict.fromkeys(r.dim for r in self.records))
+
+    def totals_by_dim(
+        self, records: list[_Record] | None = None
+    ) -> dict[str, dict[str, dict[str, float]]]:
+        """``totals`` per mesh dim: ``{dim: {kind: {count, bytes, sec}}}``."""
+        by: dict[str, list[_Record]] = defaultdict(list)
+        for r in self.records if records is None else records:
+            by[r.dim].append(r)
+        return {dim: self.totals(recs) for dim, recs in by.items()}
+
+    def step_figures_by_dim(self) -> dict[str, dict[int, tuple[int, int, float]]]:
+        """Per mesh dim, per optimizer step: (collectives, bytes of their buffers, seconds of
+        the completed ones)."""
+        out: dict[str, dict[int, list]] = defaultdict(dict)
+        for r in self.records:
+            t = out[r.dim].setdefault(r.step, [0, 0, 0.0])
+            t[0] += 1
+            t[1] += r.nbytes
+            if r.end is not None:
+                t[2] += r.end - r.start
+        return {d: {s: tuple(v) for s, v in steps.items()} for d, steps in out.items()}
 
     def totals(self, records: list[_Record] | None = None) -> dict[str, dict[str, float]]:
         """Per kind: count, bytes and seconds (completed collectives only for seconds)."""
@@ -168,7 +206,7 @@ def ddp_counting_hook(log: CollectiveLog):
         group = state if isinstance(state, dist.ProcessGroup) else dist.group.WORLD
         world = dist.get_world_size(group)
         buf = bucket.buffer()
-        rec = log.start("all_reduce", buf.numel() * buf.element_size())
+        rec = log.start("all_reduce", buf.numel() * buf.element_size(), group)
         buf.div_(world)
         fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
         if rec is None:
@@ -198,7 +236,8 @@ class LoggedAllGather(DefaultAllGather):
         self.log = log
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        rec = self.log.start("all_gather", output_tensor.numel() * output_tensor.element_size())
+        nbytes = output_tensor.numel() * output_tensor.element_size()
+        rec = self.log.start("all_gather", nbytes, group)
         work = super().__call__(output_tensor, input_tensor, group, async_op=async_op)
         if work is None:
             if rec is not None:
@@ -214,7 +253,8 @@ class LoggedReduceScatter(DefaultReduceScatter):
         self.log = log
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        rec = self.log.start("reduce_scatter", input_tensor.numel() * input_tensor.element_size())
+        nbytes = input_tensor.numel() * input_tensor.element_size()
+        rec = self.log.start("reduce_scatter", nbytes, group)
         work = super().__call__(output_tensor, input_tensor, group, op, async_op=async_op)
         if work is None:
             if rec is not None:
@@ -246,26 +286,41 @@ def _collective_kind(op: str) -> str:
 class InterceptorCollectiveSink:
     """A sink on the interceptor's op stream that keeps the model's collective events.
 
-    Keeps ``(t0_ns, dur_ns, kind, nbytes)`` for every ``comm`` event except the ``dist.*`` /
-    ``c10d.*`` calls of the torch.distributed Python API: the model's collectives under DTensor
-    are functional collectives (``_c10d_functional``), while the trainer's own bookkeeping
-    (loader-length check, loss reduction) goes through ``dist.*`` and must not count as the
-    model's communication. ``fill`` assigns the kept events to optimizer steps by timestamp
-    (events are delivered in batches, long after the step that issued them).
+    Keeps ``(t0_ns, dur_ns, kind, nbytes, dim)`` for every ``comm`` event except the
+    ``dist.*`` / ``c10d.*`` calls of the torch.distributed Python API: the model's collectives
+    under DTensor are functional collectives (``_c10d_functional``), while the trainer's own
+    bookkeeping (loader-length check, loss reduction) goes through ``dist.*`` on the world
+    group and must not count as the model's communication. ``dim`` is the mesh dim the event
+    ran on (``OpEvent.group``). ``fill`` assigns the kept events to optimizer steps by
+    timestamp (events are delivered in batches, long after the step that issued them).
+
+    ``hooked=True`` is the sink beside torch's hooks (FSDP2 or DDP over the data dims of a 2-D
+    mesh with a ``tp`` dim): the hooks log the data dims' gathers, reduce-scatters and
+    bucket all-reduces, this sink adds what they cannot see: DTensor's collectives (TP's
+    redistributions inside ``tp``, the clip's norm) and the ``dist.all_reduce`` calls on a
+    mesh dim's group (HSDP's replica all-reduce on ``dp_replicate``, the trainer's sum of
+    sharded-input gradients over ``tp``), never those on the world group.
 
     The duration is what the interceptor timed: the call that issues the collective. An
     ``AsyncCollectiveTensor``'s later wait happens inside a tensor subclass, which the stream
     does not show, so time spent waiting there is not included.
     """
 
-    def __init__(self) -> None:
-        self.events: list[tuple[int, int, str, int]] = []
+    def __init__(self, hooked: bool = False) -> None:
+        self.events: list[tuple[int, int, str, int, str]] = []
+        self.hooked = hooked
 
     def on_events(self, events: list) -> None:
         keep = self.events.append
+        hooked = self.hooked
         for e in events:
-            if e.kind == "comm" and not e.op.startswith(("dist.", "c10d.")):
-                keep((e.t0_ns, e.dur_ns, _collective_kind(e.op), e.nbytes))
+            if e.kind != "comm":
+                continue
+            dim = getattr(e, "group", None) or WORLD
+            api = e.op.startswith(("dist.", "c10d."))
+            if api and not (hooked and e.op == "dist.all_reduce" and dim not in (WORLD, "-")):
+                continue
+            keep((e.t0_ns, e.dur_ns, _collective_kind(e.op), e.nbytes, dim))
 
     def flush(self) -> None:
         pass
@@ -287,8 +342,8 @@ class InterceptorCollectiveSink:
             while i < len(events) and events[i][0] < lo_ns:
                 i += 1
             while i < len(events) and events[i][0] <= hi_ns:
-                t0, dur, kind, nbytes = events[i]
-                log.records.append(_Record(kind, nbytes, t0 * 1e-9, step, (t0 + dur) * 1e-9))
+                t0, dur, kind, nbytes, dim = events[i]
+                log.records.append(_Record(kind, nbytes, t0 * 1e-9, step, (t0 + dur) * 1e-9, dim))
                 i += 1
 
 
@@ -453,6 +508,15 @@ class CommunicationProfiler:
     ``bytes_per_rank``, ``latency_sec``, ``transfer_sec`` and ``estimated_sec``. Estimating
     for N ranks from a world of one, where there is nothing to probe, gives ``nan`` seconds
     unless both ``bandwidth`` and ``latency`` are passed: never a made-up 0.
+
+    On an N-D mesh (``mesh=``, a ``DeviceMesh`` with dim names, e.g. the trainer's
+    ``device_mesh``) every dim is its own link: ``latency_by_dim`` and ``bandwidths_by_dim``
+    probe each dim's process group (``_comm_mesh.probe_dims``: collective, every rank, same
+    order; ``probe_bytes`` is the bandwidth probe's message), and ``estimate_counted_by_dim``
+    prices each dim's collectives with that dim's numbers and ring size: TP's inside ``tp``,
+    FSDP's on ``dp_shard``. Without a mesh the only dim is ``world``. ``bandwidth`` and
+    ``latency``, when given, are every dim's (a dry run for a fabric you don't have), or pass
+    ``by_dim={dim: (bandwidth, latency)}`` for one link per dim.
     """
 
     def __init__(
@@ -460,10 +524,91 @@ class CommunicationProfiler:
         enabled: bool = True,
         bandwidth: float | Mapping[str, float] | None = None,
         latency: float | Mapping[str, float] | None = None,
+        *,
+        mesh: object | None = None,
+        probe_bytes: int = 8 << 20,
+        by_dim: Mapping[str, tuple[float, float]] | None = None,
     ) -> None:
         self.enabled = enabled
         self._bandwidths = _per_kind(bandwidth)
         self._latency = _per_kind(latency)
+        self.mesh = mesh
+        self.probe_bytes = int(probe_bytes)
+        self._dim_tables: tuple[dict, dict] | None = None
+        if by_dim is not None:
+            lat = {d: _per_kind(v[1]) or {} for d, v in by_dim.items()}
+            bws = {d: _per_kind(v[0]) or {} for d, v in by_dim.items()}
+            self._dim_tables = (lat, bws)
+
+    def _tables_by_dim(self) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
+        if self._dim_tables is None:
+            from spmdgt.train._comm_mesh import mesh_dims, probe_dims
+
+            dims = mesh_dims(self.mesh)
+            if self._bandwidths is not None and self._latency is not None:
+                # given, not probed: the same link for every dim
+                names = [d[0] for d in dims] or [WORLD]
+                self._dim_tables = (
+                    {d: dict(self._latency) for d in names},
+                    {d: dict(self._bandwidths) for d in names},
+                )
+            elif self.enabled:
+                self._dim_tables = probe_dims(dims, KINDS, bandwidth_bytes=self.probe_bytes)
+            else:
+                self._dim_tables = ({}, {})
+        return self._dim_tables
+
+    @property
+    def latency_by_dim(self) -> dict[str, dict[str, float]]:
+        """Seconds per collective by mesh dim and kind, each dim probed on its own group
+        (collective on first use: every rank)."""
+        return self._tables_by_dim()[0]
+
+    @property
+    def bandwidths_by_dim(self) -> dict[str, dict[str, float]]:
+        """Bus bandwidth in bytes/s by mesh dim and kind (latency taken off), probed per dim."""
+        return self._tables_by_dim()[1]
+
+    def for_dim(self, dim: str) -> CommunicationProfiler:
+        """A profiler that prices with ``dim``'s latency and bandwidth (probed per dim)."""
+        lat, bws = self._tables_by_dim()
+        if dim not in lat:
+            known = ", ".join(sorted(lat)) or "none (a world of one)"
+            raise ValueError(f"no probe for mesh dim {dim!r}; probed dims: {known}")
+        return CommunicationProfiler(self.enabled, dict(bws[dim]), dict(lat[dim]))
+
+    def estimate_counted_by_dim(
+        self,
+        totals_by_dim: Mapping[str, Mapping[str, Mapping[str, float]]],
+        sizes: Mapping[str, int] | None = None,
+    ) -> dict[str, dict[str, float]]:
+        """``estimate_counted`` per mesh dim: ``{dim: {kind: {count, bytes}}}`` (as
+        ``CollectiveLog.totals_by_dim`` or a dry run gives them) priced with each dim's own
+        latency and bandwidth over that dim's ring of ``sizes[dim]`` ranks (default: the
+        mesh's sizes). Returns ``{dim: estimate}`` plus ``total``: ``collectives``,
+        ``bytes_per_rank``, ``latency_sec``, ``transfer_sec``, ``estimated_sec`` summed over
+        the dims (a dim's collectives do not overlap another's in this model)."""
+        from spmdgt.train._comm_mesh import mesh_dims
+
+        if sizes is None:
+            sizes = {name: n for name, n, _ in mesh_dims(self.mesh)}
+        out: dict[str, dict[str, float]] = {}
+        keys = ("collectives", "bytes_per_rank", "latency_sec", "transfer_sec", "estimated_sec")
+        total = dict.fromkeys(keys, 0.0)
+        for dim, totals in totals_by_dim.items():
+            n = sizes.get(dim)
+            if n is None:
+                raise ValueError(
+                    f"collectives on mesh dim {dim!r}, whose size is not known; sizes: "
+                    f"{dict(sizes)}"
+                )
+            prof = self if n <= 1 else self.for_dim(dim)
+            est = prof.estimate_counted(totals, n)
+            out[dim] = est
+            for k in keys:
+                total[k] += est[k]
+        out["total"] = total
+        return out
 
     @property
     def latency(self) -> dict[str, float]:

@@ -98,7 +98,7 @@ struct NameInfo {
 // The table from _events.py (set_table): how ops are classified and how lines are written.
 enum Column {
   kElapsed, kRank, kSeq, kEvent, kPhase, kKind, kOp, kBytes, kDur, kLevel, kSignal, kInputs,
-  kOutputs, kPlacements
+  kOutputs, kPlacements, kGroup
 };
 struct Table {
   bool loaded = false;
@@ -715,6 +715,7 @@ void format_locked(const Rec& r) {
       case kInputs: put_specs(o, r.in, r.nin); break;
       case kOutputs: put_specs(o, r.out, r.nout); break;
       case kPlacements: o.push_back('-'); break;  // the dispatcher sees local tensors only
+      case kGroup: o.push_back('-'); break;       // and no process group (no mesh dim)
     }
   }
   o.push_back('\n');
@@ -817,7 +818,7 @@ void set_table(const py::dict& t) {
       {"elapsed", kElapsed}, {"rank", kRank},     {"seq", kSeq},       {"event", kEvent},
       {"phase", kPhase},     {"kind", kKind},     {"op", kOp},         {"bytes", kBytes},
       {"dur", kDur},         {"level", kLevel},   {"signal", kSignal}, {"inputs", kInputs},
-      {"outputs", kOutputs}, {"placements", kPlacements}};
+      {"outputs", kOutputs}, {"placements", kPlacements}, {"group", kGroup}};
   Table nt;
   for (auto& n : t["namespaces"].cast<std::vector<std::string>>()) nt.namespaces.insert(n);
   nt.kinds = t["kinds"].cast<std::unordered_map<std::string, std::string>>();
