@@ -21,11 +21,14 @@ from spmdgt import signal
 from spmdgt._core.session import session
 from spmdgt.config import (
     ConfigError,
+    MeshConfig,
     ShardConfig,
     SignalConfig,
     get_config,
+    get_mesh_config,
     load_config,
     register_config,
+    register_mesh,
 )
 from spmdgt.runtime import (
     RankDivergenceError,
@@ -72,6 +75,7 @@ bool_ = torch.bool
 
 __all__ = [
     "ConfigError",
+    "MeshConfig",
     "RankDivergenceError",
     "RankTimeoutError",
     "session",
@@ -95,6 +99,7 @@ __all__ = [
     "from_numpy",
     "full",
     "get_config",
+    "get_mesh_config",
     "gpu_workers",
     "init",
     "int32",
@@ -111,6 +116,7 @@ __all__ = [
     "randn",
     "rank",
     "register_config",
+    "register_mesh",
     "shutdown",
     "signal",
     "tensor",

@@ -19,7 +19,7 @@ from spmdgt._core import scope as _scope
 from spmdgt.config._signals import lookup
 from spmdgt.runtime._state import get_runtime
 from spmdgt.tensor._creation import agree_on_creation
-from spmdgt.tensor._placement import signal_target
+from spmdgt.tensor._placement import describe, signal_target
 
 __all__ = ["context", "current_signal", "enter", "exit", "tensor"]
 
@@ -71,7 +71,10 @@ def tensor(t: torch.Tensor, name: str) -> torch.Tensor:
     if get_runtime().world_size == 1:
         return t
     cfg = lookup(name)
-    where = f"signal {name!r} ({cfg.shard if cfg is not None else 'not in the config'})"
+    if cfg is None or cfg.shard is None:
+        where = f"signal {name!r} ({'not in the config' if cfg is None else 'no placement'})"
+    else:
+        where = f"signal {name!r} ({describe(cfg, t.shape)})"
     agree_on_creation(f"gt.signal.tensor(..., {name!r})", t.shape, t.dtype, where=where)
     if cfg is None or cfg.shard is None:
         return t

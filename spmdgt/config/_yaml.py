@@ -2,7 +2,8 @@
 
 Everything spmdgt reads from YAML (signal placements, the trainer's config) goes through
 ``load_mapping`` and ``from_dict``: unknown keys are rejected and listed, values are type
-checked against the dataclass's annotations, and every message names file, section and key.
+checked against the dataclass's annotations, and every message names file, line, section and
+key: ``load_mapping`` returns ``Lined`` mappings that remember the line of each of their keys.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import yaml
 
 from spmdgt.config._errors import ConfigError
 
-__all__ = ["from_dict", "load_mapping"]
+__all__ = ["Lined", "from_dict", "line_of", "load_mapping"]
 
 T = TypeVar("T")
 
@@ -38,6 +39,45 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 )
             seen[key] = key_node.start_mark.line + 1
         return super().construct_mapping(node, deep=deep)
+
+
+class Lined(dict):
+    """A mapping read from YAML that knows the (1-based) line of each of its keys."""
+
+    __slots__ = ("lines",)
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.lines: dict = {}
+
+
+def _construct_lined(loader: _UniqueKeyLoader, node):
+    data = Lined()
+    yield data  # PyYAML's two-step construction: anchors may refer to the mapping
+    data.update(loader.construct_mapping(node))
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node)
+        try:
+            data.lines[key] = key_node.start_mark.line + 1
+        except TypeError:  # an unhashable key: construct_mapping has already refused it
+            pass
+
+
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:map", _construct_lined)
+
+
+def line_of(data: object, key: str | None) -> int | None:
+    """The line of dotted ``key`` (``shard.axis``, ``shard.over[1]``) inside a ``Lined``
+    mapping: the deepest key found along the path, None when ``data`` has no lines."""
+    line = None
+    cur = data
+    for part in (key or "").split("."):
+        part = part.split("[", 1)[0]
+        if not isinstance(cur, Lined) or part not in cur.lines:
+            break
+        line = cur.lines[part]
+        cur = cur[part]
+    return line
 
 
 def load_mapping(source: str | os.PathLike, *, what: str = "config") -> tuple[dict, str]:
@@ -98,7 +138,12 @@ def _coerce(tp: Any, value: Any, ctx: dict, key: str) -> Any:
                 return _coerce(arg, value, ctx, key)
             except ConfigError:
                 pass
-        raise ConfigError(f"expected {_type_name(tp)}, got {value!r}", key=key, value=value, **ctx)
+        raise ConfigError(
+            f"expected {_type_name(tp)}, got {type(value).__name__} {value!r}",
+            key=key,
+            value=value,
+            **ctx,
+        )
     if tp is type(None):
         if value is None:
             return None
@@ -156,6 +201,18 @@ def from_dict(
     ``aliases`` maps YAML spellings to field names (``backward`` -> ``backward_signal``). The
     dataclass's own ``__post_init__`` validation errors are re-raised naming file and section.
     """
+    try:
+        return _from_dict(cls, data, file, section, prefix, aliases)
+    except ConfigError as e:
+        if e.line is not None or not isinstance(data, Lined):
+            raise
+        line = line_of(data, (e.key or "").removeprefix(prefix))
+        if line is None:
+            raise
+        raise e.located(line=line) from None
+
+
+def _from_dict(cls, data, file, section, prefix, aliases):
     ctx = {"file": file, "section": section}
     if not isinstance(data, dict):
         raise ConfigError(
@@ -186,7 +243,7 @@ def from_dict(
         if e.file or not (file or section):
             raise
         raise ConfigError(
-            str(e).split(": ", 1)[-1] if e.key else str(e),
+            e.message,
             key=prefix + e.key if e.key else None,
             value=e.value,
             **ctx,

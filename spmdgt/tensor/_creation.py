@@ -81,15 +81,15 @@ def _digest(base: torch.Tensor) -> str:
 def _note_placement(what: str, shape: tuple[int, ...], target) -> None:
     from torch.distributed.tensor import Shard
 
-    from spmdgt.tensor._meshes import mesh_ranks
+    from spmdgt.tensor._meshes import describe_mesh
 
-    ranks = mesh_ranks(target.mesh)
-    msg = f"{what}{tuple(shape)} -> {tuple(target.placements)} on ranks {ranks}"
-    p = target.placements[0]
-    if isinstance(p, Shard) and shape[p.dim] % len(ranks):
-        sizes = [len(c) for c in torch.arange(shape[p.dim]).chunk(len(ranks))]
-        sizes += [0] * (len(ranks) - len(sizes))
-        msg += f" (uneven: axis {p.dim} split {sizes}, torch.chunk rule)"
+    msg = f"{what}{tuple(shape)} -> {tuple(target.placements)} on {describe_mesh(target.mesh)}"
+    for i, p in enumerate(target.placements):  # mesh dim i splits axis p.dim (torch.chunk)
+        n = target.mesh.size(i)
+        if isinstance(p, Shard) and shape[p.dim] % n:
+            sizes = [len(c) for c in torch.arange(shape[p.dim]).chunk(n)]
+            sizes += [0] * (n - len(sizes))
+            msg += f" (uneven: axis {p.dim} split {sizes} over mesh dim {i}, torch.chunk rule)"
     if target.signal:
         msg += f" [signal {target.signal!r}]"
     _debuglog.debug("tensor", msg)
@@ -171,8 +171,8 @@ def _factory(fill: Callable[..., torch.Tensor], name: str, doc: str, *, constant
         def part(target, device):
             if constant:
                 return lambda s, _: fill(s, dtype=dt, device=device)
-            if _draw.drawable(fill, shape, dt, device, target):
-                dim = target.placements[0].dim
+            dim = _draw.drawable(fill, shape, dt, device, target)
+            if dim is not None:
                 return lambda s, off: _draw.draw_part(fill, shape, dt, s, off, dim)
             return None
 

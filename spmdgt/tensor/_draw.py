@@ -29,18 +29,27 @@ _SEQUENTIAL = (torch.randn, torch.rand)
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
-def drawable(fill: Callable, shape: tuple[int, ...], dtype, device: torch.device, target) -> bool:
-    """Whether ``fill(shape)`` can be drawn in blocks for ``target`` (one Shard on a 1-D mesh)."""
-    from torch.distributed.tensor import Shard
+def drawable(
+    fill: Callable, shape: tuple[int, ...], dtype, device: torch.device, target
+) -> int | None:
+    """The one tensor dim along which ``fill(shape)`` can be drawn in blocks for ``target``,
+    or None. Every ``Shard`` of ``target`` must split that same dim (``Shard(0)`` on a 1-D
+    mesh; ``(Shard(0), Replicate())`` or ``(Shard(0), Shard(0))`` on a 2-D one): a rank's
+    part is then one contiguous range of that dim. Two dims split (``(Shard(0), Shard(1))``)
+    draw in full, each rank keeping its slice."""
+    from torch.distributed.tensor import Replicate, Shard
 
-    return (
+    dims = {p.dim for p in target.placements if isinstance(p, Shard)}
+    if (
         fill in _SEQUENTIAL
         and device.type == "cpu"
         and (dtype or torch.get_default_dtype()) in _DTYPES
         and math.prod(shape) >= max(MIN_NUMEL, 16)
-        and len(target.placements) == 1
-        and isinstance(target.placements[0], Shard)
-    )
+        and len(dims) == 1
+        and all(isinstance(p, (Shard, Replicate)) for p in target.placements)
+    ):
+        return dims.pop()
+    return None
 
 
 def draw_part(

@@ -13,7 +13,7 @@ import warnings
 from spmdgt._core.session import session
 from spmdgt.runtime._state import get_runtime, world_mesh
 
-__all__ = ["clear", "mesh_for", "mesh_ranks", "named_mesh"]
+__all__ = ["clear", "describe_mesh", "mesh_for", "mesh_ranks", "named_mesh"]
 
 _cache: dict[tuple[int, ...], object] = {}
 _named: dict[tuple[tuple[str, int], ...], object] = {}
@@ -86,6 +86,22 @@ def mesh_ranks(mesh) -> list[int]:
         ranks = mesh.mesh.flatten().tolist()
         mesh.__dict__["_gt_ranks"] = ranks
     return list(ranks)
+
+
+def describe_mesh(mesh) -> str:
+    """A mesh in words that are the same on every rank: ``ranks [0, 1]`` for a 1-D mesh,
+    ``mesh (dp=2, tp=2) over ranks [0, 1, 2, 3]`` for an n-D one (kept on the mesh)."""
+    text = mesh.__dict__.get("_gt_text")
+    if text is None:
+        ranks = mesh_ranks(mesh)
+        if mesh.ndim == 1:
+            text = f"ranks {ranks}"
+        else:
+            names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+            dims = ", ".join(f"{n}={s}" for n, s in zip(names, mesh.shape, strict=True))
+            text = f"mesh ({dims}) over ranks {ranks}"
+        mesh.__dict__["_gt_text"] = text
+    return text
 
 
 def clear() -> None:

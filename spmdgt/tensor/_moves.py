@@ -163,12 +163,12 @@ def move(x: torch.Tensor, target) -> torch.Tensor:
 def signal_mesh():
     """The active signal's mesh and config (None, None when the signal places nothing)."""
     from spmdgt.config._signals import lookup
-    from spmdgt.tensor._meshes import mesh_for
+    from spmdgt.tensor._placement import signal_mesh_of
 
     cfg = lookup(_scope.stack[-1][0])
     if cfg is None or cfg.shard is None:
         return None, None
-    return mesh_for(cfg.shard.workers, cfg.name), cfg
+    return signal_mesh_of(cfg), cfg
 
 
 def _mutated(args, kwargs, writes_self: bool):

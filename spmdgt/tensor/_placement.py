@@ -1,5 +1,9 @@
 """Where a new tensor lives: from the active signal's YAML, else auto-shard, else replicated.
 
+A signal with ``over`` places on the config's named n-D mesh (``mesh: {dp: 2, tp: 2}``): each
+tensor axis it names is split over its mesh dims, the other dims replicate. Without ``over`` a
+signal is 1-D: the world or its ``workers`` sub-mesh.
+
 ``None`` means "replicated on every rank", which spmdgt represents as a plain torch tensor:
 the cheapest form there is, and exactly what a world of one uses. ``torch.distributed.tensor``
 (~2 s to import) is loaded only when a placement is actually made: a world of one never pays.
@@ -14,14 +18,22 @@ from typing import TYPE_CHECKING
 from spmdgt._core import env as _env
 from spmdgt._core import scope as _scope
 from spmdgt.config._errors import ConfigError
-from spmdgt.config._signals import SignalConfig, lookup
+from spmdgt.config._signals import SignalConfig, check_over, get_mesh_config, lookup
 from spmdgt.runtime._state import get_runtime, world_mesh
-from spmdgt.tensor._meshes import mesh_for
+from spmdgt.tensor._meshes import mesh_for, named_mesh
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import Placement
 
-__all__ = ["Target", "auto_shard_enabled", "creation_target", "intent", "signal_target"]
+__all__ = [
+    "Target",
+    "auto_shard_enabled",
+    "creation_target",
+    "describe",
+    "intent",
+    "signal_mesh_of",
+    "signal_target",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,11 +48,54 @@ def auto_shard_enabled() -> bool:
     return _env.flag("GT_AUTO_SHARD")
 
 
+def _config_mesh(cfg: SignalConfig):
+    """The config's n-D mesh for a signal with ``over``: its dims checked against the mesh
+    registered now, its sizes against the world (the same file and world on every rank: the
+    same ``ConfigError`` on every rank, before any collective)."""
+    mc = get_mesh_config()
+    check_over(cfg, mc)
+    return mc, named_mesh(mc.sizes(get_runtime().world_size))
+
+
+def signal_mesh_of(cfg: SignalConfig):
+    """The mesh signal ``cfg`` places on: the config's mesh (``over``), else its 1-D one."""
+    if cfg.shard.over is not None:
+        return _config_mesh(cfg)[1]
+    return mesh_for(cfg.shard.workers, cfg.name)
+
+
+def _axis_error(cfg: SignalConfig, axis: int, shape: Sequence[int]) -> ConfigError:
+    return ConfigError(
+        f"axis {axis} is out of range for a tensor of shape {tuple(shape)} "
+        f"({len(shape)} dims); use an axis below {len(shape)} or replicated: true",
+        file=cfg.file,
+        section=cfg.name,
+        key="shard.axis",
+        value=cfg.shard.axis,
+    )
+
+
+def _mesh_target(cfg: SignalConfig, shape: Sequence[int]) -> Target | None:
+    from torch.distributed.tensor import Replicate, Shard
+
+    mc, mesh = _config_mesh(cfg)
+    if len(shape) == 0:
+        return None  # a 0-d tensor has no axis to split: replicated everywhere, plain
+    placements: list = [Replicate()] * mesh.ndim
+    for dim, axis in cfg.shard.layout():
+        if axis >= len(shape):
+            raise _axis_error(cfg, axis, shape)
+        placements[mc.index(dim)] = Shard(axis)
+    return Target(mesh, tuple(placements), cfg.name)
+
+
 def signal_target(cfg: SignalConfig, shape: Sequence[int]) -> Target | None:
     """The placement signal ``cfg`` gives a tensor of ``shape``; None for world-replicated."""
     shard = cfg.shard
     if shard is None:
         return None
+    if shard.over is not None:
+        return _mesh_target(cfg, shape)
     from torch.distributed.tensor import Replicate, Shard
 
     mesh = mesh_for(shard.workers, cfg.name)
@@ -49,14 +104,7 @@ def signal_target(cfg: SignalConfig, shape: Sequence[int]) -> Target | None:
             return None
         return Target(mesh, (Replicate(),), cfg.name)
     if shard.axis >= len(shape):
-        raise ConfigError(
-            f"axis {shard.axis} is out of range for a tensor of shape {tuple(shape)} "
-            f"({len(shape)} dims); use an axis below {len(shape)} or replicated: true",
-            file=cfg.file,
-            section=cfg.name,
-            key="shard.axis",
-            value=shard.axis,
-        )
+        raise _axis_error(cfg, shard.axis, shape)
     if mesh.size() == 1 and mesh is world_mesh():
         return None
     return Target(mesh, (Shard(shard.axis),), cfg.name)
@@ -75,15 +123,28 @@ def intent(shape: Sequence[int]) -> str:
     if name is not None:
         cfg = lookup(name)
         if cfg is not None and cfg.shard is not None:
-            shard = cfg.shard
-            how = "replicated" if shard.replicated or not shape else f"shard axis {shard.axis}"
-            over = "every rank" if shard.workers is None else f"workers {list(shard.workers)}"
-            return f"signal {name!r} ({how} over {over})"
+            return f"signal {name!r} ({describe(cfg, shape)})"
     if auto_shard_enabled() and len(shape) > 0 and shape[0] % get_runtime().world_size == 0:
         return "auto-shard (shard axis 0 over every rank)"
     if name is None:
         return "replicated on every rank (no signal)"
     return f"signal {name!r} (replicated)"
+
+
+def describe(cfg: SignalConfig, shape: Sequence[int] = (0,)) -> str:
+    """Signal ``cfg``'s placement in words, the mesh included (``shard axis 0 over dp of
+    mesh (dp=2, tp=2)``): what ranks compare at an agreement point, before any mesh exists."""
+    shard = cfg.shard
+    if shard.over is not None:
+        mc = get_mesh_config()
+        mesh = f"mesh ({mc.describe()})" if mc is not None else "no mesh"
+        if not shape:
+            return f"replicated on {mesh}"
+        parts = ", ".join(f"axis {a} over {d}" for d, a in shard.layout())
+        return f"shard {parts} of {mesh}"
+    how = "replicated" if shard.replicated or not shape else f"shard axis {shard.axis}"
+    over = "every rank" if shard.workers is None else f"workers {list(shard.workers)}"
+    return f"{how} over {over}"
 
 
 def creation_target(shape: Sequence[int]) -> Target | None:

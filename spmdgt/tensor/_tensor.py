@@ -22,7 +22,7 @@ from spmdgt.runtime import _agree
 from spmdgt.runtime._state import get_runtime
 from spmdgt.tensor import _assign, _dynamo, _fallback, _hook, _moves, _optable
 from spmdgt.tensor._hook import NoRule
-from spmdgt.tensor._meshes import mesh_ranks
+from spmdgt.tensor._meshes import describe_mesh, mesh_ranks
 from spmdgt.tensor._moves import global_value, move, place, place_local
 
 __all__ = ["Tensor", "global_value", "move", "place", "place_local"]
@@ -227,7 +227,9 @@ def _read(t: DTensor, what: str) -> torch.Tensor:
         placements = f" {tuple(t.placements)}"
         # on a sub-mesh, a rank outside it keeps no placement alike: shown, not compared
         whole = len(members) == get_runtime().world_size
-        spec = f"{dtype}{list(t.shape)}{placements if whole else ''} on ranks {members}"
+        spec = (
+            f"{dtype}{list(t.shape)}{placements if whole else ''} on {describe_mesh(t.device_mesh)}"
+        )
         _agree.agree(f"{what} of {spec}", detail="" if whole else placements)
     try:
         return global_value(t)

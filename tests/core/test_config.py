@@ -74,12 +74,12 @@ def test_gt_config_env_var_is_read(tmp_path, monkeypatch):
     [
         (
             "sig:\n  shard: {axis: 0, wrkers: [0]}\n",
-            "signals.yaml, signal 'sig', key 'shard.wrkers': unknown key(s) 'wrkers'",
+            "signals.yaml:2, signal 'sig', key 'shard.wrkers': unknown key(s) 'wrkers'",
         ),
         ("sig:\n  shrad: {axis: 0}\n", "signal 'sig', key 'shrad': unknown key(s) 'shrad'"),
         (
             "sig:\n  shard: {axis: first}\n",
-            "signal 'sig', key 'shard.axis': expected int, got str 'first'",
+            "signals.yaml:2, signal 'sig', key 'shard.axis': expected int | list, got str 'first'",
         ),
         ("sig:\n  shard: {axis: -1}\n", "signal 'sig', key 'shard.axis': axis must be >= 0"),
         (
