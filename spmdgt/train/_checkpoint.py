@@ -141,6 +141,16 @@ def _check_trainer_state(state: object, file: Path) -> None:
         value = state.get(key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise CheckpointError(f"{file}: key {key!r} must be an integer >= 0, got {value!r}")
+    mesh = state.get("mesh")  # (dp_replicate, dp_shard, tp) it was written on; older: absent
+    if mesh is not None and not (
+        isinstance(mesh, (list, tuple))
+        and len(mesh) == 3
+        and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in mesh)
+    ):
+        raise CheckpointError(
+            f"{file}: key 'mesh' must list 3 sizes >= 1 (dp_replicate, dp_shard, tp), got "
+            f"{_describe(mesh)}"
+        )
 
 
 def _describe(x: object) -> str:

@@ -23,23 +23,71 @@ __all__ = ["OptimizedDataLoader", "ResumableDistributedSampler"]
 
 
 class ResumableDistributedSampler(DistributedSampler):
-    """``DistributedSampler`` that can start its next epoch after ``skip_samples`` of its own.
+    """``DistributedSampler`` that can start its next epoch after some of the epoch's samples.
 
-    ``set_epoch`` reshuffles as usual (seed + epoch), so a resumed run visits the same samples
-    in the same order as an uninterrupted one.
+    ``start_after(n)`` names how many samples of the epoch's *global* order (the permutation
+    of ``seed + epoch``, the same whatever the number of replicas) every rank together has
+    already consumed: the next epoch's iterator deals the rest, ``order[n:]``, round-robin
+    over the replicas, padded (with the start of the epoch's order, as torch pads) or, with
+    ``drop_last``, cut to a multiple of them. On the same number of replicas that is exactly
+    the uninterrupted run's remainder, padding included; on another number (a checkpoint
+    written by 2 data-parallel ranks and resumed by 4, or by one process) the run still
+    continues at global sample ``n``, however ``n`` divides, with no sample read twice or
+    skipped. ``set_epoch`` reshuffles as usual, so a resumed run visits the same samples in
+    the same order as an uninterrupted one (within a global batch, ranks take them in
+    another interleaving when their number changed).
+
+    ``skip_samples`` (this rank's count, ``n / num_replicas``) is the older spelling, kept:
+    it means ``start_after(skip_samples * num_replicas)``.
     """
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.skip_samples = 0
+        self._start = 0
+
+    def start_after(self, samples: int) -> None:
+        """Start the next epoch's iterator after ``samples`` of its global order (one epoch
+        only: the one after it starts from its beginning)."""
+        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
+            raise ValueError(f"start_after takes a sample count >= 0, got {samples!r}")
+        self._start = samples
+
+    def _start_sample(self) -> int:
+        return self._start or self.skip_samples * self.num_replicas
+
+    def _remaining(self) -> list[int]:
+        """The epoch's global order after the start, padded or cut to whole rounds."""
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + self.epoch)
+            order = torch.randperm(len(self.dataset), generator=g).tolist()
+        else:
+            order = list(range(len(self.dataset)))
+        rest = order[self._start_sample() :]
+        reps = self.num_replicas
+        if self.drop_last:
+            return rest[: len(rest) // reps * reps]
+        pad = -len(rest) % reps
+        while pad and rest:  # torch's padding: the epoch's order from its start, repeated
+            take = order[:pad]
+            rest += take
+            pad -= len(take)
+        return rest
 
     def __iter__(self) -> Iterator[int]:
-        indices = list(super().__iter__())
-        skip, self.skip_samples = self.skip_samples, 0  # applies to one epoch only
-        return iter(indices[skip:])
+        if not self._start_sample():
+            return super().__iter__()
+        indices = self._remaining()[self.rank :: self.num_replicas]
+        self._start = self.skip_samples = 0  # applies to one epoch only
+        return iter(indices)
 
     def __len__(self) -> int:
-        return self.num_samples - self.skip_samples
+        start = self._start_sample()
+        if not start:
+            return self.num_samples
+        rest = max(len(self.dataset) - start, 0)  # counted, not drawn: no permutation here
+        return rest // self.num_replicas if self.drop_last else -(-rest // self.num_replicas)
 
 
 def _default_workers() -> int:

@@ -9,6 +9,8 @@ bit for bit. A bad block is a ``ConfigError`` on every rank, before any collecti
 
 from __future__ import annotations
 
+import os
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +18,7 @@ import torch
 from spmdgt.config import ConfigError
 from spmdgt.train._config import ParallelismConfig
 
-__all__ = ["Layout", "build_layout", "tp_group"]
+__all__ = ["Layout", "build_layout", "describe_groups", "tp_group"]
 
 
 @dataclass
@@ -30,6 +32,13 @@ class Layout:
     dp_rank: int
     tp_mesh: object | None = None
     dp_mesh: object | None = None
+    shape: tuple[int, int, int] = (1, 1, 1)
+    """``(dp_replicate, dp_shard, tp)`` as run, also on the 1-D world (``placements``: the
+    world is the ``tp`` dim); written into checkpoints, so a resume can say what changed."""
+
+    def describe(self) -> str:
+        """``dp_replicate x dp_shard x tp`` sizes, e.g. ``1x2x2``."""
+        return "x".join(map(str, self.shape))
 
     def wrap_kwargs(self) -> dict[str, object]:
         """``wrap_model``'s mesh arguments: none on the 1-D world."""
@@ -46,7 +55,8 @@ def build_layout(
     rep, shard, tp = parallelism.resolve(world)
     if rep == 1 and tp == 1:  # today's path, bit for bit
         data = 1 if strategy == "placements" else world
-        return Layout(None, data, rank if data > 1 else 0)
+        shape = (1, 1, world) if strategy == "placements" else (1, world, 1)
+        return Layout(None, data, rank if data > 1 else 0, shape=shape)
     if strategy == "placements" and rep * shard > 1:
         raise ConfigError(
             f"strategy 'placements' is tensor parallelism alone, but parallelism gives "
@@ -64,7 +74,8 @@ def build_layout(
     if rep * shard > 1:
         dp_mesh = mesh["dp_replicate", "dp_shard"] if rep > 1 else mesh["dp_shard"]
     # row-major: (dp_replicate, dp_shard) then tp, so a rank's data rank is rank // tp
-    return Layout(mesh, rep * shard, rank // tp, mesh["tp"] if tp > 1 else None, dp_mesh)
+    tp_mesh = mesh["tp"] if tp > 1 else None
+    return Layout(mesh, rep * shard, rank // tp, tp_mesh, dp_mesh, (rep, shard, tp))
 
 
 def tp_group(mesh: object | None) -> object | None:
@@ -72,3 +83,37 @@ def tp_group(mesh: object | None) -> object | None:
     if mesh is None or mesh["tp"].size() == 1:
         return None
     return mesh["tp"].get_group()
+
+
+def _node() -> str:
+    """This rank's node: torchrun's ``GROUP_RANK`` (the node rank its rendezvous assigned;
+    also right for several "nodes" on one host), else the host name."""
+    group = os.environ.get("GROUP_RANK")
+    return f"node {group}" if group not in (None, "") else socket.gethostname()
+
+
+def describe_groups(layout: Layout) -> str | None:
+    """One line naming each tensor-parallel group's ranks and the node(s) they run on, so a
+    log shows whether TP stayed inside a node (``None`` on the 1-D world: nothing to say).
+
+    Collective on a 2-D/3-D layout (an all-gather of each rank's node, once, at setup; every
+    rank builds the same layout, so every rank calls it). A group spanning nodes is flagged:
+    its per-layer collectives would cross the slow link (put ``tp`` at most the GPUs per
+    node, as ``(dp_replicate, dp_shard, tp)`` row-major keeps a node's ranks in one group)."""
+    if layout.mesh is None:
+        return None
+    import torch.distributed as dist
+
+    nodes: list = [None] * dist.get_world_size()
+    dist.all_gather_object(nodes, _node())
+    tp = layout.shape[2]
+    ranks = layout.mesh.mesh.flatten().tolist()
+    parts = []
+    for g in range(0, len(ranks), tp):
+        group = ranks[g : g + tp]
+        where = sorted({nodes[r] for r in group})
+        span = " SPANS NODES" if len(where) > 1 else ""
+        parts.append(f"{group} on {', '.join(where)}{span}")
+    return f"mesh dp_replicate x dp_shard x tp = {layout.describe()}; tp groups: " + "; ".join(
+        parts
+    )

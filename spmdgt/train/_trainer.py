@@ -52,7 +52,7 @@ from spmdgt.train._checkpoint import (
 from spmdgt.train._compile import compile_disabled_by_env, compile_seconds
 from spmdgt.train._config import TrainConfig, load_train_config, override
 from spmdgt.train._data import ResumableDistributedSampler
-from spmdgt.train._mesh import build_layout, tp_group
+from spmdgt.train._mesh import build_layout, describe_groups, tp_group
 from spmdgt.train._profilers import cuda_peaks, current_memory_bytes, peak_memory_bytes
 from spmdgt.train._run import (
     Run,
@@ -261,7 +261,11 @@ class DistributedTrainer:
             self.config.parallelism, self.strategy, self.rt.world_size, self.rt.rank, self.device
         )
         self.device_mesh = layout.mesh
+        self.layout = layout
         self.data_parallel_size, self.data_parallel_rank = layout.dp_size, layout.dp_rank
+        groups = describe_groups(layout)  # collective on a 2-D/3-D layout, every rank
+        if groups:
+            runtime.print0(f"spmdgt.train: {groups}")
         return layout.wrap_kwargs()
 
     def _decide_compile(self, asked: bool) -> bool:
@@ -353,6 +357,10 @@ class DistributedTrainer:
             "scheduler": self.scheduler.state_dict() if self.scheduler else None,
             "scaler": self.scaler.state_dict() if self.scaler else None,
             "world_size": self.rt.world_size,
+            # the mesh it was written on: a resume on another says so (weights, optimizer and
+            # data position carry over, see load_checkpoint)
+            "mesh": list(self.layout.shape),
+            "data_parallel_size": self.data_parallel_size,
         }
 
     def save_checkpoint(self, directory: str | os.PathLike | None = None) -> str:
@@ -386,6 +394,14 @@ class DistributedTrainer:
         if self.scaler is not None and extra["scaler"] is not None:
             self.scaler.load_state_dict(extra["scaler"])
         self._resumed_from = str(found)
+        saved = extra.get("mesh")
+        if saved is not None and tuple(saved) != self.layout.shape:
+            runtime.print0(
+                f"spmdgt.train: {found} was written on mesh dp_replicate x dp_shard x tp = "
+                f"{'x'.join(map(str, saved))} ({extra.get('world_size')} rank(s)); resuming on "
+                f"{self.layout.describe()}: weights and optimizer state resharded, data from "
+                f"global sample {self._samples_in_epoch} of epoch {self._epoch}"
+            )
 
     # ------------------------------------------------------------------ the loop
 
@@ -492,19 +508,33 @@ class DistributedTrainer:
     def _epoch_batches(self, loader: Iterable, epoch: int, dp: int) -> tuple[Iterator, int | None]:
         """The epoch's batch iterator and how many batches it has left (``None``: unsized).
 
-        Sets the sampler's epoch (its shuffle). A resumed run skips the samples this rank
-        consumed before the checkpoint (global count / data-parallel ranks, so a different
-        world size works too): the resumable sampler starts after them, with no re-reads;
-        another loader has whole batches read and dropped."""
+        Sets the sampler's epoch (its shuffle). A resumed run continues at the global sample
+        the checkpoint names (``samples_in_epoch``: samples every data-parallel rank together
+        consumed), whatever the data-parallel size was when it was written: the resumable
+        sampler deals the epoch's global order from there over its replicas, with no re-reads
+        (``ResumableDistributedSampler.start_after``). Another loader has whole batches read
+        and dropped, which is exact only when the count is a whole number of global batches
+        (``dp`` x its batch size); otherwise it is an error on every rank rather than a run
+        that silently reads some samples twice."""
         sampler = getattr(loader, "sampler", None)
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)
-        skip = self._samples_in_epoch // dp
+        consumed = self._samples_in_epoch
         skip_batches = 0
-        if skip and isinstance(sampler, ResumableDistributedSampler):
-            sampler.skip_samples = skip
-        elif skip:
-            skip_batches = skip // batch_size_of(loader)
+        if consumed and isinstance(sampler, ResumableDistributedSampler):
+            sampler.start_after(consumed)
+        elif consumed:
+            per_step = batch_size_of(loader) * dp
+            if consumed % per_step:
+                raise ValueError(
+                    f"the checkpoint's data position is {consumed} samples into epoch {epoch}, "
+                    f"not a whole number of this run's global batches ({dp} data-parallel "
+                    f"rank(s) x batch size {batch_size_of(loader)} = {per_step}), and this "
+                    f"loader's sampler ({type(sampler).__name__}) can only skip whole "
+                    "batches; use OptimizedDataLoader.create (its ResumableDistributedSampler "
+                    "continues at any sample), or resume with a global batch that divides it"
+                )
+            skip_batches = consumed // per_step
         left = loader_len(loader)
         batches = iter(loader)
         for _ in range(skip_batches):
