@@ -215,11 +215,11 @@ def parse_config(
                 section=name,
                 aliases={"backward": "backward_signal"},
             )
+            cfg.name = name
+            cfg.file = file
             check_over(cfg, mesh, file)
         except ConfigError as e:
             raise e.located(line=line_of(body, e.key) or line_of(data, name)) from None
-        cfg.name = name
-        cfg.file = file
         out[name] = cfg
     for name, cfg in out.items():
         if cfg.backward_signal is not None and cfg.backward_signal not in out:
