@@ -4,6 +4,8 @@
     GT_CONFIG=examples/quickstart.yaml \\
         torchrun --nproc_per_node=2 examples/quickstart.py          # the same program, 2 ranks
     GT_AUTO_SHARD=1 torchrun --nproc_per_node=2 examples/quickstart.py
+    GT_CONFIG=examples/quickstart_2d.yaml \\
+        torchrun --nproc_per_node=4 examples/quickstart.py          # a 2 x 2 (dp, tp) mesh
 
 Every rank runs this file; values printed are global and identical on every rank and in every
 configuration (rank 0 prints them).
