@@ -126,6 +126,14 @@ def _program(rank, world, path):
         e = gt.arange(35.0).reshape(7, 5)
     moved = [gt.signal.tensor(e, n) for n in ("grid", "flat", "cols", "stage", "rows")]
     out["signal_tensor"] = [(tuple(m.placements), m.numpy()) for m in moved]
+    # GT_AUTO_SHARD beside the mesh: an unscoped tensor is Shard(0) over the 1-D world mesh
+    gt.manual_seed(6)
+    z = gt.randn(8, 5, requires_grad=True)
+    with gt.signal.context("grid"):
+        q = gt.randn(8, 5)
+        r = (z * q).sum(1)
+    r.sum().backward()
+    out["auto"] = (tuple(z.placements), z.device_mesh.ndim, r.numpy(), z.grad.numpy())
     return out
 
 
@@ -149,12 +157,15 @@ def _reference():
     b = torch.sin(a)
     d = (b * 2.0 + 1.0) * b
     (d * d).sum().backward()
-    return ref, created, blocked, (d.detach(), a.grad)
+    torch.manual_seed(6)
+    z, q = torch.randn(8, 5), torch.randn(8, 5)
+    auto = ((z * q).sum(1), q)  # r, and z's gradient
+    return ref, created, blocked, (d.detach(), a.grad), auto
 
 
 def test_gt_program_on_each_2d_layout_matches_one_process(tmp_path):
-    ref, created, blocked, moves = _reference()
-    results = run_ranks(_program, 4, tmp_path, _yaml(tmp_path))
+    ref, created, blocked, moves, auto = _reference()
+    results = run_ranks(_program, 4, tmp_path, _yaml(tmp_path), env={"GT_AUTO_SHARD": "1"})
     # (Shard(0), Shard(0)) of 7 rows: dp splits 4 + 3, tp splits those 2 + 2 and 2 + 1
     flat_rows = [(2, 5), (2, 5), (2, 5), (1, 5)]
     for rank, r in enumerate(results):
@@ -200,6 +211,10 @@ def test_gt_program_on_each_2d_layout_matches_one_process(tmp_path):
         for (placements, value), w in zip(r["signal_tensor"], want, strict=True):
             assert placements == w
             np.testing.assert_array_equal(value, np.arange(35.0).reshape(7, 5))
+        z_placements, z_ndim, r_value, z_grad = r["auto"]
+        assert z_placements == (Shard(0),) and z_ndim == 1
+        np.testing.assert_allclose(r_value, auto[0].numpy(), **TOL)
+        np.testing.assert_allclose(z_grad, auto[1].numpy(), **TOL)
 
 
 def _agreement(rank, world, good, other, bad_world):
