@@ -240,6 +240,32 @@ def _bound_decomp_search(search) -> None:
     search._get_candidate_placements = candidates
 
 
+# DTensor's reshaping view rules (``_view_ops``): they check a flattened or split dim's
+# evenness against the first mesh dim that shards it only (see ``_optable.nested_uneven``).
+_RESHAPES = frozenset(
+    {
+        torch.ops.aten.view.default,
+        torch.ops.aten.view_copy.default,
+        torch.ops.aten.reshape.default,
+        torch.ops.aten._unsafe_view.default,
+    }
+)
+
+
+def _check_reshape(op_call, specs) -> None:
+    """Raise (so the op takes the exact fallback) where a reshape's input has one tensor dim
+    sharded unevenly over several mesh dims, which DTensor's view rule would view at sizes
+    the ranks' pieces do not have: an error on some ranks, or wrong values."""
+    from spmdgt.tensor._optable import nested_uneven
+
+    for spec in specs:
+        if nested_uneven(spec):
+            raise RuntimeError(
+                f"{op_call} on a dim sharded unevenly over several mesh dims "
+                f"({tuple(spec.placements)}, shape {tuple(spec.shape)})"
+            )
+
+
 _backward = [0]  # > 0 while spmdgt runs the autograd engine (``backward``/``autograd.grad``)
 
 
@@ -302,6 +328,8 @@ def install() -> None:
             if rewrite is not None and rewrite[0](args) and _sharded(op_info.schema.args_spec):
                 return rewrite[1](op_call, args, kwargs)
         try:
+            if ours and op_call in _RESHAPES:
+                _check_reshape(op_call, op_info.schema.args_spec)
             return original(op_call, args, kwargs, op_info, *rest, **kw)
         except NoRule:
             raise

@@ -85,6 +85,8 @@ __all__ = [
     "TIES",
     "VIEW",
     "has_empty_shard",
+    "nested_uneven",
+    "shard_shapes",
     "check_supported",
     "guard",
     "is_irregular",
@@ -394,31 +396,74 @@ def is_pointwise_inplace(func) -> bool:
 
 def has_empty_shard(a) -> bool:
     """True when some rank holds none of DTensor ``a``: a shard left empty by the torch.chunk
-    rule, or a rank outside ``a``'s (sub-)mesh. Decided from global metadata alone, so every
-    rank answers alike."""
+    rule (on any mesh dim, nested shards of one tensor dim included), or a rank outside
+    ``a``'s (sub-)mesh. Decided from global metadata alone, so every rank answers alike."""
     spec = a._spec
-    mesh = spec.mesh
-    if mesh.size() != _world_size():
+    if spec.mesh.size() != _world_size():
         return True
-    shape = spec.shape
-    for i, p in enumerate(spec.placements):
-        if isinstance(p, Shard):
-            n, m = shape[p.dim], mesh.size(i)
-            if n < m or -(-n // m) * (m - 1) >= n:
-                return True
-    return False
+    shapes = shard_shapes(spec)
+    if shapes is None:
+        return True
+    dims = {p.dim for p in spec.placements if isinstance(p, Shard)}
+    return any(s[d] == 0 for s in shapes for d in dims)
 
 
 def is_irregular(a) -> bool:
-    """True when DTensor ``a`` is unevenly sharded, has an empty shard, or lives on a
-    sub-mesh: the layouts DTensor's rules for ``IRREGULAR`` ops get wrong."""
+    """True when DTensor ``a`` is unevenly sharded (the ranks' shards differ in shape, on any
+    mesh dim), has an empty shard, or lives on a sub-mesh: the layouts DTensor's rules for
+    ``IRREGULAR`` ops get wrong."""
     if has_empty_shard(a):
         return True
-    spec = a._spec
-    for i, p in enumerate(spec.placements):
-        if isinstance(p, Shard) and spec.shape[p.dim] % spec.mesh.size(i):
-            return True
-    return False
+    shapes = shard_shapes(a._spec)
+    return shapes is None or len(set(shapes)) > 1
+
+
+_shard_shapes: dict[tuple, tuple[tuple[int, ...], ...] | None] = {}
+
+
+def shard_shapes(spec) -> tuple[tuple[int, ...], ...] | None:
+    """The local shape every mesh coordinate holds of a DTensor with ``spec``, in mesh order,
+    by DTensor's rule: mesh dims left to right, each ``Shard(d)`` cutting the part dim ``d``
+    has so far with torch.chunk's rule (so nested shards of one dim, ``(Shard(0), Shard(0))``,
+    cut the first cut's pieces). None for a placement whose split this does not know
+    (``_StridedShard``): callers treat that as irregular. Global metadata only; cached."""
+    from torch.distributed.tensor import Partial, Replicate
+
+    mesh_shape = tuple(spec.mesh.shape)
+    key = (tuple(spec.shape), mesh_shape, tuple(spec.placements))
+    if key in _shard_shapes:
+        return _shard_shapes[key]
+    import itertools
+
+    out: list[tuple[int, ...]] | None = []
+    for coord in itertools.product(*(range(n) for n in mesh_shape)):
+        shape = list(spec.shape)
+        for i, p in enumerate(spec.placements):
+            if isinstance(p, Shard):
+                shape[p.dim] = Shard.local_shard_size_and_offset(
+                    shape[p.dim], mesh_shape[i], coord[i]
+                )[0]
+            elif not isinstance(p, (Replicate, Partial)):
+                out = None
+                break
+        if out is None:
+            break
+        out.append(tuple(shape))
+    _shard_shapes[key] = None if out is None else tuple(out)
+    return _shard_shapes[key]
+
+
+def nested_uneven(spec) -> bool:
+    """True when one tensor dim of ``spec`` is sharded over two or more mesh dims
+    (``(Shard(0), Shard(0))``) and the ranks' pieces differ in size. DTensor's view rules
+    check a flattened or split dim's evenness against the first of those mesh dims only, and
+    then view each rank's piece at a size it does not have (2 rows over 2x2: pieces 1, 0, 1,
+    0; a flatten asks each for a quarter): errors on some ranks, or wrong values."""
+    dims = [p.dim for p in spec.placements if isinstance(p, Shard)]
+    if len(dims) == len(set(dims)):
+        return False
+    shapes = shard_shapes(spec)
+    return shapes is None or len(set(shapes)) > 1
 
 
 def check_supported(func, args) -> None:
