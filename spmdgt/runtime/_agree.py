@@ -472,7 +472,7 @@ def _install_redistribute_check() -> None:
             before_collective(
                 f"{_op_in_flight()}: redistribute {dtype}{list(shape)} "
                 f"{tuple(current_spec.placements)} -> {tuple(target_spec.placements)} "
-                f"on mesh {current_spec.mesh.mesh.flatten().tolist()}"
+                f"on {_mesh_text(current_spec.mesh)}"
             )
         return original(local_tensor, current_spec, target_spec, *args, **kwargs)
 
@@ -480,6 +480,16 @@ def _install_redistribute_check() -> None:
     for module in (_redistribute, _dispatch, _api):
         if getattr(module, "redistribute_local_tensor", None) is original:
             module.redistribute_local_tensor = checked
+
+
+def _mesh_text(mesh: Any) -> str:
+    """``mesh [0, 1]`` (1-D) or ``mesh (dp=2, tp=2) over ranks [0, 1, 2, 3]`` (n-D)."""
+    ranks = mesh.mesh.flatten().tolist()
+    if mesh.ndim == 1:
+        return f"mesh {ranks}"
+    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+    dims = ", ".join(f"{n}={s}" for n, s in zip(names, mesh.shape, strict=True))
+    return f"mesh ({dims}) over ranks {ranks}"
 
 
 # -- one readable message per rank ---------------------------------------------------------------

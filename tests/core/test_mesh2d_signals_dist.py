@@ -126,6 +126,13 @@ def _program(rank, world, path):
         e = gt.arange(35.0).reshape(7, 5)
     moved = [gt.signal.tensor(e, n) for n in ("grid", "flat", "cols", "stage", "rows")]
     out["signal_tensor"] = [(tuple(m.placements), m.numpy()) for m in moved]
+    # .data = a plain value: laid out as the tensor is (a shard dim the value lacks replicated)
+    with gt.signal.context("grid"):
+        p = gt.randn(7, 5)
+    p.data = torch.arange(35.0).reshape(7, 5)
+    p2 = gt.signal.tensor(p, "flat")
+    p2.data = torch.arange(7.0)
+    out["data"] = (tuple(p.placements), p.numpy(), tuple(p2.placements), p2.numpy())
     # GT_AUTO_SHARD beside the mesh: an unscoped tensor is Shard(0) over the 1-D world mesh
     gt.manual_seed(6)
     z = gt.randn(8, 5, requires_grad=True)
@@ -211,6 +218,10 @@ def test_gt_program_on_each_2d_layout_matches_one_process(tmp_path):
         for (placements, value), w in zip(r["signal_tensor"], want, strict=True):
             assert placements == w
             np.testing.assert_array_equal(value, np.arange(35.0).reshape(7, 5))
+        grid_p, p_value, flat_p, p2_value = r["data"]
+        assert grid_p == LAYOUTS["grid"] and flat_p == LAYOUTS["flat"]
+        np.testing.assert_array_equal(p_value, np.arange(35.0).reshape(7, 5))
+        np.testing.assert_array_equal(p2_value, np.arange(7.0))
         z_placements, z_ndim, r_value, z_grad = r["auto"]
         assert z_placements == (Shard(0),) and z_ndim == 1
         np.testing.assert_allclose(r_value, auto[0].numpy(), **TOL)
@@ -231,6 +242,14 @@ def _agreement(rank, world, good, other, bad_world):
             gt.randn(7, 5)
     except gt.RankDivergenceError as e:
         out["diverged"] = str(e)
+    gt.load_config(good)
+    with gt.signal.context("grid"):
+        x = gt.randn(7, 5)
+    try:  # GT_CHECK_RANKS=1: rank 1 redistributes to another layout than its peers
+        x.redistribute(x.device_mesh, [Shard(0), Shard(0)] if rank == 1 else [Shard(0), Shard(1)])
+        x.redistribute(x.device_mesh, [Replicate(), Shard(1)])
+    except gt.RankDivergenceError as e:
+        out["redistribute"] = str(e)
     return out
 
 
@@ -238,7 +257,8 @@ def test_sizes_and_divergent_meshes_are_errors_on_every_rank(tmp_path):
     good = _yaml(tmp_path)
     other = _yaml(tmp_path, MESH_YAML.replace("{dp: 2, tp: -1}", "{dp: 4, tp: 1}"), "o.yaml")
     bad = _yaml(tmp_path, "\nmesh: {dp: 3, tp: 2}\nrows: {shard: {axis: 0, over: dp}}\n", "b.yaml")
-    for rank, r in enumerate(run_ranks(_agreement, 4, tmp_path, good, other, bad)):
+    env = {"GT_CHECK_RANKS": "1"}
+    for rank, r in enumerate(run_ranks(_agreement, 4, tmp_path, good, other, bad, env=env)):
         assert r["world"] == (
             f"{bad}:2, key 'mesh': mesh {{dp=3, tp=2}}: the sizes dp=3 x tp=2 multiply to 6, "
             "but the world has 4 rank(s); make the sizes multiply to 4 (or give one dim -1, "
@@ -246,6 +266,8 @@ def test_sizes_and_divergent_meshes_are_errors_on_every_rank(tmp_path):
         ), rank
         # the creation's agreement point names each rank's mesh
         assert "mesh (dp=4, tp=1)" in r["diverged"] and "mesh (dp=2, tp=-1)" in r["diverged"]
+        assert "rank 1: " in r["redistribute"], r["redistribute"]
+        assert "on mesh (dp=2, tp=2) over ranks [0, 1, 2, 3]" in r["redistribute"]
 
 
 def _regions(rank, world, path):
