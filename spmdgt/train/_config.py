@@ -362,6 +362,9 @@ _SECTION_OF = {
     "gradient_accumulation_steps": "training",
     "max_grad_norm": "training",
     "find_unused_parameters": "ddp",
+    "dp_replicate": "parallelism",
+    "dp_shard": "parallelism",
+    "tp": "parallelism",
 }
 
 

@@ -80,6 +80,24 @@ class Wrapped:
     the collectives (placements: measured only on request), "no_collectives" in a world of one."""
     compiled: CompileState | None = None
     """What ``compile=True`` compiled (None: nothing compiled)."""
+    partial_grads: list[nn.Parameter] = field(default_factory=list)
+    """FSDP's sharded parameters of ``sharded_input`` modules under tensor parallelism: each
+    tensor-parallel rank's gradient covers its own heads only, summed over ``partial_group``
+    by ``sum_partial_grads`` once per optimizer step (FSDP2 replaces the parameters, so a
+    hook on the originals would never fire)."""
+    partial_group: object = None
+
+    def sum_partial_grads(self) -> None:
+        """Sum the ``partial_grads`` over the tensor-parallel group (collective on that group;
+        nothing to do without them). Called after the step's last backward, before clipping:
+        FSDP's reduction over the data dims is done (and, under gradient accumulation, every
+        micro-step's gradient is in), so one all-reduce per step completes the sum. The ranks
+        of a tp group sit at the same data-parallel coordinates, so they hold the same FSDP
+        shard of each parameter and their local shards add up element by element."""
+        for p in self.partial_grads:
+            if p.grad is not None:
+                local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                dist.all_reduce(local, group=self.partial_group)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -190,11 +208,9 @@ def _sum_gradients_over_ranks(
         dist.all_reduce(grad, group=group)
         return grad
 
-    for name, module in model.named_modules():
-        style = next((s for p, s in table.items() if fnmatch.fnmatchcase(name, p)), None)
-        if name and style == "sharded_input":
-            for param in module.parameters():
-                param.register_hook(summed)
+    for module in _sharded_input_modules(model, table):
+        for param in module.parameters():
+            param.register_hook(summed)
 
 
 # (is an Embedding, style) -> the attribute holding the dim that style splits
@@ -269,12 +285,17 @@ def wrap_model(
         dp_size = dp_mesh.size() if dp_mesh is not None else 1
     data_parallel = distributed and dp_size > 1
     wrapped = Wrapped(model, strategy, 1, autocast_dtype=amp_dtype if use_amp else None)
+    fsdp_follows = data_parallel and strategy == "fsdp"
+    sharded_input: list[nn.Module] = []
     if strategy == "placements" or (two_d and tp_mesh is not None):
         assert placements, "TrainConfig requires a placements table for tensor parallelism"
         plan = _placement_plan(model, placements, tp_size)  # checked in a world of 1 too
         if tp_mesh is not None:
             group = tp_mesh.get_group() if two_d else None  # None: the world, as before
-            apply_tp(model, tp_mesh, plan, placements, group=group)
+            sharded_input = apply_tp(
+                model, tp_mesh, plan, placements, group=group, hooks=not fsdp_follows
+            )
+            wrapped.partial_group = group
             # DTensor's collectives have no hook: the trainer reads them from the interceptor's
             # op stream when measurement is asked for (see DistributedTrainer.train).
             wrapped.comm_source = None
@@ -306,6 +327,8 @@ def wrap_model(
             )
         mixed = fsdp.use_mixed_precision or use_amp
         wrapped.fsdp_modules = apply_fsdp(model, dp_mesh, fsdp, amp_dtype if mixed else None)
+        # their parameters are FSDP's sharded ones now: summed after the step's backward
+        wrapped.partial_grads = [p for m in sharded_input for p in m.parameters()]
         _log_fsdp_collectives(wrapped.fsdp_modules, wrapped.log, sum_only=backend != "nccl")
         wrapped.data_parallel_size = dp_size
         # FSDP's own MixedPrecisionPolicy casts; autocast stays off so compute is what it says.
@@ -325,15 +348,30 @@ def apply_tp(
     plan: dict[str, object],
     table: dict[str, str],
     group: object = None,
-) -> None:
+    hooks: bool = True,
+) -> list[nn.Module]:
     """Tensor parallelism: ``parallelize_module`` with ``plan`` on ``mesh`` (1-D: the world's
     or a bigger mesh's ``tp`` dim), then the gradient hooks of the ``sharded_input`` modules
     (their whole parameters see a part of the input), summing over ``group`` (the ``tp``
-    dim's process group on a bigger mesh; ``None``: the world)."""
+    dim's process group on a bigger mesh; ``None``: the world). Returns those modules;
+    ``hooks=False`` (FSDP follows, and replaces their parameters) leaves the sum to
+    ``Wrapped.sum_partial_grads``."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     parallelize_module(model, mesh, plan)
-    _sum_gradients_over_ranks(model, table, group)
+    if hooks:
+        _sum_gradients_over_ranks(model, table, group)
+    return _sharded_input_modules(model, table)
+
+
+def _sharded_input_modules(model: nn.Module, table: dict[str, str]) -> list[nn.Module]:
+    """The modules the table names ``sharded_input`` (first matching pattern wins)."""
+    found = []
+    for name, module in model.named_modules():
+        style = next((s for p, s in table.items() if fnmatch.fnmatchcase(name, p)), None)
+        if name and style == "sharded_input":
+            found.append(module)
+    return found
 
 
 def apply_ac(model: nn.Module) -> None:

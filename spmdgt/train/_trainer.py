@@ -708,6 +708,7 @@ class DistributedTrainer:
         return summary
 
     def _optimizer_step(self, params: list[nn.Parameter]) -> None:
+        self.wrapped.sum_partial_grads()  # per-head norms under FSDP x TP (else nothing)
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         if self.max_grad_norm is not None:

@@ -170,7 +170,12 @@ class _HeadNormAttention(torch.nn.Module):
         return self.o_proj(torch.tanh(h))
 
 
-def _head_norm_grads_2d(rank: int, world: int) -> tuple:
+def _head_norm_grads_2d(rank: int, world: int, fsdp: bool) -> tuple:
+    """One backward of ``_HeadNormAttention`` on a 2x2 mesh (tp inside, each data group its own
+    batch): tensor parallel alone (``dp_mesh`` not given) or under FSDP over ``dp_shard``,
+    where FSDP swaps the parameters for its own and the per-head norm's gradient is summed
+    over the tp group after the backward (``Wrapped.sum_partial_grads``). Returns the norm's
+    full gradient and the one-process reference: the mean over the data groups' batches."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from spmdgt import runtime
@@ -184,8 +189,7 @@ def _head_norm_grads_2d(rank: int, world: int) -> tuple:
         for m in (model, ref):
             m.q_norm.weight.copy_(torch.linspace(0.5, 1.5, 4))
     mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
-    dp_rank = rank // 2  # each data group its own batch: a world-wide sum would mix them
-    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(1 + dp_rank))
+    xs = [torch.randn(5, 6, generator=torch.Generator().manual_seed(1 + d)) for d in range(2)]
     table = {"q_proj": "colwise", "o_proj": "rowwise", "q_norm": "sharded_input"}
     wrapped = wrap_model(
         model,
@@ -195,15 +199,26 @@ def _head_norm_grads_2d(rank: int, world: int) -> tuple:
         backend=runtime.get_runtime().backend,
         placements=table,
         tp_mesh=mesh["tp"],
+        dp_mesh=mesh["dp_shard"] if fsdp else None,
     )
-    wrapped.module(x).pow(2).mean().backward()
-    ref(x).pow(2).mean().backward()
-    return model.q_norm.weight.grad, ref.q_norm.weight.grad
+    # each data group its own batch: a world-wide sum would mix them
+    wrapped.module(xs[rank // 2]).pow(2).mean().backward()
+    wrapped.sum_partial_grads()
+    grad = model.q_norm.weight.grad
+    if fsdp:  # FSDP averaged over the data groups
+        want = sum(torch.autograd.grad(ref(x).pow(2).mean(), ref.q_norm.weight)[0] for x in xs) / 2
+        return grad.full_tensor(), want
+    ref(xs[rank // 2]).pow(2).mean().backward()
+    return grad, ref.q_norm.weight.grad
 
 
 def test_sharded_input_gradients_sum_over_the_tp_group_only(tmp_path):
-    for got, want in run_ranks(_head_norm_grads_2d, 4, tmp_path):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    """Also under FSDP x TP, where a hook on the original parameter never fired (FSDP2
+    replaces it): the tp ranks' per-head norms drifted apart by 2 x lr in one AdamW step."""
+    for fsdp in (False, True):
+        (tmp_path / str(fsdp)).mkdir()
+        for got, want in run_ranks(_head_norm_grads_2d, 4, tmp_path / str(fsdp), fsdp):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 # ------------------------------------------------------------------ checkpoints on 2-D
