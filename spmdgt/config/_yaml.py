@@ -64,6 +64,9 @@ def _construct_lined(loader: _UniqueKeyLoader, node):
 
 
 _UniqueKeyLoader.add_constructor("tag:yaml.org,2002:map", _construct_lined)
+# what load_mapping returns dumps back as the plain mapping it is
+yaml.SafeDumper.add_representer(Lined, yaml.SafeDumper.represent_dict)
+yaml.Dumper.add_representer(Lined, yaml.Dumper.represent_dict)
 
 
 def line_of(data: object, key: str | None) -> int | None:

@@ -312,3 +312,14 @@ def test_a_mesh_is_ignored_in_a_world_of_one(tmp_path, monkeypatch):
     assert type(x) is torch.Tensor and gt.get_mesh_config().dims == {"dp": 2, "tp": 2}
     torch.manual_seed(0)
     assert torch.equal(x, torch.randn(7, 5))
+
+
+def test_loaded_mappings_know_their_lines_and_dump_as_plain_yaml(tmp_path):
+    import yaml
+
+    from spmdgt.config import load_mapping
+
+    data, _ = load_mapping(_write(tmp_path, MESH_OK))
+    assert data.lines["mesh"] == 1 and data.lines["grid"] == 6
+    assert data["grid"]["shard"].lines == {"axis": 7, "over": 7}
+    assert yaml.safe_load(yaml.safe_dump(data)) == data  # a dict to every other reader
