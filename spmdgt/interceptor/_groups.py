@@ -22,6 +22,8 @@ import inspect
 import weakref
 from typing import Any
 
+from torch._ops import OpOverload
+
 __all__ = ["WORLD", "group_label", "group_of_call", "register_mesh", "registered"]
 
 WORLD = "world"
@@ -94,6 +96,8 @@ def _where(func: Any) -> tuple[int, str | None]:
     if got is not None:
         return got
     schema = getattr(func, "_schema", None)
+    if schema is None and isinstance(getattr(func, "default", None), OpOverload):
+        schema = func.default._schema  # an op packet (torch.ops._c10d_functional.all_reduce)
     got = (-1, None)
     if schema is not None:  # an ATen/c10d/functional op: group_name (str) or process_group
         for i, arg in enumerate(schema.arguments):

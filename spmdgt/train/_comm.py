@@ -263,23 +263,33 @@ class LoggedReduceScatter(DefaultReduceScatter):
         return self.log.finish_on(rec, work)
 
 
-# Base names of functional collectives -> the kinds ``_RING_FACTOR`` and the estimates use.
+# Base names of collectives (functional, c10d ops, torch.distributed's API) -> the kinds
+# ``_RING_FACTOR`` and the estimates use.
 _KIND = {
     "all_reduce": "all_reduce",
+    "allreduce": "all_reduce",
     "all_gather_into_tensor": "all_gather",
+    "all_gather_single": "all_gather",
+    "_allgather_base": "all_gather",
+    "allgather": "all_gather",
     "all_gather": "all_gather",
     "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_single": "reduce_scatter",
+    "_reduce_scatter_base": "reduce_scatter",
     "reduce_scatter": "reduce_scatter",
     "all_to_all_single": "all_to_all",
+    "alltoall_base": "all_to_all",
     "broadcast": "broadcast",
 }
 
 
 def _collective_kind(op: str) -> str:
-    """``_c10d_functional.all_gather_into_tensor.default`` -> ``all_gather``."""
+    """``_c10d_functional.all_gather_into_tensor.default`` -> ``all_gather`` (also
+    ``c10d._allgather_base_.default``, ``dist.all_gather_single``)."""
     parts = op.split(".")
-    name = parts[1] if parts[0] in ("_c10d_functional", "c10d_functional") else parts[0]
-    name = name.rstrip("_")
+    spaces = ("_c10d_functional", "c10d_functional", "c10d", "dist")
+    name = parts[1] if len(parts) > 1 and parts[0] in spaces else parts[0]
+    name = name.rstrip("_") if not name.startswith("_") else "_" + name[1:].rstrip("_")
     return _KIND.get(name, name)
 
 
@@ -294,33 +304,41 @@ class InterceptorCollectiveSink:
     ran on (``OpEvent.group``). ``fill`` assigns the kept events to optimizer steps by
     timestamp (events are delivered in batches, long after the step that issued them).
 
-    ``hooked=True`` is the sink beside torch's hooks (FSDP2 or DDP over the data dims of a 2-D
-    mesh with a ``tp`` dim): the hooks log the data dims' gathers, reduce-scatters and
-    bucket all-reduces, this sink adds what they cannot see: DTensor's collectives (TP's
-    redistributions inside ``tp``, the clip's norm) and the ``dist.all_reduce`` calls on a
-    mesh dim's group (HSDP's replica all-reduce on ``dp_replicate``, the trainer's sum of
-    sharded-input gradients over ``tp``), never those on the world group.
+    ``api_dims`` makes it the sink beside torch's hooks (FSDP2 or DDP over the data dims of a
+    2-D mesh): the hooks log the data dims' gathers, reduce-scatters and bucket all-reduces,
+    this sink adds what they cannot see: DTensor's collectives (TP's redistributions inside
+    ``tp``, the clip's norm) and the torch.distributed all-reduces on the dims named in
+    ``api_dims`` (HSDP's replica all-reduce on ``dp_replicate``, the trainer's sum of
+    sharded-input gradients over ``tp``): never the world's, never a dim the hooks log.
 
     The duration is what the interceptor timed: the call that issues the collective. An
     ``AsyncCollectiveTensor``'s later wait happens inside a tensor subclass, which the stream
     does not show, so time spent waiting there is not included.
     """
 
-    def __init__(self, hooked: bool = False) -> None:
+    def __init__(self, api_dims: frozenset[str] | set[str] | None = None) -> None:
         self.events: list[tuple[int, int, str, int, str]] = []
-        self.hooked = hooked
+        self.api_dims = frozenset(api_dims or ())
+
+    @property
+    def hooked(self) -> bool:
+        """Whether this sink reads beside torch's hooks (it has ``api_dims``)."""
+        return bool(self.api_dims)
 
     def on_events(self, events: list) -> None:
         keep = self.events.append
-        hooked = self.hooked
+        api_dims = self.api_dims
         for e in events:
             if e.kind != "comm":
                 continue
             dim = getattr(e, "group", None) or WORLD
-            api = e.op.startswith(("dist.", "c10d."))
-            if api and not (hooked and e.op == "dist.all_reduce" and dim not in (WORLD, "-")):
+            kind = _collective_kind(e.op)
+            # torch.distributed's API: ``dist.*`` at the torch level, ``c10d.*`` inside backward
+            if e.op.startswith(("dist.", "c10d.")) and not (
+                kind == "all_reduce" and dim in api_dims
+            ):
                 continue
-            keep((e.t0_ns, e.dur_ns, _collective_kind(e.op), e.nbytes, dim))
+            keep((e.t0_ns, e.dur_ns, kind, e.nbytes, dim))
 
     def flush(self) -> None:
         pass
@@ -572,6 +590,8 @@ class CommunicationProfiler:
     def for_dim(self, dim: str) -> CommunicationProfiler:
         """A profiler that prices with ``dim``'s latency and bandwidth (probed per dim)."""
         lat, bws = self._tables_by_dim()
+        if dim not in lat and self._bandwidths is not None and self._latency is not None:
+            return CommunicationProfiler(self.enabled, dict(self._bandwidths), dict(self._latency))
         if dim not in lat:
             known = ", ".join(sorted(lat)) or "none (a world of one)"
             raise ValueError(f"no probe for mesh dim {dim!r}; probed dims: {known}")

@@ -59,34 +59,53 @@ def probe_dims(
 
     if not dims:
         return {}, {}
-    raw: list[float] = []
-    for _, _, group in dims:  # the same calls in the same order on every rank
+    small: dict[tuple[str, str], float] = {}
+    large: dict[tuple[str, str], tuple[float, int]] = {}  # -> (seconds, message bytes)
+    todo = [(name, n, group, kind) for name, n, group in dims for kind in kinds]
+    for name, _, group, kind in todo:  # the same calls in the same order on every rank
+        small[(name, kind)] = _probe_seconds(kind, latency_bytes, latency_iters, group)
+    nbytes = bandwidth_bytes
+    for attempt in range(_RETRIES + 1):
+        got = [_probe_seconds(kind, nbytes, bandwidth_iters, g) for _, _, g, kind in todo]
+        keys = [(name, kind) for name, _, _, kind in todo]
+        agreed = _world_max([small[k] for k in keys] + got)
+        for i, key in enumerate(keys):
+            small[key] = agreed[i]
+            large[key] = (agreed[len(keys) + i], nbytes)
+        # A large message no slower than a small one (a busy or oversubscribed host): probe
+        # those again with 4x the bytes. The numbers are the world's, so every rank retries
+        # the same (dim, kind)s, in the same order.
+        todo = [t for t in todo if large[(t[0], t[3])][0] <= small[(t[0], t[3])]]
+        if not todo:
+            break
+        if attempt == _RETRIES:
+            name, _, _, kind = todo[0]
+            raise ValueError(
+                f"mesh dim {name!r}: the {nbytes}-byte {kind} took "
+                f"{large[(name, kind)][0] * 1e6:.1f} us, not more than the {latency_bytes}-byte "
+                f"one ({small[(name, kind)] * 1e6:.1f} us): probe bandwidth with a larger "
+                "message (CommunicationProfiler(probe_bytes=...)) on a quieter machine"
+            )
+        nbytes *= 4
+    latency: dict[str, dict[str, float]] = {}
+    bandwidth: dict[str, dict[str, float]] = {}
+    for name, n, _ in dims:
         for kind in kinds:
-            raw.append(_probe_seconds(kind, latency_bytes, latency_iters, group))
-            raw.append(_probe_seconds(kind, bandwidth_bytes, bandwidth_iters, group))
-    # Each number is its group's slowest rank; the world's MAX makes it the slowest group's.
+            t_small, (t_large, size) = small[(name, kind)], large[(name, kind)]
+            moved = _RING_FACTOR[kind](n) * (max(size // 4, n) // n * n) * 4
+            latency.setdefault(name, {})[kind] = t_small
+            bandwidth.setdefault(name, {})[kind] = moved / (t_large - t_small)
+    return latency, bandwidth
+
+
+_RETRIES = 2  # bandwidth probes re-run with 4x, then 16x the bytes before giving up
+
+
+def _world_max(values: list[float]) -> list[float]:
+    """Every value as the world's largest (one all-reduce): the slowest group's number."""
     device = None
     if dist.get_backend() == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
-    t = torch.tensor(raw, dtype=torch.float64, device=device)
+    t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    agreed = t.tolist()
-    latency: dict[str, dict[str, float]] = {}
-    bandwidth: dict[str, dict[str, float]] = {}
-    i = 0
-    for name, n, _ in dims:
-        lat, bw = latency.setdefault(name, {}), bandwidth.setdefault(name, {})
-        for kind in kinds:
-            small, large = agreed[i], agreed[i + 1]
-            i += 2
-            moved = _RING_FACTOR[kind](n) * (max(bandwidth_bytes // 4, n) // n * n) * 4
-            if large <= small:  # the same on every rank: the numbers are the world's
-                raise ValueError(
-                    f"mesh dim {name!r}: the {bandwidth_bytes}-byte {kind} took "
-                    f"{large * 1e6:.1f} us, not more than the {latency_bytes}-byte one "
-                    f"({small * 1e6:.1f} us): probe bandwidth with a larger message "
-                    "(CommunicationProfiler(probe_bytes=...))"
-                )
-            lat[kind] = small
-            bw[kind] = moved / (large - small)
-    return latency, bandwidth
+    return t.tolist()

@@ -5,6 +5,16 @@ writer and progress bar on rank 0, the profiler, the collective sink), then per 
 into it, and at the end attributes the logged collectives to steps and builds the summary.
 These functions hold the measurement side of that; the loop itself is ``_trainer``'s.
 Nothing here decides a collective: every function reads what the loop measured.
+
+On a 2-D mesh each logged collective carries the mesh dim it ran on (``tp``, ``dp_shard``,
+``dp_replicate``; ``world`` on the 1-D world): the run reads the mesh from its own parameters
+(DTensors on the mesh), names the mesh's groups for the interceptor (``register_mesh``), and
+reports count, bytes and seconds per dim and step (``comm_by_dim``, TensorBoard's
+``comm/<dim>/*``, ``comm_dim_summary``). Under FSDP2 or DDP over the data dims with a ``tp``
+dim, or HSDP, the hooks see only the gathers, reduce-scatters and DDP buckets; TP's
+collectives (DTensor's redistributions inside ``tp``) and HSDP's replica all-reduce come from
+the interceptor's stream, read beside them when measurement is on (``profile=True`` or the
+interceptor enabled); otherwise the summary says which dims were not measured.
 """
 
 from __future__ import annotations
@@ -12,11 +22,13 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
 from spmdgt import interceptor
+from spmdgt.interceptor._groups import WORLD, register_mesh
 from spmdgt.train._comm import CollectiveLog, InterceptorCollectiveSink
 from spmdgt.train._config import TrainConfig
 from spmdgt.train._summary import MetricsLogger, ProgressBar, RunStats
@@ -26,7 +38,9 @@ __all__ = [
     "Run",
     "attach_comm_sink",
     "attribute_collectives",
+    "comm_dim_summary",
     "detach_comm_sink",
+    "param_meshes",
     "make_profiler",
     "step_scalars",
     "window",
@@ -59,6 +73,58 @@ class Run:
     """When the current step's clock started (after the last step's checkpoint write)."""
     c0: float = 0.0
     """Compile seconds so far when the clock started: compile time is taken out of the step."""
+    comm_by_dim: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    """Per mesh dim: ``collectives``, ``bytes`` (of their buffers) and ``sec`` per step, by
+    step index as ``stats.step_times`` (filled by ``attribute_collectives``)."""
+
+    def __post_init__(self) -> None:
+        meshes = param_meshes(self.params)
+        for mesh in meshes:
+            register_mesh(mesh)  # the interceptor names these groups after their dims
+        unhooked = _unhooked_dims(meshes)
+        if self.cfg.strategy != "fsdp" and "dp_replicate" in unhooked:
+            unhooked.remove("dp_replicate")  # DDP's hook logs its buckets on any data dim
+        if self.sink is None and unhooked and (self.cfg.profile or interceptor.is_enabled()):
+            # FSDP2/DDP over the data dims beside a ``tp`` dim, or HSDP: the hooks log the
+            # gathers, reduce-scatters and DDP buckets; the op stream adds TP's collectives
+            # and HSDP's replica all-reduce (``InterceptorCollectiveSink(api_dims)``).
+            own = not interceptor.is_enabled()
+            if own:
+                interceptor.enable(stats=False, hotpath=False)
+            self.sink = interceptor.add_sink(InterceptorCollectiveSink(set(unhooked)))
+            self.own_interceptor = own
+
+    def unmeasured_dims(self) -> list[str]:
+        """Mesh dims whose collectives neither torch's hooks nor a sink measure."""
+        if self.sink is not None:
+            return []
+        missed = _unhooked_dims(param_meshes(self.params))
+        return [d for d in missed if not (d == "dp_replicate" and self.cfg.strategy != "fsdp")]
+
+
+def param_meshes(params: list[nn.Parameter]) -> list[Any]:
+    """The distinct device meshes of the DTensor parameters (FSDP2's, TP's), in first-seen
+    order; ``[]`` for plain parameters."""
+    out: dict[int, Any] = {}
+    for p in params:
+        mesh = getattr(p, "device_mesh", None)
+        if mesh is not None and id(mesh) not in out:
+            out[id(mesh)] = mesh
+    return list(out.values())
+
+
+# Mesh dims whose collectives torch's hooks do not see: DTensor's inside ``tp``, and FSDP2's
+# replica all-reduce on ``dp_replicate`` (a plain ``dist.all_reduce``, no custom-comm hook).
+_UNHOOKED = ("tp", "dp_replicate")
+
+
+def _unhooked_dims(meshes: list[Any]) -> list[str]:
+    """The dims of ``meshes`` (size > 1) whose collectives only the op stream can see."""
+    out: list[str] = []
+    for mesh in meshes:
+        names = getattr(mesh, "mesh_dim_names", None) or ()
+        out += [d for d in _UNHOOKED if d in names and d not in out and mesh[d].size() > 1]
+    return out
 
 
 def attribute_collectives(run: Run, log: CollectiveLog, comm_source: str | None) -> str | None:
@@ -68,13 +134,66 @@ def attribute_collectives(run: Run, log: CollectiveLog, comm_source: str | None)
     stats = run.stats
     if run.sink is not None:
         run.sink.fill(log, run.windows)
-        comm_source = "interceptor"
+        comm_source = f"{comm_source}+interceptor" if run.sink.hooked else "interceptor"
+    elif comm_source is not None and (missed := run.unmeasured_dims()):
+        comm_source = f"{comm_source} ({'/'.join(missed)} not measured: use profile=True)"
     if comm_source is not None:
         counts, secs = log.step_counts(), log.step_seconds()
         for i in range(len(stats.step_times)):
             stats.collectives.append(counts.get(stats.first_step + i, 0))
             stats.comm_sec.append(secs.get(stats.first_step + i, 0.0))
+        _per_dim(run, log)
     return comm_source
+
+
+def _per_dim(run: Run, log: CollectiveLog) -> None:
+    """Fill ``run.comm_by_dim`` from ``log`` and write TensorBoard's ``comm/<dim>/*`` scalars
+    (rank 0 with a logdir): collectives, MB of buffers and seconds per step, per mesh dim."""
+    stats = run.stats
+    figures = log.step_figures_by_dim()
+    for dim in sorted(figures):
+        steps = figures[dim]
+        rows = [steps.get(stats.first_step + i, (0, 0, 0.0)) for i in range(len(stats.step_times))]
+        run.comm_by_dim[dim] = {
+            "collectives": [float(r[0]) for r in rows],
+            "bytes": [float(r[1]) for r in rows],
+            "sec": [r[2] for r in rows],
+        }
+    if run.metrics.writer is None or not _named_dims(run):
+        return
+    for dim, fig in run.comm_by_dim.items():
+        for i in range(len(stats.step_times)):
+            run.metrics.scalars(
+                stats.first_step + i + 1,
+                {
+                    f"comm/{dim}/collectives": fig["collectives"][i],
+                    f"comm/{dim}/mb": fig["bytes"][i] / 1e6,
+                    f"comm/{dim}/sec": fig["sec"][i],
+                },
+            )
+
+
+def _named_dims(run: Run) -> bool:
+    """Whether any collective ran on a named mesh dim (not only the 1-D world group)."""
+    return any(dim != WORLD for dim in run.comm_by_dim)
+
+
+def comm_dim_summary(run: Run) -> dict[str, float]:
+    """The summary's per-mesh-dim communication after ``attribute_collectives``: per dim,
+    ``comm_<dim>_collectives_per_step``, ``comm_<dim>_mb_per_step`` (buffer MB) and
+    ``comm_<dim>_ms_per_step`` over the steps after warm-up. ``{}`` on the 1-D world (its
+    summary stays what it was) or when nothing measured the collectives."""
+    if not _named_dims(run):
+        return {}
+    n = len(run.stats.step_times)
+    warm = min(run.cfg.training.warmup_steps, max(n - 1, 0))
+    steps = max(n - warm, 1)
+    out: dict[str, float] = {}
+    for dim, fig in run.comm_by_dim.items():
+        out[f"comm_{dim}_collectives_per_step"] = sum(fig["collectives"][warm:]) / steps
+        out[f"comm_{dim}_mb_per_step"] = sum(fig["bytes"][warm:]) / steps / 1e6
+        out[f"comm_{dim}_ms_per_step"] = sum(fig["sec"][warm:]) / steps * 1e3
+    return out
 
 
 def attach_comm_sink(

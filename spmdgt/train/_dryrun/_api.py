@@ -93,29 +93,35 @@ def _resolve_config(
 def _report(raw: dict, cfg: TrainConfig, s: _Settings, t0: float, notes: list[str]) -> DryRunReport:
     rows: list[CollectiveRow] = []
     comm = 0.0
-    totals = raw["collectives"]
-    if totals:
+    by_dim = raw["collectives"]  # {dim: {kind: {count, bytes}}}
+    sizes = raw["sizes"]
+    if by_dim:
         if s.bandwidth is not None:
             prof = CommunicationProfiler(bandwidth=s.bandwidth, latency=s.latency)
-            est = prof.estimate_counted(totals, s.world)
-            comm = est["estimated_sec"]
+            est = prof.estimate_counted_by_dim(by_dim, sizes)
+            comm = est["total"]["estimated_sec"]
         else:
-            ring = CommunicationProfiler.measured_bytes_per_rank(
-                {k: dict(v) for k, v in totals.items()}, s.world
-            )
-            est = {f"{k}_bytes": ring[f"{k}_bytes"] for k in totals}
-            est.update({f"{k}_sec": math.nan for k in totals})
-            comm = math.nan
-        for kind in sorted(totals):
-            rows.append(
-                CollectiveRow(
-                    kind,
-                    int(totals[kind]["count"]),
-                    int(totals[kind]["bytes"]),
-                    float(est[f"{kind}_bytes"]),
-                    float(est[f"{kind}_sec"]),
+            est = {}
+            for dim, totals in by_dim.items():
+                ring = CommunicationProfiler.measured_bytes_per_rank(
+                    {k: dict(v) for k, v in totals.items()}, sizes[dim]
                 )
-            )
+                est[dim] = {f"{k}_bytes": ring[f"{k}_bytes"] for k in totals}
+                est[dim].update({f"{k}_sec": math.nan for k in totals})
+            comm = math.nan
+        for dim in sorted(by_dim, key=_dim_order):
+            totals = by_dim[dim]
+            for kind in sorted(totals):
+                rows.append(
+                    CollectiveRow(
+                        kind,
+                        int(totals[kind]["count"]),
+                        int(totals[kind]["bytes"]),
+                        float(est[dim][f"{kind}_bytes"]),
+                        float(est[dim][f"{kind}_sec"]),
+                        dim,
+                    )
+                )
     if s.world > 1:
         notes = [
             *notes,
@@ -123,6 +129,7 @@ def _report(raw: dict, cfg: TrainConfig, s: _Settings, t0: float, notes: list[st
             "steps, not counted here",
         ]
     return DryRunReport(
+        mesh={k: v for k, v in sizes.items() if k != "world"} or None,
         world=s.world,
         strategy=cfg.strategy if s.world > 1 else f"{cfg.strategy} (world of one: unwrapped)",
         parameters=raw["parameters"],
@@ -145,6 +152,14 @@ def _report(raw: dict, cfg: TrainConfig, s: _Settings, t0: float, notes: list[st
         elapsed=time.perf_counter() - t0,
         notes=notes,
     )
+
+
+# the mesh's own order, then anything else: rows read TP's, FSDP's, then the world's
+_DIMS = ("tp", "dp_shard", "dp_replicate", "world")
+
+
+def _dim_order(dim: str) -> tuple[int, str]:
+    return (_DIMS.index(dim) if dim in _DIMS else len(_DIMS), dim)
 
 
 def dry_run(

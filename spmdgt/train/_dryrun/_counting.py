@@ -1,6 +1,7 @@
 """What a dry run counts: the collectives of a step (``CollectiveCounter``, a dispatch mode on
-the ``c10d`` and functional-collective ops: kind, count, bytes) and each rank's bytes of
-sharded tensors (``local_numel``: the rank's shard of a DTensor, from its mesh coordinates).
+the ``c10d`` and functional-collective ops: kind, count, bytes and the mesh dim whose group ran
+it) and each rank's bytes of sharded tensors (``local_numel``: the rank's shard of a DTensor,
+from its mesh coordinates).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from collections.abc import Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from spmdgt.interceptor._groups import group_of_call
 
 __all__ = ["CollectiveCounter", "collective_of", "local_numel"]
 
@@ -73,15 +76,17 @@ def collective_of(func: torch._ops.OpOverload, args: Sequence[object]) -> tuple[
 
 
 class CollectiveCounter(TorchDispatchMode):
-    """Every collective dispatched while active: ``(step, kind, bytes)`` in ``records``.
+    """Every collective dispatched while active: ``(step, kind, bytes, dim)`` in ``records``.
 
     It sees the ``c10d`` ops (what ``torch.distributed`` calls, DDP's C++ reducer and FSDP2
     issue) and the functional collectives (DTensor's), real or fake, so a real run and a dry
-    run are counted by the same code. Set ``step`` to tag the records that follow."""
+    run are counted by the same code. ``dim`` names the mesh dim of the op's process group
+    (``_groups.group_label``: ``tp``, ``dp_shard``, ``world``). Set ``step`` to tag the
+    records that follow."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.records: list[tuple[int, str, int]] = []
+        self.records: list[tuple[int, str, int, str]] = []
         self.step = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -94,15 +99,25 @@ class CollectiveCounter(TorchDispatchMode):
             return NotImplemented
         found = collective_of(func, args)
         if found is not None:
-            self.records.append((self.step, *found))
+            self.records.append((self.step, *found, group_of_call(func, args, kwargs)))
         return func(*args, **(kwargs or {}))
 
     def totals(self, step: int | None = None) -> dict[str, dict[str, int]]:
         """Per kind: ``count`` and ``bytes`` (of ``step``'s records; all when ``None``)."""
         out: dict[str, dict[str, int]] = {}
-        for s, kind, nbytes in self.records:
+        for s, kind, nbytes, _ in self.records:
             if step is None or s == step:
                 t = out.setdefault(kind, {"count": 0, "bytes": 0})
+                t["count"] += 1
+                t["bytes"] += nbytes
+        return out
+
+    def totals_by_dim(self, step: int | None = None) -> dict[str, dict[str, dict[str, int]]]:
+        """``totals`` per mesh dim: ``{dim: {kind: {count, bytes}}}``."""
+        out: dict[str, dict[str, dict[str, int]]] = {}
+        for s, kind, nbytes, dim in self.records:
+            if step is None or s == step:
+                t = out.setdefault(dim, {}).setdefault(kind, {"count": 0, "bytes": 0})
                 t["count"] += 1
                 t["bytes"] += nbytes
         return out
@@ -113,7 +128,25 @@ class CollectiveCounter(TorchDispatchMode):
 
 def _coordinates(mesh: object) -> dict[int, list[int]]:
     """rank -> its coordinate on ``mesh`` (read from the mesh's real rank tensor, outside
-    any fake or tracking mode)."""
+    any fake or tracking mode). On a sub-mesh of an N-D mesh (FSDP's ``dp_shard`` mesh of a
+    2-D run) every rank of the world has one: its coordinates along those dims of the root
+    mesh, on the sibling sub-mesh that holds its copy of the tensor (rank 0 sees only its
+    own sub-mesh, ``[0, 2]`` of a 2 x 2 mesh; rank 1's shard lives on ``[1, 3]``)."""
+    out = _own_coordinates(mesh)
+    root = getattr(mesh, "_get_root_mesh", lambda: None)()
+    names = getattr(mesh, "mesh_dim_names", None)
+    root_names = getattr(root, "mesh_dim_names", None)
+    if root is None or root is mesh or not names or not root_names:
+        return out
+    if not all(n in root_names for n in names):  # a flattened dim: not a slice of the root
+        return out
+    picks = [root_names.index(n) for n in names]
+    for rank, coord in _own_coordinates(root).items():
+        out.setdefault(rank, [coord[i] for i in picks])
+    return out
+
+
+def _own_coordinates(mesh: object) -> dict[int, list[int]]:
     from torch.utils._python_dispatch import _disable_current_modes
 
     with _disable_current_modes():

@@ -94,6 +94,40 @@ def _dtensor_metadata_apart() -> Iterator[None]:
         sharding_prop.detect_fake_mode = saved
 
 
+@contextlib.contextmanager
+def _mesh_ranks_real() -> Iterator[None]:
+    """On a 2-D mesh FSDP2 joins the data and ``tp`` meshes of a TP-sharded parameter into
+    one (``DeviceMesh._concatenate``), whose rank tensor (``DeviceMesh.mesh``) and this
+    rank's coordinates torch computes from the root's real rank map: in the dry run's fake
+    mode that mixes a real tensor into a fake op and fails. For the duration, a mesh is built
+    and its rank tensor read outside the fake mode (rank numbers are metadata, never a model
+    tensor)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    saved = DeviceMesh.__dict__.get("mesh")
+    if not isinstance(saved, property) or saved.fget is None:  # another torch: nothing to do
+        yield
+        return
+    fget, init = saved.fget, DeviceMesh.__init__
+
+    def mesh(self: object) -> torch.Tensor:
+        with unset_fake_temporarily():
+            return fget(self)
+
+    def real_init(self: object, *args: object, **kwargs: object) -> None:
+        with unset_fake_temporarily():
+            init(self, *args, **kwargs)
+
+    DeviceMesh.mesh = property(mesh)  # type: ignore[method-assign,assignment]
+    DeviceMesh.__init__ = real_init  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        DeviceMesh.mesh = saved  # type: ignore[method-assign]
+        DeviceMesh.__init__ = init  # type: ignore[method-assign]
+
+
 class _FloatsFake(TorchDispatchMode):
     """Float ``empty`` tensors come out fake (DDP's rebuilt gradient buckets); integer ones
     stay real (the bucket indices DDP broadcasts and reads back)."""

@@ -21,8 +21,12 @@ class CollectiveRow:
     buffer_bytes: int
     """Bytes of the full buffers (the all-reduced tensors, the all-gather's output, ...)."""
     ring_bytes: float
-    """Bytes each rank sends by the ring algebra (``CommunicationProfiler``)."""
+    """Bytes each rank sends by the ring algebra (``CommunicationProfiler``), over the ring
+    of its mesh dim's ranks."""
     seconds: float
+    dim: str = "world"
+    """The mesh dim whose group runs it: ``tp``, ``dp_shard``, ``dp_replicate``; ``world`` on
+    the 1-D world."""
 
 
 @dataclass
@@ -58,6 +62,16 @@ class DryRunReport:
     tracker: str
     elapsed: float
     notes: list[str] = field(default_factory=list)
+    mesh: dict[str, int] | None = None
+    """The ``parallelism`` block's mesh, dim -> size (``None``: the 1-D world)."""
+
+    def collectives_by_dim(self) -> dict[str, dict[str, dict[str, int]]]:
+        """One step's collectives per mesh dim: ``{dim: {kind: {count, bytes}}}`` (bytes of
+        the full buffers), as ``CollectiveCounter.totals_by_dim`` counts a real run."""
+        out: dict[str, dict[str, dict[str, int]]] = {}
+        for r in self.collectives:
+            out.setdefault(r.dim, {})[r.kind] = {"count": r.count, "bytes": r.buffer_bytes}
+        return out
 
     @property
     def usable_memory(self) -> float | None:
@@ -121,8 +135,10 @@ class DryRunReport:
 
     def format(self) -> str:
         """The report as a table."""
+        shape = " as " + " x ".join(f"{k} {v}" for k, v in self.mesh.items()) if self.mesh else ""
         lines = [
-            f"dry run: {self.strategy} on {self.world} rank(s), {_count(self.parameters)} "
+            f"dry run: {self.strategy} on {self.world} rank(s){shape}, "
+            f"{_count(self.parameters)} "
             f"parameters, {self.micro_steps} micro-step(s) per step (fake process group and "
             f"fake tensors: nothing allocated; {self.elapsed:.1f} s)",
             "",
@@ -149,19 +165,24 @@ class DryRunReport:
         else:
             model = "no bandwidth given: times not estimated"
         lines.append(f"collectives of one step (time: {model})")
-        lines.append(f"  {'kind':<16}{'count':>7}{'buffers':>14}{'sent per rank':>15}{'ms':>10}")
+        # a mesh dim column only on a mesh: the 1-D world's table stays as it was
+        dims = any(r.dim != "world" for r in self.collectives)
+        dim_head = f"{'mesh dim':<14}" if dims else ""
+        lines.append(
+            f"  {dim_head}{'kind':<16}{'count':>7}{'buffers':>14}{'sent per rank':>15}{'ms':>10}"
+        )
         for row in self.collectives:
             ms = "-" if math.isnan(row.seconds) else f"{row.seconds * 1e3:.3f}"
             lines.append(
-                f"  {row.kind:<16}{row.count:>7}{_gib(row.buffer_bytes):>14}"
-                f"{_gib(row.ring_bytes):>15}{ms:>10}"
+                f"  {f'{row.dim:<14}' if dims else ''}{row.kind:<16}{row.count:>7}"
+                f"{_gib(row.buffer_bytes):>14}{_gib(row.ring_bytes):>15}{ms:>10}"
             )
         if not self.collectives:
             lines.append("  (none)")
         else:
             total = "-" if math.isnan(self.comm_seconds) else f"{self.comm_seconds * 1e3:.3f}"
             lines.append(
-                f"  {'total':<16}{sum(r.count for r in self.collectives):>7}"
+                f"  {dim_head and ' ' * 14}{'total':<16}{sum(r.count for r in self.collectives):>7}"
                 f"{_gib(sum(r.buffer_bytes for r in self.collectives)):>14}"
                 f"{_gib(sum(r.ring_bytes for r in self.collectives)):>15}{total:>10}"
             )

@@ -16,6 +16,7 @@ from spmdgt.train._config import TrainConfig
 from spmdgt.train._dryrun._counting import CollectiveCounter, _bytes_per_rank, _optimizer_tensors
 from spmdgt.train._dryrun._fake import (
     _dtensor_metadata_apart,
+    _mesh_ranks_real,
     _rebind_optimizer,
     _rebuild_ddp_buckets,
     _wrappable,
@@ -91,11 +92,31 @@ def _tracker(wrapped: Wrapped, optimizer: torch.optim.Optimizer) -> tuple[object
     return tracker, "MemTracker"
 
 
+def _layout(cfg: TrainConfig, world: int, mesh: object) -> tuple[dict, dict[str, int]]:
+    """The ``parallelism`` block on the fake world, as the trainer lays it out
+    (``_mesh.build_layout`` for rank 0): ``wrap_model``'s mesh arguments (``{}`` on the 1-D
+    world) and the size of each mesh dim the collectives can run on (``world`` included).
+    Built outside the fake mode: the mesh holds real rank numbers."""
+    from spmdgt.interceptor._groups import register_mesh
+    from spmdgt.train._mesh import build_layout
+
+    sizes = {"world": world}
+    if world <= 1:
+        return {}, sizes
+    layout = build_layout(cfg.parallelism, cfg.strategy, world, 0, torch.device("cpu"))
+    if layout.mesh is None:
+        return {"mesh": mesh}, sizes
+    register_mesh(layout.mesh)
+    for name in layout.mesh.mesh_dim_names:  # type: ignore[attr-defined]
+        sizes[name] = layout.mesh[name].size()  # type: ignore[index]
+    return {"mesh": None, **layout.wrap_kwargs()}, sizes
+
+
 def _wrap_like_the_trainer(
-    model: nn.Module, cfg: TrainConfig, world: int, mesh: object, amp_dtype: torch.dtype
+    model: nn.Module, cfg: TrainConfig, world: int, meshes: dict, amp_dtype: torch.dtype
 ) -> Wrapped:
     """The trainer's own ``wrap_model`` with the trainer's config, on the fake world (eager:
-    ``compile`` is off in a dry run)."""
+    ``compile`` is off in a dry run); ``meshes``: ``_layout``'s mesh arguments."""
     with _wrappable(model):
         return wrap_model(
             model,
@@ -109,9 +130,9 @@ def _wrap_like_the_trainer(
             ddp=cfg.ddp,
             fsdp=cfg.fsdp,
             placements=cfg.placements,
-            mesh=mesh if world > 1 else None,
             compile=False,
             activation_checkpointing=cfg.activation_checkpointing,
+            **({"mesh": None} | meshes),
         )
 
 
@@ -149,8 +170,9 @@ def _simulate(
         for per_device in snap.values():
             activations[0] = max(activations[0], int(per_device.get("Activation", 0)))
 
-    with fake_mode, _dtensor_metadata_apart():  # type: ignore[attr-defined]
-        wrapped = _wrap_like_the_trainer(model, cfg, world, mesh, amp_dtype)
+    meshes, sizes = _layout(cfg, world, mesh)
+    with fake_mode, _dtensor_metadata_apart(), _mesh_ranks_real():  # type: ignore[attr-defined]
+        wrapped = _wrap_like_the_trainer(model, cfg, world, meshes, amp_dtype)
         _rebind_optimizer(optimizer, old, list(model.parameters()))
         params = [p for p in wrapped.module.parameters() if p.requires_grad]
         inputs, targets = split_batch(batch, loss_fn is not None)
@@ -200,7 +222,8 @@ def _simulate(
         "activations": activations[0],
         "peak": total,
         "breakdown": breakdown,
-        "collectives": counter.totals(step=1),
+        "collectives": counter.totals_by_dim(step=1),
+        "sizes": sizes,
         "tracker": tracker_name,
     }
 
