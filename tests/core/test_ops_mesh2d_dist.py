@@ -1,0 +1,240 @@
+"""Every route of the op table on a 2x2 (dp, tp) mesh equals one-process torch, forward and
+backward, with uneven sizes (7 rows, 5 columns: 4/3 over dp, 3/2 over tp, 2/2/2/1 over both).
+
+Four gloo ranks. Each case runs twice on every rank: on plain tensors (the one-process
+reference) and on gt tensors laid out on the 2x2 mesh as (Shard(0), Shard(1)),
+(Shard(0), Replicate()), (Replicate(), Shard(1)) or (Shard(0), Shard(0)); the parent compares
+the global values (outputs, then the leaves' gradients) at 1e-5. The routes are those of
+``spmdgt/tensor/_optable.py``: DTensor's path, views, in-place, global, empty-sensitive, ties,
+guarded, irregular, batch-only, attention, autograd.
+
+``test_nested_uneven_shards`` holds the cases that were wrong before the op table read every
+mesh coordinate's shard: one tensor dim sharded over both mesh dims, (Shard(0), Shard(0)),
+with pieces of unequal or no rows, which DTensor's reshape rule and the 1-D-only empty and
+evenness checks got wrong (an error on some ranks only, or a hang).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests._dist import run_ranks
+
+MESH = (("dp", 2), ("tp", 2))
+ROWS, COLS = 7, 5
+
+
+def _layout(kind: str):
+    """``put(t)``: ``t`` laid out as ``kind`` on the 2x2 mesh (``plain``: as it is)."""
+    if kind == "plain":
+        return lambda t: t
+    from torch.distributed.tensor import Replicate, Shard
+
+    from spmdgt.tensor._meshes import named_mesh
+    from spmdgt.tensor._placement import Target
+    from spmdgt.tensor._tensor import place
+
+    pls = {
+        "s0s1": (Shard(0), Shard(1)),
+        "s0r": (Shard(0), Replicate()),
+        "rs1": (Replicate(), Shard(1)),
+        "s0s0": (Shard(0), Shard(0)),
+    }[kind]
+    target = Target(named_mesh(MESH), pls)
+    return lambda t: place(t, target)
+
+
+def _leaf(put, t: torch.Tensor) -> torch.Tensor:
+    return put(t.detach().clone()).requires_grad_(True)
+
+
+def _data(seed: int, *shape: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g)
+
+
+# Each case: (layout, fn(put) -> (outputs, leaves)); outputs are compared, then the leaves'
+# gradients after backward of the sum of the floating outputs that need a gradient.
+
+
+def _dtensor(put):
+    a, b = _leaf(put, _data(1, ROWS, COLS)), _leaf(put, _data(2, ROWS, COLS))
+    w = _data(3, COLS, 9).requires_grad_(True)  # a plain weight: replicated, plain gradient
+    return [a @ w, a * b + 1, (a - b).sum(dim=0), a.sum()], [a, b, w]
+
+
+def _view(put):
+    a = _leaf(put, _data(4, ROWS, COLS))
+    base = put(_data(5, ROWS, COLS))
+    part = base[1:5]
+    part.mul_(2)  # a write through a view reaches the base
+    return [a.t() * 1, a[2:6], a.reshape(COLS, ROWS) * 1, a.flatten()[3:20], base], [a]
+
+
+def _inplace(put):
+    a = _leaf(put, _data(6, ROWS, COLS))
+    y = a * 3
+    y.add_(1)  # pointwise in place: DTensor's path
+    y.mul_(2).sub_(a)  # another operand with a gradient
+    z = put(_data(7, ROWS, COLS))
+    z.index_fill_(1, torch.tensor([0, 3]), 0.5)  # not pointwise: the in-place fallback
+    z[2, 1] = -4.0
+    return [y, z], [a]
+
+
+def _global(put):
+    a = _leaf(put, _data(8, ROWS, COLS))
+    torch.manual_seed(11)
+    d = F.dropout(a, 0.5)  # random: the global value, one process's numbers
+    return [torch.nonzero(a > 0), torch.masked_select(a, a > 0.3), d], [a]
+
+
+def _reductions(put):
+    a = _leaf(put, _data(9, ROWS, COLS))
+    ties = _leaf(put, torch.round(_data(10, ROWS, COLS)))  # many tied maxima
+    return [
+        a.max(dim=1).values,
+        torch.median(a, dim=0).values,
+        a.std(dim=0),
+        torch.amax(ties, dim=0),  # ties: torch shares the gradient among them
+        torch.argmax(a),  # guarded: no dim, shards not in flat order
+        torch.argmin(a, dim=1),
+    ], [a, ties]
+
+
+def _irregular(put):
+    a, t = _leaf(put, _data(12, ROWS, COLS)), put(_data(13, ROWS, COLS))
+    target = torch.tensor([0, 4, 2, 1, 3, 3, 0])
+    return [F.mse_loss(a, t), F.cross_entropy(a, target), F.l1_loss(a, t, reduction="sum")], [a]
+
+
+def _batch_only(put):
+    x = _leaf(put, _data(14, ROWS, 3, 8))
+    w = _data(15, 4, 3, 3).requires_grad_(True)
+    return [F.conv1d(x, w), F.adaptive_avg_pool1d(x, 3)], [x, w]
+
+
+def _attention(put):
+    q, k, v = (_leaf(put, _data(16 + i, ROWS, 2, COLS, 4)) for i in range(3))
+    return [F.scaled_dot_product_attention(q, k, v, is_causal=True)], [q, k, v]
+
+
+def _autograd(put):
+    a = _leaf(put, _data(19, ROWS, COLS))
+    loss = (a.exp() * a).sum()
+    (g,) = torch.autograd.grad(loss, [a], create_graph=False)
+    return [loss.detach(), g], []
+
+
+CASES = {
+    "dtensor s0s1": ("s0s1", _dtensor),
+    "dtensor s0s0": ("s0s0", _dtensor),
+    "view s0s1": ("s0s1", _view),
+    "view s0s0": ("s0s0", _view),
+    "inplace s0s1": ("s0s1", _inplace),
+    "inplace rs1": ("rs1", _inplace),
+    "global s0s1": ("s0s1", _global),
+    "reductions s0s1": ("s0s1", _reductions),
+    "reductions s0s0": ("s0s0", _reductions),
+    "irregular s0r": ("s0r", _irregular),
+    "irregular s0s0": ("s0s0", _irregular),
+    "batch_only s0r": ("s0r", _batch_only),
+    "batch_only s0s0": ("s0s0", _batch_only),
+    "attention s0r": ("s0r", _attention),
+    "attention s0s1": ("s0s1", _attention),
+    "autograd rs1": ("rs1", _autograd),
+}
+
+
+def _nested(rows: int, what: str):
+    """A case on ``rows`` rows laid out (Shard(0), Shard(0)): pieces of unequal or no rows."""
+
+    def case(put):
+        x = _leaf(put, _data(20, rows, 3, COLS))
+        y = _leaf(put, _data(21, rows, 3, COLS))
+        if what == "reshape":  # DTensor's view rule: views pieces at sizes they do not have
+            return [x.reshape(rows * 3, COLS) * 2, y.flatten(0, 1)[1:] * 1], [x, y]
+        if what == "reduce":  # empty-sensitive: a rank's kernel on its empty piece
+            return [torch.amax(x, dim=0), x.std(dim=0), torch.argmax(y, dim=0)], [x]
+        return [F.mse_loss(x, y), F.smooth_l1_loss(x, y)], [x, y]  # irregular
+
+    return case
+
+
+NESTED = {
+    f"s0s0 {rows} rows ({pieces}) {what}": ("s0s0", _nested(rows, what))
+    for rows, pieces in ((2, "pieces 1,0,1,0"), (3, "pieces 1,1,1,0"), (6, "pieces 2,1,2,1"))
+    for what in ("reshape", "reduce", "loss")
+}
+
+
+def _values(outs, leaves) -> tuple[list, list]:
+    """Global values of ``outs``, and the leaves' gradients after one backward."""
+    from spmdgt.tensor._tensor import global_value
+
+    floats = [o for o in outs if o.is_floating_point() and o.requires_grad]
+    if floats:
+        sum(o.float().sum() * (i + 1) for i, o in enumerate(floats)).backward()
+    got = [global_value(o).detach().clone() for o in outs]
+    grads = [None if t.grad is None else global_value(t.grad).clone() for t in leaves]
+    return got, grads
+
+
+def _rank(rank: int, world: int, names: list[str], table: str) -> dict:
+    import warnings
+
+    from spmdgt.tensor._meshes import named_mesh
+
+    warnings.simplefilter("ignore")  # the fallbacks' "ran on the global value" notes
+    torch.set_num_threads(1)
+    named_mesh(MESH)  # every rank, before any case
+    cases = CASES if table == "routes" else NESTED
+    out = {}
+    for name in names:
+        kind, fn = cases[name]
+        want = _values(*fn(_layout("plain")))
+        try:
+            got = _values(*fn(_layout(kind)))
+        except Exception as e:  # reported per case, by the parent, with the rank
+            got = f"rank {rank} raised {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        out[name] = (got, want)
+    return out
+
+
+def _check(results: list[dict], names: list[str]) -> None:
+    problems = []
+    for rank, res in enumerate(results):
+        for name in names:
+            got, want = res[name]
+            if isinstance(got, str):
+                problems.append(f"{name}: {got}")
+                continue
+            for what, g_list, w_list in (("output", got[0], want[0]), ("grad", got[1], want[1])):
+                for i, (g, w) in enumerate(zip(g_list, w_list, strict=True)):
+                    try:
+                        if w is None or g is None:
+                            assert g is None and w is None, "a gradient is missing"
+                        else:
+                            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+                    except AssertionError as e:
+                        problems.append(f"{name}: rank {rank} {what} {i}: {str(e)[:300]}")
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.slow
+def test_routes_mesh2d(tmp_path):
+    """Every route of the op table, forward and backward, on 2x2 with 7 x 5 inputs."""
+    names = list(CASES)
+    results = run_ranks(_rank, 4, tmp_path, names, "routes", timeout=240)
+    _check(results, names)
+
+
+def test_nested_uneven_shards(tmp_path):
+    """(Shard(0), Shard(0)) with pieces of unequal or no rows: reshape, an empty-sensitive
+    reduction and an irregular loss equal torch on every rank (before the op table read every
+    mesh coordinate's piece: an error on some ranks only, or a hang)."""
+    names = list(NESTED)
+    results = run_ranks(_rank, 4, tmp_path, names, "nested", timeout=90)
+    _check(results, names)
