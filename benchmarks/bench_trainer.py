@@ -13,9 +13,12 @@ measurement, per strategy and collective kind, side by side: ``CommunicationProf
 estimate (latency per collective from a small-message probe + ring bytes / bus bandwidth from
 a large all-reduce probe) beside what the run's collectives counted and took (DDP comm hook
 and FSDP2 collective hooks: issue to completion; placements: a run with the interceptor on,
-whose times are issue times, a lower bound).
+whose times are issue times, a lower bound). Then the mesh section (``_mesh4``): the same
+model on 4 ranks as fsdp 4x1, tp 1x4 and fsdp x tp 2x2 (``parallelism``), step times side by
+side, and the 2x2 layout's collectives per mesh dim beside the per-dim cost model.
 
     python benchmarks/bench_trainer.py                 # default size, ~2-3 minutes on 2 cores
+    python benchmarks/bench_trainer.py --mesh-only --no-compile --json results/mesh4.json
     python benchmarks/bench_trainer.py --steps 5 --rounds 1 --dim 64   # quick look
     python benchmarks/bench_trainer.py --compile-only  # just the compile section
     python benchmarks/bench_trainer.py --json results/trainer.json   # the figures as a file
@@ -52,6 +55,7 @@ import time
 from _compile_step import compile_section, report_compile
 from _example import ROOT
 from _example import load_example as _example
+from _mesh4 import mesh_main, report_mesh
 from _ranks import run_ranks
 from _results import Progress, write
 
@@ -494,36 +498,49 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--compile-backend", default="inductor")
     p.add_argument("--threads", type=int, default=1, help="compile section: torch threads")
     p.add_argument("--compile-only", action="store_true", help="only the compile section")
+    p.add_argument("--mesh-only", action="store_true", help="only the 4-rank mesh section")
+    p.add_argument("--no-mesh", action="store_true", help="skip the 4-rank mesh section")
+    p.add_argument("--mesh-rounds", type=int, default=3, help="mesh section: rotated rounds")
     p.add_argument("--no-compile", action="store_true", help="skip the compile section")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds for the 2 ranks")
     p.add_argument("--json", metavar="PATH", help="write the figures to PATH")
     args = p.parse_args(argv)
     sys.path.insert(0, str(ROOT))
-    out, comp = None, None
-    if not args.compile_only:
+    out, comp, mesh = None, None, None
+    if not args.compile_only and not args.mesh_only:
         # forked gloo ranks; a failing rank fails the run with its traceback, a hang is killed
         out = run_ranks(_rank_main, 2, args, device="cpu", threads=1, timeout=args.timeout)[0]
         report(out, args)
-    if not args.no_compile:  # after the forked ranks: this process compiles, they never do
+    if not args.compile_only and not args.no_mesh:
+        mesh = run_ranks(_mesh_rank, 4, args, device="cpu", threads=1, timeout=args.timeout)[0]
+        report_mesh(mesh, args)
+    if not args.no_compile and not args.mesh_only:  # after the forked ranks: they never compile
         comp = compile_section(args)
         report_compile(comp, args)
     if args.json:
         write(
             args.json,
             "trainer",
-            figures(out, comp, args),
+            figures(out, comp, args, mesh),
             device="cuda" if comp and comp["cuda"] else "cpu",
-            world_size={"strategies": 2, "compile": 1},
+            world_size={"strategies": 2, "compile": 1, "mesh": 4},
             threads={"per_rank": 1, "compile": args.threads},
         )
 
 
-def figures(out: dict | None, comp: dict | None, args) -> dict:
+def _mesh_rank(rank: int, world: int, args) -> dict | None:
+    return mesh_main(rank, world, args, _example(), TP_PLAN)
+
+
+def figures(out: dict | None, comp: dict | None, args, mesh: dict | None = None) -> dict:
     """What ``--json`` keeps: per strategy the step times of trainer and raw loop (medians over
     rounds), overhead, spread, throughput, memory and communication; the overhead floor,
     gradient accumulation and the cost model against measurement; the compile section's step
-    time, compile time and loss difference per side."""
+    time, compile time and loss difference per side; the mesh section's step time per layout
+    and the 2x2 layout's collectives per mesh dim (``mesh``)."""
     res: dict = {"config": vars(args)}
+    if mesh is not None:
+        res["mesh"] = mesh
     if out is not None:
         keep = (
             "trainer_step_time",
