@@ -110,6 +110,10 @@ def mesh_main(
 ) -> dict | None:
     """One of the 4 ranks: every layout for ``--mesh-rounds`` rounds, then the traced 2x2.
     ``ex`` is the example module, ``plan`` bench_trainer's TP table."""
+    import logging
+
+    # DTensor warns on every clip that a 2-D norm reduces one dim at a time: said in the docs
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     names = list(LAYOUTS)
     times: dict[str, list[float]] = {n: [] for n in names}
     last: dict[str, dict] = {}
