@@ -25,6 +25,11 @@ Three pieces:
   reduce-scatter ``(n-1)/n`` each. Without the latency term, 15 small FSDP collectives per
   step on 2 CPU ranks were estimated at 1.84 ms against 30.6 ms measured.
 
+On a 2-D mesh every record carries the mesh dim its group belongs to (``tp``, ``dp_shard``,
+``dp_replicate``; ``world`` for the default group: ``interceptor._groups.group_label``), and
+``CommunicationProfiler(mesh=...)`` probes and prices each dim on its own group
+(``_comm_mesh``): TP's collectives inside a node, FSDP's across.
+
 Works in a world of one (its own costs are 0; estimates for N ranks need ``bandwidth=``).
 Under ``torchrun --nproc_per_node=N`` the probe runs on the default group, so every rank must
 call it together.

@@ -33,7 +33,9 @@ What is approximate: activations are what eager torch on CPU saves (CUDA kernels
 flash/efficient backends and CPU-vs-CUDA autocast rules save slightly different tensors);
 the peak leaves out the CUDA context, NCCL buffers and allocator fragmentation, which
 ``headroom`` (10% by default) keeps back; ``compile`` is turned off (eager memory). The
-world is one 1-D mesh, as the trainer's is today.
+world is the trainer's: the 1-D world mesh, or the ``parallelism`` block's
+``(dp_replicate, dp_shard, tp)`` mesh built on the fake group, every collective counted with
+the mesh dim whose group ran it (``DryRunReport.collectives_by_dim``).
 
 The package: ``_tables`` (devices, interconnects, parsing), ``_fake`` (the fake world),
 ``_step`` (the measured step under torch's trackers), ``_counting`` (collectives and per-rank
