@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
+    "WORLD_2D",
     "MESH_2D",
     "PLACEMENTS",
     "PLACEMENTS_1D",

@@ -1,9 +1,13 @@
-"""CI's slice of the parity sweep: a fixed, seeded sample of rows on 2 and 3 ranks must have
-no failing row (differs, disagree, hang, crash) and no row that regressed from ``equal`` in
-the ledger. The whole sweep is ``python -m tests.parity --all`` (see tests/parity/sweep.py).
+"""CI's slices of the parity sweep: a fixed, seeded sample of rows on 2 and 3 ranks (the 1-D
+layouts), and one on 4 ranks as a 2x2 mesh (the 2-D layouts, ``mesh_*``), must have no failing
+row (differs, disagree, hang, crash) and no row that regressed from ``equal`` in the ledger.
+The whole sweep is ``python -m tests.parity --all`` (see tests/parity/sweep.py); its 2-D rows
+``python -m tests.parity --all --placements mesh_s0s1,mesh_s0r,mesh_rs1,mesh_s0s0 --worlds 4``.
 """
 
 from __future__ import annotations
+
+import pytest
 
 # Rows drawn from all ~11k (op, variant, placement, world) rows with SEED: about 1 in 5.
 # 2000 rows are ~3500 cases: ~2 minutes on a 2-core machine (imports and sample drawing
@@ -11,6 +15,8 @@ from __future__ import annotations
 # it for coverage (``python -m tests.parity --all`` runs every row in ~14 minutes).
 SAMPLE_ROWS = 2000
 SEED = 0
+# Of the ~5200 2-D rows (4 layouts at world 4): 350 rows, ~650 cases, ~60-90 s here.
+SAMPLE_ROWS_2D = 350
 
 
 def _line(key, outcome: str, reason: str) -> str:
@@ -18,9 +24,24 @@ def _line(key, outcome: str, reason: str) -> str:
 
 
 def test_parity_sample():
+    from tests.parity import sweep
+
+    _check(sweep.pick_rows(None, SAMPLE_ROWS, SEED, worlds=(2, 3)))
+
+
+@pytest.mark.slow
+def test_parity_2d_sample():
+    from tests.parity import sweep
+    from tests.parity.layouts import PLACEMENTS_2D, WORLD_2D
+
+    rows = sweep.pick_rows(None, SAMPLE_ROWS_2D, SEED, placements=PLACEMENTS_2D, worlds=(WORLD_2D,))
+    assert {k.placement for k in rows} == set(PLACEMENTS_2D)
+    _check(rows)
+
+
+def _check(rows) -> None:
     from tests.parity import ledger, sweep
 
-    rows = sweep.pick_rows(None, SAMPLE_ROWS, SEED, worlds=(2, 3))
     result = sweep.run_sweep(rows, progress=False)
     cmp = ledger.compare(result.rows, ledger.read())
     problems = [_line(k, *result.rows[k]) for k in cmp.failures]
