@@ -8,7 +8,7 @@ collective on that dim's group, so every rank makes the same calls in the same o
 its own group of that dim). Then one world all-reduce (MAX) makes every number the slowest
 group's, so every rank plans with the same numbers and takes the same decisions.
 
-``CommunicationProfiler`` (``_comm``) holds the tables and prices counted collectives with
+``CommunicationProfiler`` (``_comm_cost``) holds the tables and prices counted collectives with
 them (``estimate_counted_by_dim``); this module only measures and names the dims.
 """
 
@@ -55,7 +55,7 @@ def probe_dims(
     """Latency (seconds per collective) and bus bandwidth (bytes/s, latency taken off) by dim
     and kind: ``({dim: {kind: s}}, {dim: {kind: B/s}})``. Collective over the whole world:
     every rank calls it with the same ``dims`` (``mesh_dims`` of one mesh)."""
-    from spmdgt.train._comm import _RING_FACTOR, _probe_seconds
+    from spmdgt.train._comm_cost import _RING_FACTOR, _probe_seconds
 
     if not dims:
         return {}, {}
