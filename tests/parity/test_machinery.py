@@ -109,3 +109,32 @@ def test_each_outcome_is_named_and_the_run_survives_hangs_and_crashes():
     assert "rank 0 went on" in got["hangs"][1]
     assert "rank 0 died (exit code 7)" in got["dies"][1]
     assert "self" in got["dropped"][1]
+
+
+def test_2d_layouts_run_at_world_4_only_and_cut_softly():
+    """The ``mesh_*`` layouts are rows at world 4 only (the 1-D rows at 2 and 3 are the same
+    as without them), and their cut keeps a sample whole where it is short or where torch
+    refuses the cut (a matmul whose inner dims would no longer match)."""
+    from torch.testing._internal.opinfo.core import SampleInput
+
+    from tests.parity import sweep
+    from tests.parity.layouts import PLACEMENTS_1D, PLACEMENTS_2D, fits, soft_cut
+    from tests.parity.prepare import _soft_cut, build_cases
+
+    assert [fits(p, 4) for p in PLACEMENTS_2D] == [True] * 4
+    assert not any(fits(p, w) for p in PLACEMENTS_2D for w in (2, 3))
+    ops = ["add", "mm"]
+    rows = sweep.all_rows(ops, worlds=(2, 3, 4))
+    assert {k.world for k in rows if k.placement in PLACEMENTS_2D} == {4}
+    assert [k for k in rows if k.world < 4] == sweep.all_rows(ops, (2, 3), PLACEMENTS_1D)
+
+    x = torch.randn(10, 20)
+    cut = _soft_cut(SampleInput(x, args=(x.clone(), torch.randn(20))), soft_cut("mesh_s0s1"))
+    assert cut.input.shape == (7, 5) and cut.args[0].shape == (7, 5)
+    assert cut.args[1].shape == (20,)  # another shape: left alone
+    assert _soft_cut(SampleInput(torch.randn(5, 4)), soft_cut("mesh_s0s1")) is None
+
+    cases, _ = build_cases(
+        [RowKey("mm", "fn", "mesh_s0s1", 4)], sweep.sweep_ops(), sweep.METADATA_ONLY
+    )
+    assert cases and all(c.reference["forward"].error is None for c in cases)
