@@ -5,8 +5,9 @@ A 2-D run issues each collective on one dim's process group (TP's inside ``tp``,
 trainer's communication log and the dry run all name that dim with ``group_label``, one rule:
 
 1. a group a mesh was registered for (``register_mesh``, what the trainer and the dry run do
-   with their mesh) -> that dim's name: a dim that spans the whole world reuses the default
-   group, and only the mesh knows it is ``tp``;
+   with their mesh) -> that dim's name (a group ``DeviceMesh`` made for it, or one a user
+   made with ``new_group``); never the default group: a dim that spans the whole world
+   reuses it, and naming it would rename every later world collective of the process;
 2. a group ``DeviceMesh`` created -> its dim's name (torch describes it ``mesh_<dim>``; a
    flattened dim ``mesh_dp_replicate_dp_shard`` keeps its joined name);
 3. the default group (and ``None``, which means it) -> ``world``: what a 1-D run prints;
@@ -32,7 +33,10 @@ _REGISTERED: dict[str, tuple[Any, str]] = {}  # group name -> (weak ref to the g
 
 def register_mesh(mesh: object) -> dict[str, str]:
     """Name the groups of ``mesh``'s dims (size > 1) after the dims; returns group name -> dim.
-    Local: no collective (the groups exist already)."""
+    Local: no collective (the groups exist already). A dim on the default group (one that
+    spans the world) stays ``world``."""
+    import torch.distributed as dist
+
     names = getattr(mesh, "mesh_dim_names", None)
     if not names:
         return {}
@@ -42,6 +46,8 @@ def register_mesh(mesh: object) -> dict[str, str]:
         if sub.size() <= 1:
             continue
         pg = sub.get_group()
+        if pg is dist.distributed_c10d._get_default_group():
+            continue
         _REGISTERED[pg.group_name] = (weakref.ref(pg), dim)
         out[pg.group_name] = dim
     return out
