@@ -419,6 +419,7 @@ def is_irregular(a) -> bool:
 
 
 _shard_shapes: dict[tuple, tuple[tuple[int, ...], ...] | None] = {}
+_SHAPES_KEPT = 4096
 
 
 def shard_shapes(spec) -> tuple[tuple[int, ...], ...] | None:
@@ -449,8 +450,10 @@ def shard_shapes(spec) -> tuple[tuple[int, ...], ...] | None:
         if out is None:
             break
         out.append(tuple(shape))
-    _shard_shapes[key] = None if out is None else tuple(out)
-    return _shard_shapes[key]
+    if len(_shard_shapes) >= _SHAPES_KEPT:  # a program of ever new shapes: start over
+        _shard_shapes.clear()
+    _shard_shapes[key] = found = None if out is None else tuple(out)
+    return found
 
 
 def nested_uneven(spec) -> bool:

@@ -238,3 +238,23 @@ def test_nested_uneven_shards(tmp_path):
     names = list(NESTED)
     results = run_ranks(_rank, 4, tmp_path, names, "nested", timeout=90)
     _check(results, names)
+
+
+def test_shard_shapes_follow_dtensor_nesting():
+    """``shard_shapes`` gives each mesh coordinate's piece as DTensor cuts it (mesh dims left
+    to right, nested cuts of one dim cutting the first cut's pieces), one process, no mesh."""
+    from types import SimpleNamespace
+
+    from torch.distributed.tensor import Replicate, Shard
+
+    from spmdgt.tensor._optable import nested_uneven, shard_shapes
+
+    def spec(shape, *pls):
+        return SimpleNamespace(shape=shape, mesh=SimpleNamespace(shape=(2, 2)), placements=pls)
+
+    assert shard_shapes(spec((3, 5), Shard(0), Shard(0))) == ((1, 5), (1, 5), (1, 5), (0, 5))
+    assert shard_shapes(spec((7, 5), Shard(0), Shard(1))) == ((4, 3), (4, 2), (3, 3), (3, 2))
+    assert shard_shapes(spec((7, 5), Replicate(), Shard(1))) == ((7, 3), (7, 2)) * 2
+    assert nested_uneven(spec((6, 5), Shard(0), Shard(0)))  # 2, 1, 2, 1: 6 % 2 == 0 misleads
+    assert not nested_uneven(spec((8, 5), Shard(0), Shard(0)))
+    assert not nested_uneven(spec((7, 5), Shard(0), Shard(1)))  # one mesh dim per tensor dim
