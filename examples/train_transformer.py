@@ -12,6 +12,16 @@ From YAML:     torchrun --nproc_per_node=2 examples/train_transformer.py \
 Tensor parallel: torchrun --nproc_per_node=2 examples/train_transformer.py --strategy placements
                (the plan is the ``placements`` table of train_transformer.yaml beside this file
                unless --config gives one)
+2-D mesh:      torchrun --nproc_per_node=4 examples/train_transformer.py --strategy fsdp --tp 2
+               (TP inside each pair of neighbouring ranks, FSDP across: ``parallelism`` in the
+               YAML; --dp-shard and --dp-replicate (HSDP) set the data dims; the log names
+               each tp group's ranks and node). --batch-size is per data-parallel rank: this
+               run's global batch is 2 x --batch-size, and ``python ... --batch-size 2N``
+               prints the same losses. 2 nodes x 2, TP inside a node:
+               NNODES=2 RDZV_ENDPOINT=host0:29400 launch/run.sh 2 \
+                   examples/train_transformer.py --tp 2   (on each node)
+Compare runs:  --summary-json run.json on each, then
+               python -m spmdgt.scripts.compare_runs one.json four.json --atol 1e-5
 Plain torch:   python examples/train_transformer.py --pytorch   (same model, a hand-written
                loop; under torchrun it wraps raw DDP) to compare with the trainer.
 CI size:       python examples/train_transformer.py --dim 32 --layers 1 --steps 3 --seq-len 16
@@ -22,6 +32,7 @@ Compiled:      python examples/train_transformer.py --compile   (torch.compile o
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -196,7 +207,8 @@ def load_tokens(text: str | None, num_tokens: int, vocab: int, seed: int) -> tor
 # ----------------------------------------------------------------------------- runs
 
 
-def build(args: argparse.Namespace) -> tuple[Transformer, TokenDataset]:
+def build_model(args: argparse.Namespace) -> Transformer:
+    """The model, seeded by ``--seed``: the same initial weights in every run."""
     torch.manual_seed(args.seed)
     margs = ModelArgs(
         dim=args.dim,
@@ -206,10 +218,17 @@ def build(args: argparse.Namespace) -> tuple[Transformer, TokenDataset]:
         ffn_dim=args.ffn_dim or 2 * args.dim,
         max_seq_len=args.seq_len,
     )
-    model = Transformer(margs)
-    need = (args.steps * args.batch_size * args.accum * 2 + 1) * args.seq_len + 1
-    tokens = load_tokens(args.text, need, margs.vocab_size, args.seed)
-    return model, TokenDataset(tokens, args.seq_len)
+    return Transformer(margs)
+
+
+def build_data(args: argparse.Namespace, data_parallel: int) -> TokenDataset:
+    """Tokens for the run, sized by the *global* batch (``--batch-size`` x the
+    ``data_parallel`` ranks): a run on 2 data-parallel ranks of 4 rows and one process of 8
+    read the same tokens in the same order, so their losses agree."""
+    global_batch = args.batch_size * data_parallel
+    need = (args.steps * global_batch * args.accum * 2 + 1) * args.seq_len + 1
+    tokens = load_tokens(args.text, need, ModelArgs.vocab_size, args.seed)
+    return TokenDataset(tokens, args.seq_len)
 
 
 EXAMPLE_YAML = Path(__file__).with_suffix(".yaml")
@@ -220,63 +239,79 @@ def _is_rank0() -> bool:
 
 
 def _train_config(args: argparse.Namespace):
-    """The run's ``TrainConfig``: ``--config``, and for ``--strategy placements`` without
-    one, the placements table of the example YAML beside this file (this model's plan)."""
+    """The run's ``TrainConfig``: ``--config`` (or the defaults) with the flags given applied
+    through ``spmdgt.train.override`` (validated like the YAML; a bad value is a
+    ``ConfigError`` naming the key). Tensor parallelism (``--strategy placements`` or
+    ``--tp`` > 1) without a ``--config`` takes the placements table of the example YAML
+    beside this file (this model's plan); ``--tp`` without a ``--strategy`` or config means
+    ``fsdp`` over the data dims, torchtitan's 2-D recipe."""
     from spmdgt.config import ConfigError
-    from spmdgt.train import TrainConfig, load_train_config
+    from spmdgt.train import TrainConfig, load_train_config, override
 
     cfg = load_train_config(args.config) if args.config else None
-    strategy = args.strategy or (cfg.strategy if cfg else "ddp")
-    if strategy != "placements" or (cfg is not None and cfg.placements):
-        return _with_compile(cfg, args, strategy), strategy
-    if cfg is not None:  # the user's file: never swap in another plan behind their back
+    tp = args.tp if args.tp is not None else (cfg.parallelism.tp if cfg else 1)
+    default = "fsdp" if tp != 1 else "ddp"
+    strategy = args.strategy or (cfg.strategy if cfg else default)
+    wants_plan = strategy == "placements" or tp != 1
+    flag = "--strategy placements" if strategy == "placements" else f"--tp {tp}"
+    if wants_plan and cfg is not None and not cfg.placements:
+        # the user's file: never swap in another plan behind their back
         raise ConfigError(
-            f"--strategy placements needs a placements table (module-name glob -> colwise | "
-            f"rowwise | replicate) in {args.config}; {EXAMPLE_YAML} has one for this model",
+            f"{flag} needs a placements table (module-name glob -> colwise | rowwise | "
+            f"replicate) in {args.config}; {EXAMPLE_YAML} has one for this model",
             file=args.config,
             key="placements",
         )
-    if not EXAMPLE_YAML.is_file():
-        raise ConfigError(
-            f"--strategy placements needs a tensor-parallel plan: pass --config with a "
-            f"placements table (the example's is examples/train_transformer.yaml, not found "
-            f"at {EXAMPLE_YAML})",
-            key="placements",
-        )
-    plan = load_train_config(EXAMPLE_YAML).placements
-    if _is_rank0():
-        print(f"--strategy placements: using the placements table of {EXAMPLE_YAML}")
-    cfg = TrainConfig(strategy="placements", placements=plan)
-    return _with_compile(cfg, args, strategy), strategy
-
-
-def _with_compile(cfg, args: argparse.Namespace, strategy: str):
-    """``--compile``, ``--compile-backend`` and ``--activation-checkpointing`` over the config
-    (flags given win; the config's values stay otherwise)."""
-    from spmdgt.train import TrainConfig
-
-    if not (args.compile or args.compile_backend or args.activation_checkpointing):
-        return cfg
+    if wants_plan and cfg is None:
+        if not EXAMPLE_YAML.is_file():
+            raise ConfigError(
+                f"{flag} needs a tensor-parallel plan: pass --config with a placements table "
+                f"(the example's is examples/train_transformer.yaml, not found at "
+                f"{EXAMPLE_YAML})",
+                key="placements",
+            )
+        plan = load_train_config(EXAMPLE_YAML).placements
+        if _is_rank0():
+            print(f"{flag}: using the placements table of {EXAMPLE_YAML}")
+        cfg = TrainConfig(strategy=strategy, placements=plan)
     cfg = cfg or TrainConfig(strategy=strategy)
-    cfg.compile = cfg.compile or args.compile
-    cfg.compile_backend = args.compile_backend or cfg.compile_backend
-    cfg.activation_checkpointing = cfg.activation_checkpointing or args.activation_checkpointing
-    cfg.__post_init__()  # validate again: an unknown backend is a ConfigError naming the key
-    return cfg
+    cfg = override(
+        cfg,
+        strategy=strategy,
+        tp=args.tp,
+        dp_shard=args.dp_shard,
+        dp_replicate=args.dp_replicate,
+        compile=args.compile or None,  # a flag given wins; absent, the config's value stays
+        compile_backend=args.compile_backend,
+        activation_checkpointing=args.activation_checkpointing or None,
+    )
+    return cfg, strategy
 
 
-def _check_heads_split(args: argparse.Namespace, strategy: str) -> None:
+def _tp_size(cfg, strategy: str, world: int) -> int:
+    """Ranks one layer's heads are split over: the ``tp`` dim, or the world for
+    ``placements`` on the default (1-D) mesh."""
+    if cfg.parallelism.is_default:
+        return world if strategy == "placements" else 1
+    return cfg.parallelism.resolve(world)[2]
+
+
+def _check_heads_split(args: argparse.Namespace, cfg, strategy: str) -> None:
     """Tensor parallel splits the attention projections by heads (colwise q/k/v): each rank
     needs whole query and key/value heads, else the attention's reshape fails deep in torch.
-    The same check on every rank (the world size is the same everywhere)."""
+    The same check on every rank (the world size and config are the same everywhere)."""
     from spmdgt.config import ConfigError
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if strategy == "placements" and (args.heads % world or args.kv_heads % world):
+    tp = _tp_size(cfg, strategy, world)
+    if tp > 1 and (args.heads % tp or args.kv_heads % tp):
+        what = f"--tp {tp}"
+        if cfg.parallelism.is_default:
+            what = f"--strategy placements on {world} ranks"
         raise ConfigError(
-            f"--strategy placements on {world} ranks splits the attention heads over the "
-            f"ranks: --heads ({args.heads}) and --kv-heads ({args.kv_heads}) must both divide "
-            f"by {world} (e.g. --dim 48 --heads 6 --kv-heads 3 on 3 ranks)",
+            f"{what} splits the attention heads over {tp} ranks: --heads ({args.heads}) "
+            f"and --kv-heads ({args.kv_heads}) must both divide by {tp} (e.g. --dim 48 "
+            f"--heads 6 --kv-heads 3 on 3 ranks)",
             key="heads",
             value=(args.heads, args.kv_heads),
         )
@@ -286,9 +321,9 @@ def run_trainer(args: argparse.Namespace) -> dict:
     from spmdgt.train import DistributedTrainer, OptimizedDataLoader
 
     cfg, strategy = _train_config(args)
-    _check_heads_split(args, strategy)
-    args.batch_size = args.batch_size or (cfg.training.batch_size if cfg else 8)
-    model, ds = build(args)
+    _check_heads_split(args, cfg, strategy)
+    args.batch_size = args.batch_size or (cfg.training.batch_size if args.config else 8)
+    model = build_model(args)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     trainer = DistributedTrainer(
         model,
@@ -303,12 +338,16 @@ def run_trainer(args: argparse.Namespace) -> dict:
     )
     if args.checkpoint_dir:
         trainer.config.checkpoint.dir = args.checkpoint_dir
+    # Every tensor-parallel rank of a data group reads the same rows: the loader shards over
+    # the data-parallel ranks (the world on the 1-D mesh, one group for placements).
+    ds = build_data(args, trainer.data_parallel_size)
     loader = OptimizedDataLoader.create(
         ds,
         args.batch_size,
-        shard=strategy != "placements",
         seed=args.seed,
         num_workers=args.workers,
+        num_replicas=trainer.data_parallel_size,
+        rank=trainer.data_parallel_rank,
     )
     return trainer.train(
         loader, epochs=args.epochs, profile=args.profile or None, max_steps=args.steps
@@ -331,7 +370,7 @@ def run_pytorch(args: argparse.Namespace) -> dict:
         dist.init_process_group("nccl" if cuda else "gloo")
     rank = dist.get_rank() if world > 1 else 0
     args.batch_size = args.batch_size or 8
-    model, ds = build(args)
+    model, ds = build_model(args), build_data(args, world)
     model = model.to(device) if cuda else model
     if args.compile:  # by hand, as torchtitan does: each block, then DDP around the model
         for i, block in enumerate(model.layers):
@@ -399,6 +438,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="None: the config's strategy, else ddp; placements without --config takes the "
         "plan of train_transformer.yaml beside this script",
     )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=None,
+        help="tensor-parallel ranks (parallelism.tp; inside a node): the placements table is "
+        "applied within each group of --tp neighbouring ranks, FSDP (or HSDP) across; None: "
+        "the config's, else 1",
+    )
+    p.add_argument(
+        "--dp-shard",
+        type=int,
+        default=None,
+        help="FSDP's shard dim (parallelism.dp_shard; -1: the ranks left); None: the config's",
+    )
+    p.add_argument(
+        "--dp-replicate",
+        type=int,
+        default=None,
+        help="HSDP's replicate dim (parallelism.dp_replicate); None: the config's, else 1",
+    )
     p.add_argument("--text", help="train on the bytes of this file; None: synthetic tokens")
     p.add_argument("--dim", type=int, default=128, help="model width")
     p.add_argument("--layers", type=int, default=2, help="decoder blocks")
@@ -445,6 +504,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="DataLoader workers; None: the trainer picks from the machine, the plain loop 0",
     )
+    p.add_argument(
+        "--summary-json",
+        default=None,
+        help="rank 0 writes the training summary (per-step losses too) here, for "
+        "python -m spmdgt.scripts.compare_runs A.json B.json",
+    )
     p.add_argument("--pytorch", action="store_true", help="plain torch loop for comparison")
     p.add_argument(
         "--dry-run",
@@ -480,11 +545,19 @@ def main(argv: list[str] | None = None) -> dict:
             )
             print(report)
             return report.to_dict()
-        return run_pytorch(args) if args.pytorch else run_trainer(args)
+        if args.pytorch:
+            return run_pytorch(args)
+        out = run_trainer(args)
     except (ConfigError, CheckpointError, DryRunError) as e:
         if _is_rank0():
             print(f"train_transformer.py: error: {e}", file=sys.stderr)
         sys.exit(2)
+    if _is_rank0():
+        print("losses " + " ".join(f"{x:.6f}" for x in out["losses"]))
+        if args.summary_json:
+            with open(args.summary_json, "w") as f:
+                json.dump(out, f, indent=1)
+    return out
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import torch
 from spmdgt.config import ConfigError
 from spmdgt.train._config import ParallelismConfig
 
-__all__ = ["Layout", "build_layout", "describe_groups", "tp_group"]
+__all__ = ["Layout", "build_layout", "data_parallel", "describe_groups", "tp_group"]
 
 
 @dataclass
@@ -47,16 +47,29 @@ class Layout:
         return {"tp_mesh": self.tp_mesh, "dp_mesh": self.dp_mesh}
 
 
+def data_parallel(
+    parallelism: ParallelismConfig, strategy: str, world: int, rank: int
+) -> tuple[int, int]:
+    """``(data-parallel size, this rank's data-parallel rank)`` for ``parallelism``, by
+    arithmetic alone (no mesh, no collective): what the loader shards over. The TP ranks of
+    a data group are neighbours (row-major), so the data rank is ``rank // tp``; on the 1-D
+    world it is the world (``placements``: one group, every rank reads the same batch)."""
+    rep, shard, tp = parallelism.resolve(world)
+    if rep == 1 and tp == 1:
+        return (1, 0) if strategy == "placements" else (world, rank)
+    return rep * shard, rank // tp
+
+
 def build_layout(
     parallelism: ParallelismConfig, strategy: str, world: int, rank: int, device: torch.device
 ) -> Layout:
     """This rank's ``Layout`` for ``parallelism`` on ``world`` ranks (``init_device_mesh`` of
     shape ``(dp_replicate, dp_shard, tp)`` unless the block is the default)."""
     rep, shard, tp = parallelism.resolve(world)
+    dp_size, dp_rank = data_parallel(parallelism, strategy, world, rank)
     if rep == 1 and tp == 1:  # today's path, bit for bit
-        data = 1 if strategy == "placements" else world
         shape = (1, 1, world) if strategy == "placements" else (1, world, 1)
-        return Layout(None, data, rank if data > 1 else 0, shape=shape)
+        return Layout(None, dp_size, dp_rank, shape=shape)
     if strategy == "placements" and rep * shard > 1:
         raise ConfigError(
             f"strategy 'placements' is tensor parallelism alone, but parallelism gives "
@@ -73,9 +86,8 @@ def build_layout(
     dp_mesh = None
     if rep * shard > 1:
         dp_mesh = mesh["dp_replicate", "dp_shard"] if rep > 1 else mesh["dp_shard"]
-    # row-major: (dp_replicate, dp_shard) then tp, so a rank's data rank is rank // tp
     tp_mesh = mesh["tp"] if tp > 1 else None
-    return Layout(mesh, rep * shard, rank // tp, tp_mesh, dp_mesh, (rep, shard, tp))
+    return Layout(mesh, dp_size, dp_rank, tp_mesh, dp_mesh, (rep, shard, tp))
 
 
 def tp_group(mesh: object | None) -> object | None:

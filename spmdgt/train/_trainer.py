@@ -52,7 +52,7 @@ from spmdgt.train._checkpoint import (
 from spmdgt.train._compile import compile_disabled_by_env, compile_seconds
 from spmdgt.train._config import TrainConfig, load_train_config, override
 from spmdgt.train._data import ResumableDistributedSampler
-from spmdgt.train._mesh import build_layout, describe_groups, tp_group
+from spmdgt.train._mesh import build_layout, data_parallel, describe_groups, tp_group
 from spmdgt.train._profilers import cuda_peaks, current_memory_bytes, peak_memory_bytes
 from spmdgt.train._run import (
     Run,
@@ -158,6 +158,10 @@ class DistributedTrainer:
         self.optimizer = optimizer
         self.throughput = Throughput(  # FLOPs from the model's shapes, read before wrapping
             model, self.device, self._compute_dtype(), self.rt.world_size
+        )
+        # which rows this rank reads, known before any mesh is built (the dry run builds none)
+        self.data_parallel_size, self.data_parallel_rank = data_parallel(
+            self.config.parallelism, self.strategy, self.rt.world_size, self.rt.rank
         )
         self.wrapped: Wrapped = self._wrap(model)
         self.model = self.wrapped.module

@@ -18,7 +18,13 @@ import torch.distributed.tensor.parallel
 import torch.nn.functional as F
 
 from spmdgt.config import ConfigError
-from spmdgt.train import DistributedTrainer, OptimizedDataLoader, ParallelismConfig, TrainConfig
+from spmdgt.train import (
+    DistributedTrainer,
+    OptimizedDataLoader,
+    ParallelismConfig,
+    TrainConfig,
+    override,
+)
 from tests._dist import run_ranks
 from tests.train._models import (
     HIDDEN,
@@ -153,6 +159,14 @@ def test_default_parallelism_is_the_world():
         ParallelismConfig(dp_replicate=True)
     with pytest.raises(ConfigError, match=r"parallelism\.tp"):
         TrainConfig(strategy="ddp", placements=TP_PLAN, parallelism=ParallelismConfig(tp=2))
+    # override() (the examples' --tp/--dp-shard/--dp-replicate) validates like the YAML
+    base = TrainConfig(strategy="fsdp", placements=TP_PLAN)
+    cfg = override(base, tp=2, dp_replicate=2)
+    assert cfg.parallelism.resolve(8) == (2, 2, 2) and base.parallelism.is_default
+    with pytest.raises(ConfigError, match=r"parallelism\.tp"):
+        override(TrainConfig(strategy="fsdp"), tp=2)  # no placements table
+    with pytest.raises(ConfigError, match=r"parallelism\.dp_shard"):
+        override(base, dp_shard=0)
 
 
 class _HeadNormAttention(torch.nn.Module):
