@@ -11,6 +11,11 @@
 # Multi-node, static (every node says its rank; MASTER_ADDR runs the store):
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=host0 launch/run.sh 8 train.py
 #
+# 2-D meshes: torchrun numbers ranks node by node and the trainer's (dp_replicate, dp_shard, tp)
+# mesh is row-major, so --tp <= NPROC keeps each tensor-parallel group inside a node (FSDP
+# across): NNODES=2 RDZV_ENDPOINT=host0:29400 launch/run.sh 2 examples/train_transformer.py --tp 2
+# (rank 0's log names each tp group's ranks and node; see docs/launch.md).
+#
 # LOG_DIR=logs/ writes one log file per rank (torchrun --log-dir, stdout and stderr teed).
 set -euo pipefail
 if [[ "${1:-}" =~ ^[0-9]+$ ]]; then nproc=$1; shift; else
