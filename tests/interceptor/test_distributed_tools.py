@@ -89,6 +89,9 @@ def test_two_ranks_collectives_logs_trace_timeline_top(tmp_path, capsys):
         assert {r.rank for r in recs} == {rank}
         comm = [r for r in recs if r.event == "COMM"]  # one line per collective
         assert len(comm) == sum(results[rank][2].values()) and all(r.nbytes > 0 for r in comm)
+        # a 1-D mesh's collectives run on the default group: the log's mesh dim says world
+        assert {r.group for r in comm} == {"world"}
+        assert {r.group for r in recs if r.event == "OP"} == {"-"}
         assert any(r.op == "mm" and r.placements.startswith("S(0),S(0)->") for r in recs)
 
     # the trace both ranks wrote on request, merged, drawn, exported
@@ -107,6 +110,7 @@ def test_two_ranks_collectives_logs_trace_timeline_top(tmp_path, capsys):
         events = json.load(f)["traceEvents"]
     assert {e["pid"] for e in events if e["ph"] == "X"} == {0, 1}
     assert any(e["cat"] == "comm" for e in events if e["ph"] == "X")
+    assert {e["args"].get("group") for e in events if e.get("cat") == "comm"} == {"world"}
 
     # top renders one frame from what the ranks published
     assert top.main(["--run-dir", run_dir, "--once"]) == 0
@@ -114,3 +118,4 @@ def test_two_ranks_collectives_logs_trace_timeline_top(tmp_path, capsys):
     rows = [line.split() for line in frame.splitlines()[2:] if line[:4].strip().isdigit()]
     assert [r[0] for r in rows] == ["0", "1"]
     assert "total" in frame
+    assert "by mesh dim" not in frame  # a 1-D run's frame is what it was

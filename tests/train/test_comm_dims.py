@@ -61,6 +61,30 @@ def test_per_dim_figures_per_step_and_in_the_summary():
     assert log.totals_by_dim()["tp"]["all_reduce"]["count"] == 3
 
 
+class _Writer:
+    """TensorBoard's ``add_scalar``, kept in a dict."""
+
+    def __init__(self) -> None:
+        self.scalars: dict[tuple[str, int], float] = {}
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        self.scalars[(tag, step)] = value
+
+
+def test_tensorboard_gets_per_dim_scalars_per_step():
+    run = _run(2)
+    run.metrics.writer = _Writer()
+    log = _log([("tp", "all_reduce", 2_000_000, 0, 0.25), ("dp_shard", "all_gather", 10, 1, 0.5)])
+    attribute_collectives(run, log, "fsdp2_collective_hooks")
+    got = run.metrics.writer.scalars
+    assert got[("comm/tp/collectives", 1)] == 1 and got[("comm/tp/collectives", 2)] == 0
+    assert got[("comm/tp/mb", 1)] == 2.0 and got[("comm/dp_shard/sec", 2)] == 0.5
+    one_d = _run(1)
+    one_d.metrics.writer = _Writer()
+    attribute_collectives(one_d, _log([("world", "all_reduce", 8, 0, 0.1)]), "ddp_comm_hook")
+    assert one_d.metrics.writer.scalars == {}  # a 1-D run's TensorBoard is what it was
+
+
 def test_a_1d_run_reports_what_it_reported():
     run = _run(2)
     log = _log([("world", "all_reduce", 400, 0, 0.001), ("world", "all_reduce", 400, 1, 0.001)])
