@@ -5,6 +5,8 @@
         --kv-heads 8 --seq-len 4096 --batch-size 1
     python -m spmdgt.scripts.dryrun --world 8 --strategy ddp --device-memory 40GB \\
         --bandwidth 300GB/s train.py --my-flag
+    python -m spmdgt.scripts.dryrun --world 16 --config fsdp_tp.yaml --device h100 \\
+        --link tp=nvlink4 --link dp_shard=ib-ndr train.py   # a parallelism block: per-dim links
 
 The script runs as written, as rank 0 of ``--world`` ranks: torchrun's variables are set,
 the process group is torch's fake one (collectives are issued, nothing moves) and every tensor
@@ -59,6 +61,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--latency", help="per-collective latency, e.g. 20us (with --bandwidth)")
     p.add_argument(
+        "--link",
+        action="append",
+        default=[],
+        metavar="DIM=LINK",
+        help="a mesh dim's own interconnect or bandwidth, e.g. tp=nvlink4 dp_shard=ib-ndr "
+        "(repeat; dims: dp_replicate, dp_shard, tp, world)",
+    )
+    p.add_argument(
         "--headroom",
         type=float,
         default=0.1,
@@ -76,6 +86,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     from spmdgt.train._dryrun import DryRunError, dry_run_script
 
     args = parse_args(argv)
+    links = {}
+    for item in args.link:
+        dim, sep, link = item.partition("=")
+        if not sep or not dim or not link:
+            print(
+                f"dryrun: error: --link takes DIM=LINK (e.g. tp=nvlink4), got {item!r}",
+                file=sys.stderr,
+            )
+            return 2
+        links[dim] = link
     try:
         report = dry_run_script(
             args.script,
@@ -89,6 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             latency=args.latency,
             interconnect=args.interconnect,
             headroom=args.headroom,
+            links=links or None,
         )
     except (DryRunError, ConfigError) as e:
         print(f"dryrun: error: {e}", file=sys.stderr)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +21,7 @@ from spmdgt.train._dryrun._tables import (
     DEVICES,
     INTERCONNECTS,
     DryRunError,
+    _key,
     _lookup,
     parse_bandwidth,
     parse_bytes,
@@ -43,6 +44,8 @@ class _Settings:
     latency: float | None
     interconnect: str | None
     headroom: float
+    links: dict[str, tuple[float, float, str]] | None = None
+    """Per mesh dim: (bandwidth, latency, label): TP's link beside FSDP's."""
 
     @classmethod
     def resolve(
@@ -54,6 +57,7 @@ class _Settings:
         latency: float | str | None,
         interconnect: str | None,
         headroom: float,
+        links: Mapping[str, str] | None = None,
     ) -> _Settings:
         _check_world(world)
         label = None
@@ -74,7 +78,40 @@ class _Settings:
             lat = DEFAULT_LATENCY
         if not (isinstance(headroom, (int, float)) and 0 <= headroom < 1):
             raise DryRunError(f"headroom must be a fraction in [0, 1), got {headroom!r}")
-        return cls(world, memory, label, bw, lat, link, float(headroom))
+        return cls(world, memory, label, bw, lat, link, float(headroom), _links(links))
+
+
+MESH_DIMS = ("dp_replicate", "dp_shard", "tp", "world")  # what a link may be given for
+
+
+def _links(links: Mapping[str, str] | None) -> dict[str, tuple[float, float, str]] | None:
+    """``{"tp": "nvlink4", "dp_shard": "50GB/s"}`` -> per dim (bandwidth, latency, label): an
+    interconnect's bandwidth and latency, or a bandwidth with ``DEFAULT_LATENCY``."""
+    if not links:
+        return None
+    out = {}
+    for dim, value in links.items():
+        if dim not in MESH_DIMS:
+            raise DryRunError(f"a link for mesh dim {dim!r}; the dims are {', '.join(MESH_DIMS)}")
+        key = {_key(k): k for k in INTERCONNECTS}.get(_key(str(value)))
+        if key is not None:
+            bw, lat, label = INTERCONNECTS[key]
+            out[dim] = (float(bw), float(lat), label)
+        else:
+            bw = parse_bandwidth(value)
+            out[dim] = (bw, DEFAULT_LATENCY, f"{bw / 1e9:g} GB/s")
+    return out
+
+
+def _dim_profiler(s: _Settings, dim: str) -> CommunicationProfiler | None:
+    """What prices ``dim``'s collectives: its own link, else the one bandwidth given, else
+    nothing (times not estimated)."""
+    if s.links and dim in s.links:
+        bw, lat, _ = s.links[dim]
+        return CommunicationProfiler(bandwidth=bw, latency=lat)
+    if s.bandwidth is not None:
+        return CommunicationProfiler(bandwidth=s.bandwidth, latency=s.latency)
+    return None
 
 
 def _resolve_config(
@@ -96,18 +133,18 @@ def _report(raw: dict, cfg: TrainConfig, s: _Settings, t0: float, notes: list[st
     by_dim = raw["collectives"]  # {dim: {kind: {count, bytes}}}
     sizes = raw["sizes"]
     if by_dim:
-        if s.bandwidth is not None:
-            prof = CommunicationProfiler(bandwidth=s.bandwidth, latency=s.latency)
-            est = prof.estimate_counted_by_dim(by_dim, sizes)
-            comm = est["total"]["estimated_sec"]
-        else:
-            est = {}
-            for dim, totals in by_dim.items():
-                ring = CommunicationProfiler.measured_bytes_per_rank(
-                    {k: dict(v) for k, v in totals.items()}, sizes[dim]
-                )
-                est[dim] = {f"{k}_bytes": ring[f"{k}_bytes"] for k in totals}
-                est[dim].update({f"{k}_sec": math.nan for k in totals})
+        est = {}
+        for dim, totals in by_dim.items():
+            prof = _dim_profiler(s, dim)
+            if prof is not None:
+                est[dim] = prof.estimate_counted(totals, sizes[dim])
+                comm += est[dim]["estimated_sec"]
+                continue
+            ring = CommunicationProfiler.measured_bytes_per_rank(
+                {k: dict(v) for k, v in totals.items()}, sizes[dim]
+            )
+            est[dim] = {f"{k}_bytes": ring[f"{k}_bytes"] for k in totals}
+            est[dim].update({f"{k}_sec": math.nan for k in totals})
             comm = math.nan
         for dim in sorted(by_dim, key=_dim_order):
             totals = by_dim[dim]
@@ -145,6 +182,7 @@ def _report(raw: dict, cfg: TrainConfig, s: _Settings, t0: float, notes: list[st
         bandwidth=s.bandwidth,
         latency=s.latency,
         interconnect=s.interconnect,
+        links={d: (bw, lat, label) for d, (bw, lat, label) in (s.links or {}).items()} or None,
         device_memory=s.device_memory,
         device=s.device,
         headroom=s.headroom,
@@ -176,6 +214,7 @@ def dry_run(
     interconnect: str | None = None,
     headroom: float = 0.1,
     amp_dtype: torch.dtype = torch.bfloat16,
+    links: Mapping[str, str] | None = None,
 ) -> DryRunReport:
     """One training step of ``world`` ranks, in this process, with nothing allocated.
 
@@ -186,9 +225,13 @@ def dry_run(
     ``TrainConfig`` or YAML path) and ``strategy`` are the trainer's. ``device_memory``
     (``"80GB"``, bytes) or ``device`` (a ``DEVICES`` name) gives the verdict; ``bandwidth``
     (``"50GB/s"``, bytes/s) and ``latency`` or ``interconnect`` (an ``INTERCONNECTS`` name)
-    give the collectives' times. Raises ``DryRunError`` on bad input, before building."""
+    give the collectives' times; ``links`` gives a mesh dim its own (``{"tp": "nvlink4",
+    "dp_shard": "ib-ndr"}``: an interconnect name or a bandwidth). Raises ``DryRunError`` on
+    bad input, before building."""
     t0 = time.perf_counter()
-    s = _Settings.resolve(world, device_memory, device, bandwidth, latency, interconnect, headroom)
+    s = _Settings.resolve(
+        world, device_memory, device, bandwidth, latency, interconnect, headroom, links
+    )
     cfg, notes = _resolve_config(config, strategy)
     fake = _fake_mode()
     with fake_world(world) as mesh:

@@ -64,6 +64,9 @@ class DryRunReport:
     notes: list[str] = field(default_factory=list)
     mesh: dict[str, int] | None = None
     """The ``parallelism`` block's mesh, dim -> size (``None``: the 1-D world)."""
+    links: dict[str, tuple[float, float, str]] | None = None
+    """Per mesh dim given its own link: (bandwidth, latency, label); other dims use
+    ``bandwidth``/``latency``."""
 
     def collectives_by_dim(self) -> dict[str, dict[str, dict[str, int]]]:
         """One step's collectives per mesh dim: ``{dim: {kind: {count, bytes}}}`` (bytes of
@@ -164,6 +167,13 @@ class DryRunReport:
             )
         else:
             model = "no bandwidth given: times not estimated"
+        if self.links:
+            own = "; ".join(
+                f"{dim}: {lat * 1e6:.0f} us + ring bytes / {bw / 1e9:.1f} GB/s ({label})"
+                for dim, (bw, lat, label) in self.links.items()
+            )
+            rest = model if self.bandwidth is not None else "not estimated"
+            model = f"{own}; other dims: {rest}"
         lines.append(f"collectives of one step (time: {model})")
         # a mesh dim column only on a mesh: the 1-D world's table stays as it was
         dims = any(r.dim != "world" for r in self.collectives)

@@ -11,7 +11,7 @@ import os
 import runpy
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from torch import nn
 
@@ -153,6 +153,7 @@ def dry_run_call(
     latency: float | str | None = None,
     interconnect: str | None = None,
     headroom: float = 0.1,
+    links: Mapping[str, str] | None = None,
 ) -> DryRunReport:
     """Dry-run the first ``DistributedTrainer(...).train(loader)`` that ``fn()`` reaches.
 
@@ -160,9 +161,12 @@ def dry_run_call(
     group made, every tensor fake), its trainer is built as written, and its ``train`` runs
     one dry step on the loader's first batch and ends ``fn`` there. ``config`` (a
     ``TrainConfig`` or YAML path) and ``strategy`` replace what the trainer is given.
+    ``links`` gives a mesh dim its own interconnect or bandwidth (``dry_run``'s).
     Raises ``DryRunError`` when ``fn`` returns without training."""
     t0 = time.perf_counter()
-    s = _Settings.resolve(world, device_memory, device, bandwidth, latency, interconnect, headroom)
+    s = _Settings.resolve(
+        world, device_memory, device, bandwidth, latency, interconnect, headroom, links
+    )
     fake = _fake_mode()
     _forget_runtime()  # a runtime this process made before (a world of one) is not this one
     try:

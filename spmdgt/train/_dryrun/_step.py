@@ -97,13 +97,16 @@ def _layout(cfg: TrainConfig, world: int, mesh: object) -> tuple[dict, dict[str,
     (``_mesh.build_layout`` for rank 0): ``wrap_model``'s mesh arguments (``{}`` on the 1-D
     world) and the size of each mesh dim the collectives can run on (``world`` included).
     Built outside the fake mode: the mesh holds real rank numbers."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
     from spmdgt.interceptor._groups import register_mesh
     from spmdgt.train._mesh import build_layout
 
     sizes = {"world": world}
     if world <= 1:
         return {}, sizes
-    layout = build_layout(cfg.parallelism, cfg.strategy, world, 0, torch.device("cpu"))
+    with unset_fake_temporarily():  # a script's train() is reached inside the fake mode
+        layout = build_layout(cfg.parallelism, cfg.strategy, world, 0, torch.device("cpu"))
     if layout.mesh is None:
         return {"mesh": mesh}, sizes
     register_mesh(layout.mesh)
