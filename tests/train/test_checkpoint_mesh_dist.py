@@ -45,14 +45,16 @@ MESHES = {
     "2x2": ({"dp_shard": 2, "tp": 2}, "fsdp"),
     "4x1": ({"dp_shard": 4}, "fsdp"),
     "1x4": ({"dp_shard": 1, "tp": 4}, "placements"),
+    "hsdp": ({"dp_replicate": 2, "dp_shard": 2}, "fsdp"),  # 2 replicas of FSDP over 2
     "1": ({}, "fsdp"),
 }
-# (saved on, loaded on): 2x2 to every other mesh and back, and 2x2 to itself
+# (saved on, loaded on): 2x2 to every other mesh and back, and 2x2 to itself and to HSDP
 PAIRS = [
     ("2x2", "2x2"),
     ("2x2", "4x1"),
     ("2x2", "1x4"),
     ("2x2", "1"),
+    ("2x2", "hsdp"),
     ("4x1", "2x2"),
     ("1x4", "2x2"),
     ("1", "2x2"),
