@@ -266,6 +266,34 @@ def _check_reshape(op_call, specs) -> None:
             )
 
 
+def _check_nesting(op_call, specs, result) -> None:
+    """Raise (so the op takes the exact fallback) where DTensor's chosen strategy lays an
+    input or an output out with one tensor dim sharded unevenly over several mesh dims while
+    no input came in so: a layout DTensor invented, on a mesh of 2+ dims only, through the
+    view rules that misjudge it (``_check_reshape``): ``pixel_unshuffle`` on
+    ``(Replicate(), Shard(1))`` had its 6 rows redistributed as ``(Shard(2), Shard(2))``,
+    pieces 2/1/2/1, and each rank's kernel refused its own height. Inputs that already come
+    in nested (an add of two such tensors) keep DTensor's path."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    from torch.utils._pytree import tree_leaves
+
+    from spmdgt.tensor._optable import nested_uneven
+
+    mine = [s for s in specs if isinstance(s, DTensorSpec)]
+    if not mine or all(s.mesh.ndim == 1 for s in mine) or any(nested_uneven(s) for s in mine):
+        return
+    chosen = list(tree_leaves(getattr(result, "output_spec", None)))
+    schema = getattr(result, "redistribute_schema", None)
+    if schema is not None:
+        chosen += list(schema.args_spec)
+    for spec in chosen:
+        if isinstance(spec, DTensorSpec) and nested_uneven(spec):
+            raise RuntimeError(
+                f"{op_call}: DTensor's strategy shards a dim unevenly over several mesh dims "
+                f"({tuple(spec.placements)}, shape {tuple(spec.shape)})"
+            )
+
+
 _backward = [0]  # > 0 while spmdgt runs the autograd engine (``backward``/``autograd.grad``)
 
 
@@ -330,7 +358,10 @@ def install() -> None:
         try:
             if ours and op_call in _RESHAPES:
                 _check_reshape(op_call, op_info.schema.args_spec)
-            return original(op_call, args, kwargs, op_info, *rest, **kw)
+            result = original(op_call, args, kwargs, op_info, *rest, **kw)
+            if ours:
+                _check_nesting(op_call, op_info.schema.args_spec, result)
+            return result
         except NoRule:
             raise
         except Exception as e:

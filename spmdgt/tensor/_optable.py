@@ -34,7 +34,9 @@ route              why
                    DTensor picks the first *rank* holding the extreme, not the first flat
                    index, so ties differ), or with an empty shard;
                    ``prod`` of complex values over a sharded dim (no collective has a complex
-                   product). Global values there, DTensor's path otherwise.
+                   product); ``embedding`` whose weight has one dim sharded over several mesh
+                   dims (DTensor's masked-partial rule shares one mask among them: ranks
+                   disagree). Global values there, DTensor's path otherwise.
 ``EMPTY_SENSITIVE`` reductions whose kernels reject an empty input (``max``, ``median``,
                    ``norm``...): global values when some rank's shard is empty (a rank
                    outside a sub-mesh holds an empty one too), DTensor's path otherwise.
@@ -196,7 +198,7 @@ _EMPTY_SENSITIVE = frozenset(
 )
 
 # DTensor's rule is wrong for some inputs of these, which ``guard`` tells apart by metadata.
-_GUARDED = frozenset({"argmax", "argmin", "prod"})
+_GUARDED = frozenset({"argmax", "argmin", "prod", "embedding"})
 
 # Tied maxima share the gradient evenly in torch; a shard sees only its own ties (the
 # infinity norms are maxima too).
@@ -496,6 +498,16 @@ def ties_matter(func, args, kwargs) -> bool:
 def guard(func, args, kwargs) -> str | None:
     """For a ``GUARDED`` op: why its input needs the exact fallback (None: DTensor's path is
     right). Reads dtypes, dims, shapes and placements only, so every rank answers alike."""
+    if op_name(func) == "embedding":
+        w = kwargs.get("weight", args[1] if len(args) > 1 else None)
+        if isinstance(w, DTensor):
+            rows = [p.dim for p in w._spec.placements if isinstance(p, Shard)]
+            if len(rows) != len(set(rows)):
+                return (
+                    "embedding weight with one dim sharded over several mesh dims (DTensor's "
+                    "masked-partial rule keeps one mask for all of them)"
+                )
+        return None
     a = args[0] if args else kwargs.get("input")
     if not isinstance(a, DTensor):
         return None

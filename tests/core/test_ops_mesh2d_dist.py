@@ -104,6 +104,20 @@ def _reductions(put):
     ], [a, ties]
 
 
+def _embedding(put):
+    # guarded: a weight with rows over both mesh dims took DTensor's masked-partial rule,
+    # which shares one mask among them (ranks 0 and 3 raised, 1 and 2 went on)
+    w = _leaf(put, _data(22, ROWS, COLS))
+    return [F.embedding(torch.tensor([[0, 6, 2], [3, 3, 1]]), w)], [w]
+
+
+def _invented(put):
+    # DTensor's strategy for pixel_unshuffle on (Replicate(), Shard(1)) re-laid the 6 rows
+    # out as (Shard(2), Shard(2)), pieces 2/1/2/1: each rank's kernel refused its own height
+    x = _leaf(put, _data(23, 1, 1, 6, 6))
+    return [F.pixel_unshuffle(x, 3)], [x]
+
+
 def _irregular(put):
     a, t = _leaf(put, _data(12, ROWS, COLS)), put(_data(13, ROWS, COLS))
     target = torch.tensor([0, 4, 2, 1, 3, 3, 0])
@@ -138,6 +152,8 @@ CASES = {
     "global s0s1": ("s0s1", _global),
     "reductions s0s1": ("s0s1", _reductions),
     "reductions s0s0": ("s0s0", _reductions),
+    "guarded embedding s0s0": ("s0s0", _embedding),
+    "invented nesting rs1": ("rs1", _invented),
     "irregular s0r": ("s0r", _irregular),
     "irregular s0s0": ("s0s0", _irregular),
     "batch_only s0r": ("s0r", _batch_only),
