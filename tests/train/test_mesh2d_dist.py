@@ -25,6 +25,7 @@ from spmdgt.train import (
     TrainConfig,
     override,
 )
+from spmdgt.train._mesh import build_layout, describe_groups
 from tests._dist import run_ranks
 from tests.train._models import (
     HIDDEN,
@@ -295,3 +296,27 @@ def test_a_2x2_checkpoint_resumes_on_2x2_bitwise_and_in_one_process(tmp_path):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), atol=1e-5, rtol=0)
     for k, v in ref_state.items():
         torch.testing.assert_close(one.model.state_dict()[k], v, atol=1e-5, rtol=0)
+
+
+def _groups_line(rank: int, world: int, node_of_rank: list[int]) -> str | None:
+    import os
+
+    os.environ["GROUP_RANK"] = str(node_of_rank[rank])  # torchrun's node rank
+    layout = build_layout(
+        ParallelismConfig(dp_shard=2, tp=2), "fsdp", world, rank, torch.device("cpu")
+    )
+    return describe_groups(layout)
+
+
+def test_the_log_names_each_tp_group_and_flags_one_that_spans_nodes(tmp_path):
+    for sub in ("inside", "across"):
+        (tmp_path / sub).mkdir()
+    lines = run_ranks(_groups_line, 4, tmp_path / "inside", [0, 0, 1, 1])  # torchrun's order
+    assert lines[0] == (
+        "mesh dp_replicate x dp_shard x tp = 1x2x2; tp groups: [0, 1] on node 0; [2, 3] on node 1"
+    )
+    assert len(set(lines)) == 1  # every rank builds the same line (rank 0 prints it)
+    lines = run_ranks(_groups_line, 4, tmp_path / "across", [0, 1, 0, 1])  # ranks interleaved
+    assert "[0, 1] on node 0, node 1 SPANS NODES" in lines[0], lines[0]
+    layout = build_layout(ParallelismConfig(), "fsdp", 1, 0, torch.device("cpu"))
+    assert describe_groups(layout) is None  # the 1-D world: nothing said, no collective
