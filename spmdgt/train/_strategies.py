@@ -94,10 +94,25 @@ class Wrapped:
         micro-step's gradient is in), so one all-reduce per step completes the sum. The ranks
         of a tp group sit at the same data-parallel coordinates, so they hold the same FSDP
         shard of each parameter and their local shards add up element by element."""
-        for p in self.partial_grads:
-            if p.grad is not None:
-                local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-                dist.all_reduce(local, group=self.partial_group)
+        locals_ = [
+            p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            for p in self.partial_grads
+            if p.grad is not None
+        ]
+        if not locals_:
+            return
+        # One all-reduce for all of them (two small norms per layer would be 2L collectives);
+        # grouped by dtype, the same on every rank of the group.
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in locals_:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for tensors in by_dtype.values():
+            flat = torch.cat([t.reshape(-1) for t in tensors])
+            dist.all_reduce(flat, group=self.partial_group)
+            offset = 0
+            for t in tensors:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
