@@ -9,7 +9,9 @@ sizes its data by the global batch), within 1e-5: fp32 sums in another order (TP
 sums, FSDP's reduce-scatter, per-rank loss means) differ by a few ulps of the loss (~5, an ulp
 ~5e-7), and AdamW carries that into the next steps (measured here: <= 4.8e-7 over 4 steps).
 Each run's log must say which ranks form each tp group and on which node: [0, 1] and
-[2, 3], each group inside one node.
+[2, 3], each group inside one node. The 2-node run also checkpoints at step 2, and one
+process resumes that checkpoint (``--checkpoint-dir``) with the uninterrupted one-process
+losses of steps 3 and 4 (1e-5; measured: equal).
 
 The one-process reference runs in this process (the example's ``main``, the code ``python
 examples/train_transformer.py`` runs), saving a start of ~8 s of imports.
@@ -20,6 +22,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -63,13 +66,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _same_losses(one: Path, four: Path, log: str) -> None:
+def _same_losses(one: Path, four: Path, log: str) -> str:
+    """Check the 4-rank run's losses against one process (compare_runs, 1e-5); return both
+    and their largest difference as lines to print."""
     ref, got = (json.loads(p.read_text())["losses"] for p in (one, four))
-    print("one process:", " ".join(f"{x:.7f}" for x in ref))
-    print("4 ranks 2x2:", " ".join(f"{x:.7f}" for x in got))
-    print("max |diff|:", max(abs(a - b) for a, b in zip(ref, got)))
     assert len(got) == len(ref) == 4, log[-3000:]
     assert compare_runs.main([str(one), str(four), "--atol", "1e-5", "--rtol", "0"]) == 0
+    return (
+        f"one process: {' '.join(f'{x:.7f}' for x in ref)}\n"
+        f"4 ranks 2x2: {' '.join(f'{x:.7f}' for x in got)}\n"
+        f"max |diff|: {max(abs(a - b) for a, b in zip(ref, got)):.3g}"
+    )
 
 
 @pytest.mark.slow
@@ -88,19 +95,26 @@ def test_torchrun_4_ranks_fsdp_x_tp_equals_one_process(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "tp groups: [0, 1] on node 0; [2, 3] on node 0" in r.stdout, r.stdout[-3000:]
     assert "world_size: 4" in r.stdout and "strategy: fsdp" in r.stdout
-    _same_losses(one, four, r.stdout)
+    print(_same_losses(one, four, r.stdout))
 
 
 @pytest.mark.slow
-def test_two_nodes_of_two_tp_inside_a_node_fsdp_across(tmp_path):
+def test_two_nodes_of_two_tp_inside_a_node_fsdp_across(tmp_path, capsys):
     """``NNODES=2 RDZV_ENDPOINT=127.0.0.1:PORT launch/run.sh 2 train_transformer.py --config
-    train_transformer.yaml --tp 2``, started once per "node": the YAML's ``parallelism``
-    (``tp: 1``) overridden by the flag; node ranks come from the rendezvous."""
-    one = _one_process(tmp_path, "--config", YAML)
+    train_transformer.yaml --tp 2 --checkpoint-dir ck``, started once per "node": the YAML's
+    ``parallelism`` (``tp: 1``) overridden by the flag; node ranks come from the rendezvous.
+    The run checkpoints every 2 steps (the YAML with ``every_steps: 2``); its step-2
+    checkpoint then resumes in one process (``python ... --checkpoint-dir``), which must go on
+    with the uninterrupted one-process losses of steps 3 and 4."""
+    yaml = tmp_path / "train.yaml"  # the example's YAML, checkpointing every 2 steps
+    text = Path(YAML).read_text()
+    assert "  every_steps: 0\n" in text
+    yaml.write_text(text.replace("  every_steps: 0\n", "  every_steps: 2\n  keep_last: 4\n"))
+    one = _one_process(tmp_path, "--config", str(yaml))
     four = tmp_path / "four.json"
     endpoint = f"127.0.0.1:{_free_port()}"
-    args = ["--config", YAML, "--tp", str(TP), "--batch-size", str(PER_RANK)]
-    args += ["--summary-json", str(four)]
+    args = ["--config", str(yaml), "--tp", str(TP), "--batch-size", str(PER_RANK)]
+    args += ["--summary-json", str(four), "--checkpoint-dir", str(tmp_path / "ck")]
     nodes = [
         subprocess.Popen(
             [str(ROOT / "launch" / "run.sh"), "2", str(EXAMPLE), *TINY, *args],
@@ -121,7 +135,23 @@ def test_two_nodes_of_two_tp_inside_a_node_fsdp_across(tmp_path):
     log = printed[0]
     assert "tp groups: [0, 1] on node 0; [2, 3] on node 1" in log, log[-3000:]
     assert "SPANS NODES" not in log and "strategy: fsdp" in log
-    _same_losses(one, four, log)
+    compared = _same_losses(one, four, log)
+
+    # the 2x2 run's step-2 checkpoint, resumed by one process with the same global batch
+    shutil.copytree(tmp_path / "ck" / "step_00000002", tmp_path / "ck_one" / "step_00000002")
+    resumed = tmp_path / "resumed.json"
+    capsys.readouterr()
+    argv = [*TINY, "--config", str(yaml), "--batch-size", str(PER_RANK * 2)]
+    argv += ["--checkpoint-dir", str(tmp_path / "ck_one"), "--summary-json", str(resumed)]
+    _example().main(argv)
+    said = capsys.readouterr().out
+    assert "mesh dp_replicate x dp_shard x tp = 1x2x2 (4 rank(s)); resuming on 1x1x1" in said
+    assert "data from global sample 16 of epoch 0" in said, said[-2000:]
+    ref = json.loads(one.read_text())["losses"]
+    got = json.loads(resumed.read_text())["losses"]
+    assert len(got) == 2 and max(abs(a - b) for a, b in zip(got, ref[2:])) <= 1e-5
+    with capsys.disabled():  # the resume's output was captured to be read above
+        print(f"\n{compared}\nresumed in one process, steps 3-4: {got}, uninterrupted: {ref[2:]}")
 
 
 def test_example_flags_set_the_parallelism_block(tmp_path, monkeypatch, capsys):
