@@ -160,6 +160,7 @@ class DistributedTrainer:
             model, self.device, self._compute_dtype(), self.rt.world_size
         )
         # which rows this rank reads, known before any mesh is built (the dry run builds none)
+        self.layout = None  # set by _build_mesh, inside _wrap
         self.data_parallel_size, self.data_parallel_rank = data_parallel(
             self.config.parallelism, self.strategy, self.rt.world_size, self.rt.rank
         )
@@ -363,7 +364,7 @@ class DistributedTrainer:
             "world_size": self.rt.world_size,
             # the mesh it was written on: a resume on another says so (weights, optimizer and
             # data position carry over, see load_checkpoint)
-            "mesh": list(self.layout.shape),
+            "mesh": list(self.layout.shape) if self.layout is not None else None,
             "data_parallel_size": self.data_parallel_size,
         }
 
@@ -399,11 +400,12 @@ class DistributedTrainer:
             self.scaler.load_state_dict(extra["scaler"])
         self._resumed_from = str(found)
         saved = extra.get("mesh")
-        if saved is not None and tuple(saved) != self.layout.shape:
+        layout = self.layout
+        if saved is not None and layout is not None and tuple(saved) != layout.shape:
             runtime.print0(
                 f"spmdgt.train: {found} was written on mesh dp_replicate x dp_shard x tp = "
                 f"{'x'.join(map(str, saved))} ({extra.get('world_size')} rank(s)); resuming on "
-                f"{self.layout.describe()}: weights and optimizer state resharded, data from "
+                f"{layout.describe()}: weights and optimizer state resharded, data from "
                 f"global sample {self._samples_in_epoch} of epoch {self._epoch}"
             )
 
