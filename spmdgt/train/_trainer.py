@@ -58,6 +58,7 @@ from spmdgt.train._run import (
     Run,
     attach_comm_sink,
     attribute_collectives,
+    comm_dim_summary,
     detach_comm_sink,
     make_profiler,
     step_scalars,
@@ -699,6 +700,7 @@ class DistributedTrainer:
             throughput=self.throughput,
         )
         summary.update(cuda_peaks(self.device))
+        summary.update(comm_dim_summary(run))  # per mesh dim on a 2-D mesh; {} on 1-D
         comp = self.wrapped.compiled
         if comp is not None:
             summary["compile_backend"] = comp.backend

@@ -116,6 +116,9 @@ def _train(rank: int, name: str, tmp: str) -> dict:
         "in_log": in_log,
         "losses": trainer.last_stats.global_losses,
         "measured_by": summary["comm_measured_by"],
+        "summary_dims": {
+            k: summary[k] for k in summary if k.startswith("comm_") and k.endswith("_per_step")
+        },
         "latency": prof.latency_by_dim,
         "bandwidth": prof.bandwidths_by_dim,
         "estimate": prof.estimate_counted_by_dim(model_dims),
@@ -165,6 +168,11 @@ def test_comm_per_mesh_dim_on_2x2(tmp_path):
             model_dims = {d: v for d, v in r["counted"].items() if d != "world"}
             assert set(model_dims) == dims, where
             assert r["logged"] == model_dims, where
+            # the Training Summary carries each dim's collectives per step
+            for dim in dims:
+                n = sum(int(t["count"]) for t in model_dims[dim].values())
+                assert r["summary_dims"][f"comm_{dim}_collectives_per_step"] > 0, (where, dim)
+                assert r["summary_dims"][f"comm_{dim}_collectives_per_step"] <= n * 2, where
             # 2. the instruction log names each collective's dim, as many as were dispatched
             for dim in dims:
                 want = {k: v["count"] for k, v in r["counted_all"][dim].items()}
