@@ -16,6 +16,11 @@ Tensor parallel: torchrun --nproc_per_node=2 examples/train_hf.py --strategy pla
                 (the plan is train_hf.yaml's table for Qwen3; ``--model llama`` drops its
                 ``q_norm``/``k_norm`` rows; GPT-2's ``Conv1D`` layers are not ``nn.Linear``,
                 so GPT-2 trains with ddp or fsdp)
+2-D mesh:       torchrun --nproc_per_node=4 examples/train_hf.py --tp 2
+                (torchtitan's recipe: the placements table inside each pair of neighbouring
+                ranks, FSDP per decoder layer across them; --dp-shard and --dp-replicate set
+                the data dims, e.g. --dp-replicate 2 --dp-shard 2 --strategy fsdp for HSDP;
+                --global-batch is split over the data-parallel ranks only)
 Check:          python examples/train_hf.py --reference   (a plain one-process HF loop over
                 the same global batches: the losses every strategy must reproduce)
 """
@@ -84,20 +89,28 @@ class TokenDataset(Dataset):
 
 
 def _train_config(args: argparse.Namespace):
-    """``--config`` (else ``train_hf.yaml`` beside this file), with ``--strategy`` over it;
-    for placements, the table's rows that match no module of this model are dropped (Llama
-    has no ``q_norm``), since the YAML is written for Qwen3."""
+    """``--config`` (else ``train_hf.yaml`` beside this file) with the flags given applied
+    through ``spmdgt.train.override`` (validated like the YAML: a bad value is a
+    ``ConfigError`` naming the key). ``--tp`` > 1 without ``--strategy`` means ``fsdp`` over
+    the data dims with the placements table inside each tp group (torchtitan's 2-D recipe).
+    When the table is applied and comes from the example YAML, its rows that match no module
+    of this model are dropped (Llama has no ``q_norm``), since the YAML is written for Qwen3."""
     from spmdgt.train import load_train_config, override
 
     cfg = load_train_config(args.config or EXAMPLE_YAML)
+    tp = args.tp if args.tp is not None else cfg.parallelism.tp
+    strategy = args.strategy or ("fsdp" if args.tp not in (None, 1) else None)
     cfg = override(
         cfg,
-        strategy=args.strategy,
+        strategy=strategy,
+        tp=args.tp,
+        dp_shard=args.dp_shard,
+        dp_replicate=args.dp_replicate,
         max_grad_norm=args.max_grad_norm,
         use_amp=args.amp or None,
         compile=args.compile or None,
     )
-    if cfg.strategy == "placements" and not args.config:
+    if (cfg.strategy == "placements" or tp != 1) and not args.config:
         names = [n for n, _ in build_model(args).named_modules()]
         table = {p: s for p, s in cfg.placements.items() if fnmatch.filter(names, p)}
         cfg = override(cfg, placements=table)
@@ -105,22 +118,29 @@ def _train_config(args: argparse.Namespace):
 
 
 def run_trainer(args: argparse.Namespace) -> dict:
-    """The example: ``DistributedTrainer`` on the HF model, no loss function given."""
+    """The example: ``DistributedTrainer`` on the HF model, no loss function given. Each
+    data-parallel rank reads ``--global-batch`` / its data-parallel size rows of every step
+    (the tensor-parallel ranks of a data group read the same rows)."""
     from spmdgt.train import DistributedTrainer, OptimizedDataLoader
 
     cfg = _train_config(args)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    dp = 1 if cfg.strategy == "placements" else world  # TP ranks all see the same batch
-    if args.global_batch % dp:
-        raise SystemExit(f"--global-batch {args.global_batch} must divide by {dp} ranks")
     model = build_model(args)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     trainer = DistributedTrainer(
         model, opt, config=cfg, log_every=args.log_every, logdir=args.logdir
     )
+    dp = trainer.data_parallel_size  # the same on every rank: the same decision everywhere
+    if args.global_batch % dp:
+        raise SystemExit(
+            f"--global-batch {args.global_batch} must divide by the {dp} data-parallel ranks"
+        )
     data = TokenDataset(args.steps * args.global_batch, args.seq_len, args.vocab, args.seed)
     loader = OptimizedDataLoader.create(
-        data, args.global_batch // dp, shuffle=False, shard=cfg.strategy != "placements"
+        data,
+        args.global_batch // dp,
+        shuffle=False,
+        num_replicas=dp,
+        rank=trainer.data_parallel_rank,
     )
     return trainer.train(loader, epochs=1, max_steps=args.steps)
 
@@ -167,6 +187,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", choices=MODELS, default="qwen3", help="transformers family")
     p.add_argument("--config", help="training YAML; None: train_hf.yaml beside this script")
     p.add_argument("--strategy", choices=["ddp", "fsdp", "placements"], help="None: the config's")
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=None,
+        help="tensor-parallel ranks (parallelism.tp): the placements table inside each group "
+        "of --tp neighbouring ranks, FSDP (or HSDP) across; None: the config's, else 1",
+    )
+    p.add_argument(
+        "--dp-shard",
+        type=int,
+        default=None,
+        help="FSDP's shard dim (parallelism.dp_shard; -1: the ranks left); None: the config's",
+    )
+    p.add_argument(
+        "--dp-replicate",
+        type=int,
+        default=None,
+        help="HSDP's replicate dim (parallelism.dp_replicate); None: the config's, else 1",
+    )
     p.add_argument("--tie", action="store_true", help="tie input embedding and LM head")
     p.add_argument("--dim", type=int, default=64, help="hidden size")
     p.add_argument("--layers", type=int, default=2, help="decoder layers")

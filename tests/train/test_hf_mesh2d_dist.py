@@ -1,0 +1,71 @@
+"""examples/train_hf.py on a 2-D mesh, as a torchtitan user runs it: ``--tp 2`` on 4 ranks is
+``dp_shard=2 x tp=2`` (the YAML's placements table inside each tp pair, FSDP per decoder
+layer across the pairs), and its per-step losses equal a plain one-process HF loop on the
+same global batch.
+
+Tiny Qwen3 (its per-head ``q_norm``/``k_norm`` are ``sharded_input``: each tp rank normalises
+its own heads) and Llama (the table's norm rows are dropped: no module matches them), 6 rows
+per step (3 per data-parallel rank: not a power of two). Tolerance 1e-5 (fp32): the
+differences are sum-order rounding (~1e-7). The helpers are test_hf_dist.py's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests._dist import run_ranks
+from tests.train.test_hf_dist import EX, SMALL
+
+MESH2D = ["--tp", "2", "--global-batch", "6"]
+HSDP = ["--strategy", "fsdp", "--dp-replicate", "2", "--dp-shard", "2", "--global-batch", "12"]
+CASES = {
+    "qwen3": [*SMALL, *MESH2D, "--model", "qwen3"],
+    "llama": [*SMALL, *MESH2D, "--model", "llama"],
+    "qwen3-hsdp": [*SMALL, *HSDP, "--model", "qwen3"],  # 2 x 2 data ranks, 3 rows each
+}
+
+
+def _mesh_and_losses(rank: int, world: int, cases: dict) -> dict:
+    """Each case's training summary on this rank (one fork of 4 ranks for all of them: the
+    suite pays the process start once)."""
+    torch.set_num_threads(1)
+    return {name: EX.run_trainer(EX.parse_args(argv)) for name, argv in cases.items()}
+
+
+def test_hf_models_on_fsdp_x_tp_equal_one_process(tmp_path):
+    refs = {n: EX.run_reference(EX.parse_args(a))["losses"] for n, a in CASES.items()}
+    results = run_ranks(_mesh_and_losses, 4, tmp_path, CASES, timeout=240)
+    worst = 0.0
+    for rank, per_case in enumerate(results):
+        for name, out in per_case.items():
+            assert out["world_size"] == 4 and out["strategy"] == "fsdp", (rank, name)
+            dims = {
+                k.split("_collectives")[0][5:]
+                for k in out
+                if k.endswith("_collectives_per_step") and k.startswith("comm_")
+            }
+            # a 2-D mesh was built: the summary has per-dim comm rows (none on the 1-D world;
+            # by default FSDP2's hooks measure, so the FSDP dim is the one named)
+            assert "dp_shard" in dims, (rank, name, sorted(out))
+            got, want = torch.tensor(out["losses"]), torch.tensor(refs[name])
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=f"{name} rank {rank}")
+            worst = max(worst, float((got - want).abs().max()))
+    for name, ref in refs.items():
+        assert ref[-1] < ref[0] - 0.5, name  # it learns: a loop that did nothing would not pass
+    print(f"max |loss - one process| over 4 ranks, three runs: {worst:.2e}")
+
+
+def test_tp_flag_builds_the_2d_config():
+    # --tp alone: fsdp over the data dims, the table kept for Qwen3 and cut for Llama;
+    # --dp-replicate/--dp-shard reach parallelism (HSDP x TP on 8 ranks)
+    cfg = EX._train_config(EX.parse_args(CASES["qwen3"]))
+    assert cfg.strategy == "fsdp" and cfg.parallelism.tp == 2
+    assert any("q_norm" in p or "[qk]_norm" in p for p in cfg.placements)
+    cfg = EX._train_config(EX.parse_args(CASES["llama"]))
+    assert not any("norm" in p for p in cfg.placements) and cfg.placements
+    args = EX.parse_args([*SMALL, "--tp", "2", "--dp-replicate", "2", "--dp-shard", "2"])
+    cfg = EX._train_config(args)
+    assert cfg.parallelism.resolve(8) == (2, 2, 2)
+    with pytest.raises(Exception, match="parallelism"):
+        EX._train_config(EX.parse_args([*SMALL, "--tp", "0"]))
