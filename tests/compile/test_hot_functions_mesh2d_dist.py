@@ -1,0 +1,128 @@
+"""Hot functions (``GT_AUTO_COMPILE=1``) on a signal of the config's 2-D mesh.
+
+Four forked gloo ranks load ``mesh: {dp: 2, tp: 2}``; a GT-style training loop keeps its data
+``shard: {axis: 0, over: dp}`` (7 rows: 4 + 3) and its weights ``shard: {axis: 1, over: tp}``
+(6 and 3 columns: 3 + 3, 2 + 1) and steps a ``torch.optim.SGD`` with no host read inside the
+loop, so the optimizer steps (``compile/_steps.py``) are the only agreement points. The pass
+must turn the step's forward hot, compile it on every rank at the same call (or run it
+eagerly, saying why in ``spmdgt.compile.status()``), and every step's loss and gradients
+must equal one-process torch within 1e-5 on every rank.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from tests._dist import run_ranks
+
+YAML = textwrap.dedent(
+    """
+    mesh: {dp: 2, tp: 2}
+    data:
+      shard: {axis: 0, over: dp}
+    weights:
+      shard: {axis: 1, over: tp}
+    """
+)
+ENV = {
+    "GT_AUTO_COMPILE": "1",
+    "GT_COMPILE_BACKEND": "aot_eager",  # dynamo's graphs, no C++ build: seconds, not minutes
+    "GT_COMPILE_SAMPLE_EVERY": "2",
+    "GT_COMPILE_HOT_SAMPLES": "4",
+}
+STEPS, LR = 12, 0.1
+
+
+def _forward(x, y, w1, w2):
+    """The model: (7, 5) @ (5, 6) -> tanh -> @ (6, 3), mean-squared error against ``y``."""
+    h = torch.tanh(x @ w1)
+    out = h @ w2
+    return F.mse_loss(out, y) + 0.01 * (w1 * w1).sum()
+
+
+def _data():
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(7, 5, generator=g), torch.randn(7, 3, generator=g)
+    w1, w2 = torch.randn(5, 6, generator=g) * 0.5, torch.randn(6, 3, generator=g) * 0.5
+    return x, y, w1, w2
+
+
+def _reference():
+    x, y, w1, w2 = _data()
+    w1.requires_grad_(True)
+    w2.requires_grad_(True)
+    opt = torch.optim.SGD([w1, w2], lr=LR)
+    losses, grads = [], []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss = _forward(x, y, w1, w2)
+        loss.backward()
+        losses.append(loss.item())
+        grads.append((w1.grad.clone(), w2.grad.clone()))
+        opt.step()
+    return losses, grads
+
+
+def _train(rank, world, path):
+    import spmdgt as gt
+    import spmdgt.compile as gt_compile
+
+    torch.set_num_threads(1)
+    # the parent imported spmdgt without the variable: turn the pass on as a rank's import does
+    assert gt_compile.maybe_enable_from_env(), gt_compile.status()
+    gt.load_config(path)
+    x, y, w1, w2 = _data()
+    with gt.signal.context("data"):
+        x, y = gt.tensor(x), gt.tensor(y)
+    with gt.signal.context("weights"):
+        w1, w2 = gt.tensor(w1, requires_grad=True), gt.tensor(w2, requires_grad=True)
+    placements = (tuple(x.placements), tuple(w1.placements), tuple(w1.to_local().shape))
+    opt = torch.optim.SGD([w1, w2], lr=LR)
+    losses, grads, compiled_at = [], [], []
+    for _ in range(STEPS):  # no host read here: the optimizer steps are the agreement points
+        opt.zero_grad()
+        loss = _forward(x, y, w1, w2)
+        loss.backward()
+        losses.append(loss.detach().clone())
+        grads.append((w1.grad.detach().clone(), w2.grad.detach().clone()))
+        opt.step()
+        compiled_at.append(gt_compile.stats()["compiled"])
+    st = gt_compile.stats()
+    out = {
+        "losses": [float(v.item()) for v in losses],
+        "grads": [(a.numpy(), b.numpy()) for a, b in grads],
+        "placements": placements,
+        "compiled_at": compiled_at,
+        "status": gt_compile.status(),
+        "stats": {k: st[k] for k in ("compiled", "graph_runs", "fallbacks", "training_steps")},
+    }
+    gt_compile.disable()
+    return out
+
+
+def test_hot_function_on_the_2d_mesh_compiles_and_matches_one_process(tmp_path):
+    from torch.distributed.tensor import Replicate, Shard
+
+    path = tmp_path / "mesh.yaml"
+    path.write_text(YAML)
+    ref_losses, ref_grads = _reference()
+    results = run_ranks(_train, 4, tmp_path, str(path), env=ENV, timeout=240)
+    for rank, r in enumerate(results):
+        x_p, w_p, w_local = r["placements"]
+        assert x_p == (Shard(0), Replicate()) and w_p == (Replicate(), Shard(1)), rank
+        assert w_local == ((5, 3), (5, 3), (5, 3), (5, 3))[rank]
+        np.testing.assert_allclose(r["losses"], ref_losses, rtol=0, atol=1e-5)
+        for step, ((g1, g2), (r1, r2)) in enumerate(zip(r["grads"], ref_grads, strict=True)):
+            np.testing.assert_allclose(g1, r1.numpy(), rtol=0, atol=1e-5, err_msg=f"{step}")
+            np.testing.assert_allclose(g2, r2.numpy(), rtol=0, atol=1e-5, err_msg=f"{step}")
+        st = r["stats"]
+        assert st["training_steps"] == STEPS, st
+        # compiled, or eager with the reason on the status line
+        assert st["compiled"] >= 1 and st["graph_runs"] >= 1, r["status"]
+        assert "_forward" in r["status"] and not st["fallbacks"], r["status"]
+        # every rank compiled at the same step
+        assert r["compiled_at"] == results[0]["compiled_at"], (rank, r["compiled_at"])
