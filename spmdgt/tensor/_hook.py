@@ -87,6 +87,16 @@ def _reads_sizes(op_call) -> bool:
     return op_call._schema.name.split("::")[-1] in _SIZE_READING
 
 
+def _registered(op_call) -> bool:
+    """Does DTensor have a sharding strategy or rule registered for ``op_call``?"""
+    prop = DTensor._op_dispatcher.sharding_propagator
+    return (
+        op_call in prop.op_strategy_funcs
+        or op_call in prop.op_single_dim_strategy_funcs
+        or op_call in prop.op_to_rules
+    )
+
+
 def _own_decomposition(op_call):
     """The decomposition DTensor would derive ``op_call``'s sharding from, when DTensor has no
     strategy registered for it; None when it has one.
@@ -101,14 +111,8 @@ def _own_decomposition(op_call):
     if r is False:
         from torch._decomp import decomposition_table
 
-        prop = DTensor._op_dispatcher.sharding_propagator
-        registered = (
-            op_call in prop.op_strategy_funcs
-            or op_call in prop.op_single_dim_strategy_funcs
-            or op_call in prop.op_to_rules
-        )
         r = None
-        if not registered and _reads_sizes(op_call):
+        if not _registered(op_call) and _reads_sizes(op_call):
             r = decomposition_table.get(op_call)
         _decomps[op_call] = r
     return r
@@ -267,20 +271,23 @@ def _check_reshape(op_call, specs) -> None:
 
 
 def _check_nesting(op_call, specs, result) -> None:
-    """Raise (so the op takes the exact fallback) where DTensor's chosen strategy lays an
-    input or an output out with one tensor dim sharded unevenly over several mesh dims while
-    no input came in so: a layout DTensor invented, on a mesh of 2+ dims only, through the
-    view rules that misjudge it (``_check_reshape``): ``pixel_unshuffle`` on
-    ``(Replicate(), Shard(1))`` had its 6 rows redistributed as ``(Shard(2), Shard(2))``,
-    pieces 2/1/2/1, and each rank's kernel refused its own height. Inputs that already come
-    in nested (an add of two such tensors) keep DTensor's path."""
+    """Raise (so the op takes the exact fallback) where the strategy DTensor derived from an
+    op's decomposition (no rule registered for the op) lays an input or an output out with one
+    tensor dim sharded unevenly over several mesh dims while no input came in so: a layout
+    DTensor invented, on a mesh of 2+ dims only, through the view rules that misjudge it
+    (``_check_reshape``): ``pixel_unshuffle`` on ``(Replicate(), Shard(1))`` had its 6 rows
+    redistributed as ``(Shard(2), Shard(2))``, pieces 2/1/2/1, and each rank's kernel refused
+    its own height. Registered rules (pointwise ``where``, say) redistribute such layouts
+    exactly, and inputs that already come in nested keep DTensor's path."""
     from torch.distributed.tensor._dtensor_spec import DTensorSpec
     from torch.utils._pytree import tree_leaves
 
     from spmdgt.tensor._optable import nested_uneven
 
     mine = [s for s in specs if isinstance(s, DTensorSpec)]
-    if not mine or all(s.mesh.ndim == 1 for s in mine) or any(nested_uneven(s) for s in mine):
+    if not mine or all(s.mesh.ndim == 1 for s in mine) or _registered(op_call):
+        return
+    if any(nested_uneven(s) for s in mine):
         return
     chosen = list(tree_leaves(getattr(result, "output_spec", None)))
     schema = getattr(result, "redistribute_schema", None)
