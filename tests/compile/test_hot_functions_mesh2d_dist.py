@@ -44,6 +44,13 @@ def _forward(x, y, w1, w2):
     return F.mse_loss(out, y) + 0.01 * (w1 * w1).sum()
 
 
+def _forward_again(x, y, w1, w2):
+    """``_forward`` under another code object: the second phase's function, fresh to the pass."""
+    h = torch.tanh(x @ w1)
+    out = h @ w2
+    return F.mse_loss(out, y) + 0.01 * (w1 * w1).sum()
+
+
 def _data():
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(7, 5, generator=g), torch.randn(7, 3, generator=g)
@@ -67,32 +74,28 @@ def _reference():
     return losses, grads
 
 
-def _train(rank, world, path):
-    import spmdgt as gt
-    import spmdgt.compile as gt_compile
-
-    torch.set_num_threads(1)
-    # the parent imported spmdgt without the variable: turn the pass on as a rank's import does
-    assert gt_compile.maybe_enable_from_env(), gt_compile.status()
+def _loop(gt, gt_compile, path, forward):
+    """The GT training loop on the 2x2 mesh: this rank's losses, gradients, placements and
+    the compile count after each step."""
     gt.load_config(path)
     x, y, w1, w2 = _data()
     with gt.signal.context("data"):
         x, y = gt.tensor(x), gt.tensor(y)
     with gt.signal.context("weights"):
         w1, w2 = gt.tensor(w1, requires_grad=True), gt.tensor(w2, requires_grad=True)
-    placements = (tuple(x.placements), tuple(w1.placements), tuple(w1.to_local().shape))
+    placements = (tuple(x.placements), tuple(w1.placements), tuple(w2.to_local().shape))
     opt = torch.optim.SGD([w1, w2], lr=LR)
     losses, grads, compiled_at = [], [], []
     for _ in range(STEPS):  # no host read here: the optimizer steps are the agreement points
         opt.zero_grad()
-        loss = _forward(x, y, w1, w2)
+        loss = forward(x, y, w1, w2)
         loss.backward()
         losses.append(loss.detach().clone())
         grads.append((w1.grad.detach().clone(), w2.grad.detach().clone()))
         opt.step()
         compiled_at.append(gt_compile.stats()["compiled"])
     st = gt_compile.stats()
-    out = {
+    return {
         "losses": [float(v.item()) for v in losses],
         "grads": [(a.numpy(), b.numpy()) for a, b in grads],
         "placements": placements,
@@ -100,29 +103,62 @@ def _train(rank, world, path):
         "status": gt_compile.status(),
         "stats": {k: st[k] for k in ("compiled", "graph_runs", "fallbacks", "training_steps")},
     }
+
+
+def _train(rank, world, path):
+    import spmdgt as gt
+    import spmdgt.compile as gt_compile
+
+    torch.set_num_threads(1)
+    # the parent imported spmdgt without the variable: turn the pass on as a rank's import does
+    assert gt_compile.maybe_enable_from_env(), gt_compile.status()
+    compiled = _loop(gt, gt_compile, path, _forward)
     gt_compile.disable()
-    return out
+
+    def fails_on_rank_3(gm, example_inputs):  # the compile fails on one rank of the four
+        if rank == 3:
+            raise RuntimeError("only rank 3 fails")
+        return gm.forward
+
+    gt_compile.enable(backend=fails_on_rank_3, every=2, hot_at=4)
+    try:
+        eager = _loop(gt, gt_compile, path, _forward_again)
+    finally:
+        gt_compile.disable()
+    return compiled, eager
+
+
+def _check_values(rank, r, ref_losses, ref_grads):
+    from torch.distributed.tensor import Replicate, Shard
+
+    x_p, w_p, w2_local = r["placements"]
+    assert x_p == (Shard(0), Replicate()) and w_p == (Replicate(), Shard(1)), rank
+    assert w2_local == ((6, 2), (6, 1), (6, 2), (6, 1))[rank]  # 3 columns over tp: uneven
+    np.testing.assert_allclose(r["losses"], ref_losses, rtol=0, atol=1e-5)
+    for step, ((g1, g2), (r1, r2)) in enumerate(zip(r["grads"], ref_grads, strict=True)):
+        np.testing.assert_allclose(g1, r1.numpy(), rtol=0, atol=1e-5, err_msg=f"{step}")
+        np.testing.assert_allclose(g2, r2.numpy(), rtol=0, atol=1e-5, err_msg=f"{step}")
+    assert r["stats"]["training_steps"] == STEPS, r["stats"]
 
 
 def test_hot_function_on_the_2d_mesh_compiles_and_matches_one_process(tmp_path):
-    from torch.distributed.tensor import Replicate, Shard
-
     path = tmp_path / "mesh.yaml"
     path.write_text(YAML)
     ref_losses, ref_grads = _reference()
     results = run_ranks(_train, 4, tmp_path, str(path), env=ENV, timeout=240)
-    for rank, r in enumerate(results):
-        x_p, w_p, w_local = r["placements"]
-        assert x_p == (Shard(0), Replicate()) and w_p == (Replicate(), Shard(1)), rank
-        assert w_local == ((5, 3), (5, 3), (5, 3), (5, 3))[rank]
-        np.testing.assert_allclose(r["losses"], ref_losses, rtol=0, atol=1e-5)
-        for step, ((g1, g2), (r1, r2)) in enumerate(zip(r["grads"], ref_grads, strict=True)):
-            np.testing.assert_allclose(g1, r1.numpy(), rtol=0, atol=1e-5, err_msg=f"{step}")
-            np.testing.assert_allclose(g2, r2.numpy(), rtol=0, atol=1e-5, err_msg=f"{step}")
-        st = r["stats"]
-        assert st["training_steps"] == STEPS, st
-        # compiled, or eager with the reason on the status line
-        assert st["compiled"] >= 1 and st["graph_runs"] >= 1, r["status"]
-        assert "_forward" in r["status"] and not st["fallbacks"], r["status"]
-        # every rank compiled at the same step
-        assert r["compiled_at"] == results[0]["compiled_at"], (rank, r["compiled_at"])
+    for rank, (compiled, eager) in enumerate(results):
+        _check_values(rank, compiled, ref_losses, ref_grads)
+        st = compiled["stats"]
+        assert st["compiled"] == 1 and st["graph_runs"] == STEPS - 1, compiled["status"]
+        assert compiled["status"].startswith("compiled: _forward ("), compiled["status"]
+        assert not st["fallbacks"], compiled["status"]
+        # hot during step 1, agreed at its optimizer step, compiled at step 2 on every rank
+        assert compiled["compiled_at"] == [0] + [1] * (STEPS - 1), (rank, compiled)
+        # a compile that fails on rank 3: eager on every rank, exact, and the status says why
+        _check_values(rank, eager, ref_losses, ref_grads)
+        st = eager["stats"]
+        assert st["compiled"] == 0 and st["graph_runs"] == 0, eager["status"]
+        if rank == 3:
+            assert "only rank 3 fails" in eager["status"], eager["status"]
+        else:
+            assert eager["status"] == "nothing compiled: another rank's compile failed (x1)"
