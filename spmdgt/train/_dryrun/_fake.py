@@ -34,11 +34,48 @@ def fake_world(world: int) -> Iterator[object]:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
 
+    _forget_dtensor_plans()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
         yield DeviceMesh("cpu", list(range(world)))
     finally:
-        dist.destroy_process_group()
+        try:
+            dist.destroy_process_group()
+        finally:
+            _forget_dtensor_plans()
+
+
+def _forget_dtensor_plans() -> None:
+    """Empty DTensor's caches of sharding plans (Python and C++ fast path), of shape
+    propagation and of redistribution steps, before and after the fake world.
+
+    Their keys hold meshes, and a ``DeviceMesh`` equals another over the same ranks with the
+    same dim names whatever this process's rank: a plan cached on the fake world's rank 0
+    carries rank 0's mesh object and would be served to an equal mesh later in this process,
+    or in a child it forks (a test rank, a torchrun-less launcher), whose DTensors then
+    believe they sit at coordinate 0. FSDP2's parameters came out with rank 0's mesh on every
+    rank and DCP refused the checkpoint ("invalid fill tensor-volume: 12 chunks-volume: 3").
+    Before: a plan cached by an earlier real run on another rank must not reach the dry run.
+    A cache is only a cache: emptied, it refills on the next op."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without DTensor: nothing cached
+        return
+    prop = DTensor._op_dispatcher.sharding_propagator
+    for cached in (
+        getattr(prop, "propagate_op_sharding", None),
+        getattr(prop, "_propagate_tensor_meta_cached", None),
+    ):
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
+    clear_fast_path = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_fast_path is not None:
+        clear_fast_path()
+    import torch.distributed.tensor._redistribute as redistribute
+
+    transforms = getattr(redistribute, "_gen_transform_infos", None)
+    if hasattr(transforms, "cache_clear"):
+        transforms.cache_clear()
 
 
 def _check_world(world: object) -> None:
