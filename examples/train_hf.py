@@ -95,6 +95,7 @@ def _train_config(args: argparse.Namespace):
     the data dims with the placements table inside each tp group (torchtitan's 2-D recipe).
     When the table is applied and comes from the example YAML, its rows that match no module
     of this model are dropped (Llama has no ``q_norm``), since the YAML is written for Qwen3."""
+    from spmdgt.config import ConfigError
     from spmdgt.train import load_train_config, override
 
     cfg = load_train_config(args.config or EXAMPLE_YAML)
@@ -113,6 +114,15 @@ def _train_config(args: argparse.Namespace):
     if (cfg.strategy == "placements" or tp != 1) and not args.config:
         names = [n for n, _ in build_model(args).named_modules()]
         table = {p: s for p, s in cfg.placements.items() if fnmatch.filter(names, p)}
+        if not table:  # GPT-2: Conv1D, not nn.Linear, under other names
+            flag = f"--tp {tp}" if tp != 1 else "--strategy placements"
+            raise ConfigError(
+                f"{flag}: no row of the placements table in {EXAMPLE_YAML} names a module of "
+                f"--model {args.model} (GPT-2's Conv1D layers are not nn.Linear: train it with "
+                "ddp or fsdp, no --tp)",
+                file=str(EXAMPLE_YAML),
+                key="placements",
+            )
         cfg = override(cfg, placements=table)
     return cfg
 
@@ -249,7 +259,14 @@ def main(argv: list[str] | None = None) -> dict:
         print("Plain HF loop, one process: losses " + " ".join(f"{x:.6f}" for x in out["losses"]))
         print(f"avg_step_time: {out['avg_step_time']:.4f}")
         return out
-    out = run_trainer(args)
+    from spmdgt.config import ConfigError
+
+    try:
+        out = run_trainer(args)
+    except ConfigError as e:  # the same error on every rank; rank 0 says it
+        if os.environ.get("RANK", "0") in ("", "0"):
+            print(f"train_hf.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
     if os.environ.get("RANK", "0") in ("", "0"):
         print("losses " + " ".join(f"{x:.6f}" for x in out["losses"]))
     return out

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from spmdgt.config import ConfigError
 from tests._dist import run_ranks
 from tests.train.test_hf_dist import EX, SMALL
 
@@ -67,5 +68,8 @@ def test_tp_flag_builds_the_2d_config():
     args = EX.parse_args([*SMALL, "--tp", "2", "--dp-replicate", "2", "--dp-shard", "2"])
     cfg = EX._train_config(args)
     assert cfg.parallelism.resolve(8) == (2, 2, 2)
-    with pytest.raises(Exception, match="parallelism"):
+    with pytest.raises(ConfigError, match="parallelism"):
         EX._train_config(EX.parse_args([*SMALL, "--tp", "0"]))
+    # GPT-2's Conv1D layers match no row: the example says so, before any rank builds a mesh
+    with pytest.raises(ConfigError, match=r"--tp 2: no row .* --model gpt2 \(GPT-2's Conv1D"):
+        EX._train_config(EX.parse_args([*SMALL, "--tp", "2", "--model", "gpt2"]))
