@@ -1,6 +1,7 @@
 """The step a dry run measures: the trainer's loop (micro-steps under ``no_sync`` but the last,
-the loss over their count, the clip, the optimizer) run twice on the fake world under torch's
-memory trackers, the second step's collectives counted.
+the loss over their count, the ``sharded_input`` gradients' sum over ``tp``, the clip, the
+optimizer) run twice on the fake world under torch's memory trackers, the second step's
+collectives counted.
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ def _train_step(
     after_forward: Callable[[], None],
 ) -> None:
     """One optimizer step as ``DistributedTrainer._train_step`` takes it: micro-steps under
-    ``no_sync`` but the last, each loss divided by their count, clip, step, zero.
+    ``no_sync`` but the last, each loss divided by their count, the sum of the
+    ``sharded_input`` gradients over ``tp``, clip, step, zero.
     ``before_forward`` and ``after_forward`` run around each micro-step's forward."""
     for micro in range(micro_steps):
         last = micro == micro_steps - 1
@@ -74,6 +76,9 @@ def _train_step(
             if micro_steps > 1:
                 scaled = scaled / micro_steps
             scaled.backward()
+    # the trainer's ``_optimizer_step``: sharded_input gradients summed over ``tp`` (one
+    # all-reduce per dtype under FSDP x TP; nothing otherwise), then the clip
+    wrapped.sum_partial_grads()
     if max_grad_norm is not None:
         clip_grad_norm(params, max_grad_norm)
     optimizer.step()

@@ -1,0 +1,173 @@
+"""The trainer's tp all-reduce of ``sharded_input`` gradients, counted on ``tp`` (issue 19).
+
+Under FSDP x TP the trainer sums the gradients of ``sharded_input`` layers (Qwen3's per-head
+q_norm/k_norm) over the tp group with one all-reduce per dtype per optimizer step
+(``Wrapped.sum_partial_grads``). On four gloo ranks (``dp_shard=2 x tp=2``), a few AdamW
+steps with clipping on an attention-like block with q_norm and k_norm (uneven FSDP shards: 7
+and 5 rows), with ``profile=True`` (which turns the interceptor's op stream on for the dims
+torch's hooks do not see), every dispatched collective counted with its mesh dim:
+
+1. the trainer's per-dim log (``CollectiveLog.totals_by_dim``) equals every collective the
+   last step dispatched, per dim, kind and bytes, the sum's all-reduce included on ``tp``;
+2. the dry run of the same config counts the same per dim, kind and bytes;
+3. removing the sum from the dry run's step would change its ``tp`` all-reduce count by one
+   (the all-reduce of the two norms' gradients is there, once, not once per layer);
+4. the losses equal one process's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed.tensor.parallel  # imported before fork: children inherit it
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from spmdgt.train import ParallelismConfig, TrainConfig, TrainingConfig
+from spmdgt.train._dryrun import CollectiveCounter, dry_run
+from tests._dist import run_ranks
+
+IN, OUT, HEADS, HEAD_DIM, ROWS = 6, 3, 2, 4, 7  # ROWS: 7 over dp_shard=2, uneven on purpose
+PER_DP_RANK, STEPS, CLIP = 3, 3, 0.5
+PLAN = {
+    "q_proj": "colwise",
+    "k_proj": "colwise",
+    "o_proj": "rowwise",
+    "q_norm": "sharded_input",
+    "k_norm": "sharded_input",
+    "inp": "replicate",
+}
+LAYOUT = {"dp_shard": 2, "tp": 2}
+
+
+class HeadNormBlock(nn.Module):
+    """A replicated input layer, then q/k projections with per-head norms (Qwen3's q_norm and
+    k_norm: ``sharded_input``, each tp rank normalises its own heads) and an output one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        width = HEADS * HEAD_DIM
+        self.inp = nn.Linear(IN, ROWS)
+        self.q_proj = nn.Linear(ROWS, width)
+        self.k_proj = nn.Linear(ROWS, width)
+        self.q_norm = nn.LayerNorm(HEAD_DIM)
+        self.k_norm = nn.LayerNorm(HEAD_DIM)
+        self.o_proj = nn.Linear(width, OUT)
+        with torch.no_grad():  # weights that are not all ones: per-head gradients differ
+            self.q_norm.weight.copy_(torch.linspace(0.5, 1.5, HEAD_DIM))
+            self.k_norm.weight.copy_(torch.linspace(1.5, 0.5, HEAD_DIM))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        q = self.q_norm(self.q_proj(h).unflatten(-1, (-1, HEAD_DIM))).flatten(-2)
+        k = self.k_norm(self.k_proj(h).unflatten(-1, (-1, HEAD_DIM))).flatten(-2)
+        return self.o_proj(torch.tanh(q) * k)
+
+
+def _model() -> HeadNormBlock:
+    torch.manual_seed(0)
+    return HeadNormBlock()
+
+
+def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+
+
+def _dataset(n: int = 24) -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    return TensorDataset(torch.randn(n, IN, generator=g), torch.randn(n, OUT, generator=g))
+
+
+def _config() -> TrainConfig:
+    return TrainConfig(
+        strategy="fsdp",
+        placements=PLAN,
+        parallelism=ParallelismConfig(**LAYOUT),
+        training=TrainingConfig(max_grad_norm=CLIP),
+        log_every=100,
+    )
+
+
+def _rank(rank: int, world: int) -> dict:
+    from spmdgt.train import DistributedTrainer, OptimizedDataLoader
+
+    torch.set_num_threads(1)
+    model = _model()
+    trainer = DistributedTrainer(model, _optimizer(model), loss_fn=F.mse_loss, config=_config())
+
+    class PerStep(CollectiveCounter):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.step = trainer.global_step  # the step in progress (0-based)
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    loader = OptimizedDataLoader.create(
+        _dataset(),
+        PER_DP_RANK,
+        shuffle=False,
+        num_replicas=trainer.data_parallel_size,
+        rank=trainer.data_parallel_rank,
+    )
+    counter = PerStep()
+    with counter:
+        summary = trainer.train(loader, max_steps=STEPS, profile=True)
+    last = [r for r in trainer.wrapped.log.records if r.step == STEPS - 1]
+    logged = {
+        dim: {k: {"count": int(t["count"]), "bytes": int(t["bytes"])} for k, t in kinds.items()}
+        for dim, kinds in trainer.wrapped.log.totals_by_dim(last).items()
+    }
+    counted = counter.totals_by_dim(step=STEPS - 1)
+    return {
+        "counted": {d: v for d, v in counted.items() if d != "world"},
+        "logged": logged,
+        "losses": trainer.last_stats.global_losses,
+        "measured_by": summary["comm_measured_by"],
+        "partial": len(trainer.wrapped.partial_grads),
+    }
+
+
+def _reference_losses() -> list[float]:
+    """One process, the global batch of each step (2 data-parallel ranks x PER_DP_RANK)."""
+    model = _model()
+    opt = _optimizer(model)
+    data = _dataset()
+    batch = PER_DP_RANK * LAYOUT["dp_shard"]
+    losses = []
+    for step in range(STEPS):
+        x, y = data[step * batch : (step + 1) * batch]
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _build():
+    model = _model()
+    return model, _optimizer(model), (torch.randn(PER_DP_RANK, IN), torch.randn(PER_DP_RANK, OUT))
+
+
+def test_the_sharded_input_all_reduce_is_counted_on_tp(tmp_path, monkeypatch):
+    runs = run_ranks(_rank, 4, tmp_path, timeout=240)
+    dry = dry_run(_build, 4, _config(), loss_fn=F.mse_loss).collectives_by_dim()
+    ref = _reference_losses()
+    for rank, r in enumerate(runs):
+        where = f"rank {rank}"
+        assert r["partial"] == 4, where  # q_norm and k_norm: weight and bias each
+        assert r["measured_by"] == "fsdp2_collective_hooks+interceptor", where
+        assert set(r["counted"]) == {"tp", "dp_shard"}, where
+        # 1. the trainer's log is every collective the step dispatched, per dim and kind
+        assert r["logged"] == r["counted"], where
+        # 2. the dry run counts the same
+        assert dry == r["counted"], where
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref), atol=1e-5, rtol=0)
+    # 3. the sum is one tp all-reduce of both norms' local gradient shards (fp32)
+    from spmdgt.train import _strategies
+
+    monkeypatch.setattr(_strategies.Wrapped, "sum_partial_grads", lambda self: None)
+    without = dry_run(_build, 4, _config(), loss_fn=F.mse_loss).collectives_by_dim()
+    tp, tp_without = dry["tp"]["all_reduce"], without.get("tp", {}).get("all_reduce")
+    assert tp["count"] == (tp_without["count"] if tp_without else 0) + 1
+    # the norms' 4 parameters of HEAD_DIM each, split by FSDP over dp_shard=2: 8 floats
+    assert tp["bytes"] - (tp_without["bytes"] if tp_without else 0) == 4 * HEAD_DIM // 2 * 4
