@@ -106,7 +106,8 @@ def _node() -> str:
 
 def describe_groups(layout: Layout) -> str | None:
     """One line naming each tensor-parallel group's ranks and the node(s) they run on, so a
-    log shows whether TP stayed inside a node (``None`` on the 1-D world: nothing to say).
+    log shows whether TP stayed inside a node (``None`` on the 1-D world: nothing to say;
+    the mesh alone, no collective, when ``tp`` is 1: one-rank groups say nothing).
 
     Collective on a 2-D/3-D layout (an all-gather of each rank's node, once, at setup; every
     rank builds the same layout, so every rank calls it). A group spanning nodes is flagged:
@@ -114,11 +115,13 @@ def describe_groups(layout: Layout) -> str | None:
     node, as ``(dp_replicate, dp_shard, tp)`` row-major keeps a node's ranks in one group)."""
     if layout.mesh is None:
         return None
+    tp = layout.shape[2]
+    if tp == 1:  # HSDP: no tp group to place (the same layout, so the same skip, everywhere)
+        return f"mesh dp_replicate x dp_shard x tp = {layout.describe()} (no tensor parallelism)"
     import torch.distributed as dist
 
     nodes: list = [None] * dist.get_world_size()
     dist.all_gather_object(nodes, _node())
-    tp = layout.shape[2]
     ranks = layout.mesh.mesh.flatten().tolist()
     parts = []
     for g in range(0, len(ranks), tp):

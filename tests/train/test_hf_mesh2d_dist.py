@@ -34,7 +34,7 @@ def _mesh_and_losses(rank: int, world: int, cases: dict) -> dict:
     return {name: EX.run_trainer(EX.parse_args(argv)) for name, argv in cases.items()}
 
 
-def test_hf_models_on_fsdp_x_tp_equal_one_process(tmp_path):
+def test_hf_models_on_fsdp_x_tp_equal_one_process(tmp_path, capfd):
     refs = {n: EX.run_reference(EX.parse_args(a))["losses"] for n, a in CASES.items()}
     results = run_ranks(_mesh_and_losses, 4, tmp_path, CASES, timeout=240)
     worst = 0.0
@@ -55,6 +55,12 @@ def test_hf_models_on_fsdp_x_tp_equal_one_process(tmp_path):
     for name, ref in refs.items():
         assert ref[-1] < ref[0] - 0.5, name  # it learns: a loop that did nothing would not pass
     print(f"max |loss - one process| over 4 ranks, three runs: {worst:.2e}")
+    # rank 0's mesh lines: TP pairs named; HSDP's one-rank tp "groups" not listed (before:
+    # "tp groups: [0] on node 0; [1] on node 0; ..." after an all-gather of every rank's node)
+    log = capfd.readouterr().out
+    assert "mesh dp_replicate x dp_shard x tp = 1x2x2; tp groups: [0, 1] on " in log, log[-2000:]
+    assert "mesh dp_replicate x dp_shard x tp = 2x2x1 (no tensor parallelism)\n" in log
+    assert "tp groups: [0] on" not in log
 
 
 def test_tp_flag_builds_the_2d_config():
