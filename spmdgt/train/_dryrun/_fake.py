@@ -47,7 +47,8 @@ def fake_world(world: int) -> Iterator[object]:
 
 def _forget_dtensor_plans() -> None:
     """Empty DTensor's caches of sharding plans (Python and C++ fast path), of shape
-    propagation and of redistribution steps, before and after the fake world.
+    propagation, of redistribution steps and of mesh topologies (which hold the mesh), before
+    and after the fake world.
 
     Their keys hold meshes, and a ``DeviceMesh`` equals another over the same ranks with the
     same dim names whatever this process's rank: a plan cached on the fake world's rank 0
@@ -71,11 +72,13 @@ def _forget_dtensor_plans() -> None:
     clear_fast_path = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
     if clear_fast_path is not None:
         clear_fast_path()
+    import torch.distributed.tensor._collective_utils as collective_utils
     import torch.distributed.tensor._redistribute as redistribute
 
-    transforms = getattr(redistribute, "_gen_transform_infos", None)
-    if hasattr(transforms, "cache_clear"):
-        transforms.cache_clear()
+    topology = getattr(getattr(collective_utils, "MeshTopoInfo", None), "build_from_mesh", None)
+    for cached in (getattr(redistribute, "_gen_transform_infos", None), topology):
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
 
 
 def _check_world(world: object) -> None:
