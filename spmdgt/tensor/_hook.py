@@ -301,6 +301,35 @@ def _check_nesting(op_call, specs, result) -> None:
             )
 
 
+def _check_mask_partial(op_call, result) -> None:
+    """Raise (so the op takes the exact fallback) where DTensor's strategy, on a mesh of 2+
+    dims, uses a ``_MaskPartial`` (a gather or an embedding on a dim sharded over one mesh
+    dim). Its ``MaskBuffer`` is one object shared by every use of the cached strategy, with a
+    reference count: on 2x2, ``multi_margin_loss``'s gather on ``(Replicate(), Shard(1))``
+    materialised it twice with different masks ("MaskBuffer has been materialized with
+    conflicting data"), and a count left behind by one op made later, unrelated ops raise or
+    not depending on what ran before. 1-D meshes keep DTensor's path (the sweep's rows there
+    are equal)."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    from torch.distributed.tensor.placement_types import _MaskPartial
+    from torch.utils._pytree import tree_leaves
+
+    chosen = list(tree_leaves(getattr(result, "output_spec", None)))
+    schema = getattr(result, "redistribute_schema", None)
+    if schema is not None:
+        chosen += list(schema.args_spec)
+    for spec in chosen:
+        if (
+            isinstance(spec, DTensorSpec)
+            and spec.mesh.ndim > 1
+            and any(isinstance(p, _MaskPartial) for p in spec.placements)
+        ):
+            raise RuntimeError(
+                f"{op_call}: DTensor's strategy uses a masked partial on a {spec.mesh.ndim}-D "
+                "mesh (its shared mask buffer is not safe there)"
+            )
+
+
 _backward = [0]  # > 0 while spmdgt runs the autograd engine (``backward``/``autograd.grad``)
 
 
@@ -368,6 +397,7 @@ def install() -> None:
             result = original(op_call, args, kwargs, op_info, *rest, **kw)
             if ours:
                 _check_nesting(op_call, op_info.schema.args_spec, result)
+                _check_mask_partial(op_call, result)
             return result
         except NoRule:
             raise

@@ -118,6 +118,20 @@ def _invented(put):
     return [F.pixel_unshuffle(x, 3)], [x]
 
 
+def _masked(put):
+    # DTensor's gather on a dim sharded over tp makes a masked partial whose one shared mask
+    # buffer got two different masks on 2x2 ("materialized with conflicting data")
+    outs, leaves = [], []
+    for seed in (24, 25):  # twice: a count left behind by the first would fail the second
+        x = _leaf(put, _data(seed, ROWS, 6))
+        w = _data(seed + 10, 6, 6).requires_grad_(True)
+        target = torch.tensor([0, 5, 2, 1, 3, 3, 4])
+        outs.append(F.multi_margin_loss(F.linear(x, w), target))
+        outs.append(torch.gather(x, 1, target[:, None]))
+        leaves += [x, w]
+    return outs, leaves
+
+
 def _irregular(put):
     a, t = _leaf(put, _data(12, ROWS, COLS)), put(_data(13, ROWS, COLS))
     target = torch.tensor([0, 4, 2, 1, 3, 3, 0])
@@ -154,6 +168,8 @@ CASES = {
     "reductions s0s0": ("s0s0", _reductions),
     "guarded embedding s0s0": ("s0s0", _embedding),
     "invented nesting rs1": ("rs1", _invented),
+    "masked partial rs1": ("rs1", _masked),
+    "masked partial s0s1": ("s0s1", _masked),
     "irregular s0r": ("s0r", _irregular),
     "irregular s0s0": ("s0s0", _irregular),
     "batch_only s0r": ("s0r", _batch_only),
