@@ -285,6 +285,9 @@ class InterceptorCollectiveSink:
     ``tp``, the clip's norm) and the torch.distributed all-reduces on the dims named in
     ``api_dims`` (HSDP's replica all-reduce on ``dp_replicate``, the trainer's sum of
     sharded-input gradients over ``tp``): never the world's, never a dim the hooks log.
+    Without ``api_dims`` (tensor parallelism alone: no hook logs anything) it also keeps the
+    torch.distributed all-reduces that run in backward (the ``sharded_input`` gradient hooks'
+    sums, on the world group when TP spans it): the trainer's bookkeeping never runs there.
 
     The duration is what the interceptor timed: the call that issues the collective. An
     ``AsyncCollectiveTensor``'s later wait happens inside a tensor subclass, which the stream
@@ -303,6 +306,7 @@ class InterceptorCollectiveSink:
     def on_events(self, events: list) -> None:
         keep = self.events.append
         api_dims = self.api_dims
+        unhooked = not api_dims  # no torch hook logs anything (placements)
         for e in events:
             if e.kind != "comm":
                 continue
@@ -310,7 +314,7 @@ class InterceptorCollectiveSink:
             kind = _collective_kind(e.op)
             # torch.distributed's API: ``dist.*`` at the torch level, ``c10d.*`` inside backward
             if e.op.startswith(("dist.", "c10d.")) and not (
-                kind == "all_reduce" and dim in api_dims
+                kind == "all_reduce" and (dim in api_dims or (unhooked and e.phase == "bwd"))
             ):
                 continue
             keep((e.t0_ns, e.dur_ns, kind, e.nbytes, dim))

@@ -78,22 +78,25 @@ def _dataset(n: int = 24) -> TensorDataset:
     return TensorDataset(torch.randn(n, IN, generator=g), torch.randn(n, OUT, generator=g))
 
 
-def _config() -> TrainConfig:
+def _config(strategy: str = "fsdp") -> TrainConfig:
+    """FSDP x TP on 2 x 2, or (``placements``) tensor parallelism alone over a world of 2."""
+    layout = LAYOUT if strategy == "fsdp" else {"dp_shard": 1, "tp": 2}
     return TrainConfig(
-        strategy="fsdp",
+        strategy=strategy,
         placements=PLAN,
-        parallelism=ParallelismConfig(**LAYOUT),
+        parallelism=ParallelismConfig(**layout),
         training=TrainingConfig(max_grad_norm=CLIP),
         log_every=100,
     )
 
 
-def _rank(rank: int, world: int) -> dict:
+def _rank(rank: int, world: int, strategy: str = "fsdp") -> dict:
     from spmdgt.train import DistributedTrainer, OptimizedDataLoader
 
     torch.set_num_threads(1)
     model = _model()
-    trainer = DistributedTrainer(model, _optimizer(model), loss_fn=F.mse_loss, config=_config())
+    cfg = _config(strategy)
+    trainer = DistributedTrainer(model, _optimizer(model), loss_fn=F.mse_loss, config=cfg)
 
     class PerStep(CollectiveCounter):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -117,7 +120,7 @@ def _rank(rank: int, world: int) -> dict:
     }
     counted = counter.totals_by_dim(step=STEPS - 1)
     return {
-        "counted": {d: v for d, v in counted.items() if d != "world"},
+        "counted": {d: v for d, v in counted.items() if d != "world" or strategy != "fsdp"},
         "logged": logged,
         "losses": trainer.last_stats.global_losses,
         "measured_by": summary["comm_measured_by"],
@@ -171,3 +174,43 @@ def test_the_sharded_input_all_reduce_is_counted_on_tp(tmp_path, monkeypatch):
     assert tp["count"] == (tp_without["count"] if tp_without else 0) + 1
     # the norms' 4 parameters of HEAD_DIM each, split by FSDP over dp_shard=2: 8 floats
     assert tp["bytes"] - (tp_without["bytes"] if tp_without else 0) == 4 * HEAD_DIM // 2 * 4
+
+
+def test_tensor_parallel_alone_logs_the_sharded_input_hooks_all_reduces(tmp_path):
+    """``placements`` over the whole world (tp = 2 = the world): the ``sharded_input`` sums run
+    in gradient hooks during backward (``c10d`` all-reduces on the world group), which the
+    trainer's op-stream sink used to drop with the trainer's own ``dist.*`` bookkeeping (4
+    all-reduces of 16 bytes a step missing from its log). Log = dispatched = dry run."""
+    runs = run_ranks(_rank, 2, tmp_path, "placements", timeout=240)
+    dry = dry_run(_build, 2, _config("placements"), loss_fn=F.mse_loss).collectives_by_dim()
+    for rank, r in enumerate(runs):
+        assert r["measured_by"] == "interceptor", rank
+        assert r["logged"] == r["counted"] == dry, rank
+    # the rowwise all-reduce (1 a step), the clip's norm, and one per norm parameter (4)
+    assert dry["world"]["all_reduce"]["count"] >= 4 + 1 + 1
+
+
+def test_the_placements_sink_keeps_backward_all_reduces_only():
+    from spmdgt.interceptor._events import OpEvent
+    from spmdgt.train._comm import CollectiveLog, InterceptorCollectiveSink
+
+    spec = ((torch.Size([4]), torch.float32, None),)
+
+    def event(op: str, phase: str, group: str, t0: int) -> OpEvent:
+        return OpEvent(1, t0, 5, op, "comm", 1, phase, None, spec, spec, 16, group)
+
+    events = [
+        event("dist.all_reduce", "fwd", "world", 10),  # the trainer's loss flush: dropped
+        event("c10d.allreduce_.default", "bwd", "world", 11),  # a gradient hook's: kept
+        event("dist.broadcast", "bwd", "world", 12),  # not an all-reduce: dropped
+        event("_c10d_functional.all_reduce.default", "fwd", "tp", 13),  # DTensor's: kept
+    ]
+    plain = InterceptorCollectiveSink()
+    plain.on_events(events)
+    log = CollectiveLog()
+    plain.fill(log, [(0, 0.0, 1.0)])
+    got = {d: {k: t["count"] for k, t in v.items()} for d, v in log.totals_by_dim().items()}
+    assert got == {"world": {"all_reduce": 1}, "tp": {"all_reduce": 1}}
+    beside = InterceptorCollectiveSink({"tp"})  # beside torch's hooks: theirs stay theirs
+    beside.on_events(events)
+    assert [e[4] for e in beside.events] == ["tp"]
