@@ -13,6 +13,10 @@ torch's hooks do not see), every dispatched collective counted with its mesh dim
 3. removing the sum from the dry run's step would change its ``tp`` all-reduce count by one
    (the all-reduce of the two norms' gradients is there, once, not once per layer);
 4. the losses equal one process's.
+
+And tensor parallelism alone over a world of 2 (``placements``), where the sums run in
+gradient hooks during backward: the trainer's log (the op-stream sink) keeps those
+all-reduces and equals what was dispatched and the dry run (it dropped them before).
 """
 
 from __future__ import annotations
