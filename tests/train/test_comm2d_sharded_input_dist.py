@@ -82,7 +82,7 @@ def _dataset(n: int = 24) -> TensorDataset:
     return TensorDataset(torch.randn(n, IN, generator=g), torch.randn(n, OUT, generator=g))
 
 
-def _config(strategy: str = "fsdp") -> TrainConfig:
+def _config(strategy: str = "fsdp", logdir: str | None = None) -> TrainConfig:
     """FSDP x TP on 2 x 2, or (``placements``) tensor parallelism alone over a world of 2."""
     layout = LAYOUT if strategy == "fsdp" else {"dp_shard": 1, "tp": 2}
     return TrainConfig(
@@ -91,15 +91,16 @@ def _config(strategy: str = "fsdp") -> TrainConfig:
         parallelism=ParallelismConfig(**layout),
         training=TrainingConfig(max_grad_norm=CLIP),
         log_every=100,
+        logdir=logdir,  # profile=True writes its traces under it, not into the checkout
     )
 
 
-def _rank(rank: int, world: int, strategy: str = "fsdp") -> dict:
+def _rank(rank: int, world: int, tmp: str, strategy: str = "fsdp") -> dict:
     from spmdgt.train import DistributedTrainer, OptimizedDataLoader
 
     torch.set_num_threads(1)
     model = _model()
-    cfg = _config(strategy)
+    cfg = _config(strategy, logdir=tmp)
     trainer = DistributedTrainer(model, _optimizer(model), loss_fn=F.mse_loss, config=cfg)
 
     class PerStep(CollectiveCounter):
@@ -156,7 +157,7 @@ def _build():
 
 
 def test_the_sharded_input_all_reduce_is_counted_on_tp(tmp_path, monkeypatch):
-    runs = run_ranks(_rank, 4, tmp_path, timeout=240)
+    runs = run_ranks(_rank, 4, tmp_path, str(tmp_path), timeout=240)
     dry = dry_run(_build, 4, _config(), loss_fn=F.mse_loss).collectives_by_dim()
     ref = _reference_losses()
     for rank, r in enumerate(runs):
@@ -185,7 +186,7 @@ def test_tensor_parallel_alone_logs_the_sharded_input_hooks_all_reduces(tmp_path
     in gradient hooks during backward (``c10d`` all-reduces on the world group), which the
     trainer's op-stream sink used to drop with the trainer's own ``dist.*`` bookkeeping (4
     all-reduces of 16 bytes a step missing from its log). Log = dispatched = dry run."""
-    runs = run_ranks(_rank, 2, tmp_path, "placements", timeout=240)
+    runs = run_ranks(_rank, 2, tmp_path, str(tmp_path), "placements", timeout=240)
     dry = dry_run(_build, 2, _config("placements"), loss_fn=F.mse_loss).collectives_by_dim()
     for rank, r in enumerate(runs):
         assert r["measured_by"] == "interceptor", rank
