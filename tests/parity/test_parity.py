@@ -15,8 +15,8 @@ import pytest
 # it for coverage (``python -m tests.parity --all`` runs every row in ~14 minutes).
 SAMPLE_ROWS = 2000
 SEED = 0
-# Of the ~5200 2-D rows (4 layouts at world 4): 350 rows, ~650 cases, ~60-90 s here.
-SAMPLE_ROWS_2D = 350
+# Of the ~5200 2-D rows (4 layouts at world 4): 450 rows, ~830 cases, ~60-90 s here.
+SAMPLE_ROWS_2D = 450
 
 
 def _line(key, outcome: str, reason: str) -> str:
