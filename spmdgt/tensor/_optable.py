@@ -564,10 +564,13 @@ def is_identity_dropout(func, args, kwargs) -> bool:
 
 
 def batch_sharded_evenly(a) -> bool:
-    """True when DTensor ``a`` is replicated or sharded evenly on dim 0 only, over the world."""
+    """True when DTensor ``a`` is replicated or sharded evenly on dim 0 only, over the world,
+    and over one mesh dim (DTensor's convolution rules raise on ``(Shard(0), Shard(0))``)."""
     if is_irregular(a):
         return False
-    return all(not isinstance(p, Shard) or p.dim == 0 for p in a._spec.placements)
+    dims = [p.dim for p in a._spec.placements if isinstance(p, Shard)]
+    # dim 0 over one mesh dim: DTensor's convolution rules refuse (Shard(0), Shard(0))
+    return len(dims) <= 1 and all(d == 0 for d in dims)
 
 
 def _world_size() -> int:

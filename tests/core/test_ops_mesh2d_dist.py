@@ -16,7 +16,6 @@ evenness checks got wrong (an error on some ranks only, or a hang).
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.nn.functional as F
 
@@ -138,8 +137,8 @@ def _irregular(put):
     return [F.mse_loss(a, t), F.cross_entropy(a, target), F.l1_loss(a, t, reduction="sum")], [a]
 
 
-def _batch_only(put):
-    x = _leaf(put, _data(14, ROWS, 3, 8))
+def _batch_only(put, rows: int = ROWS):
+    x = _leaf(put, _data(14, rows, 3, 8))
     w = _data(15, 4, 3, 3).requires_grad_(True)
     return [F.conv1d(x, w), F.adaptive_avg_pool1d(x, 3)], [x, w]
 
@@ -174,6 +173,7 @@ CASES = {
     "irregular s0s0": ("s0s0", _irregular),
     "batch_only s0r": ("s0r", _batch_only),
     "batch_only s0s0": ("s0s0", _batch_only),
+    "batch_only s0s0 even": ("s0s0", lambda put: _batch_only(put, 8)),  # DTensor's path
     "attention s0r": ("s0r", _attention),
     "attention s0s1": ("s0s1", _attention),
     "autograd rs1": ("rs1", _autograd),
@@ -255,7 +255,6 @@ def _check(results: list[dict], names: list[str]) -> None:
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.slow
 def test_routes_mesh2d(tmp_path):
     """Every route of the op table, forward and backward, on 2x2 with 7 x 5 inputs."""
     names = list(CASES)
