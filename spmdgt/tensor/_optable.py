@@ -43,7 +43,8 @@ route              why
                    ``amax/amin/max/min`` also when a gradient is needed: torch splits it
                    evenly among tied maxima, which one shard cannot see.
 ``BATCH_ONLY``     convolutions and adaptive pooling: DTensor's path for an input sharded
-                   evenly on the batch dim (or replicated), global values otherwise.
+                   evenly on the batch dim over one mesh dim (or replicated), global values
+                   otherwise.
 ``ATTENTION``      ``scaled_dot_product_attention``: DTensor's path, each rank on its own rows
                    or heads, for inputs sharded on a batch dim or the head dim with the mask
                    laid out alike or broadcast (``_attention.why_not_local``, uneven shards
