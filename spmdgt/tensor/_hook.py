@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
+from spmdgt.tensor._shards import nested_uneven
+
 __all__ = ["NoRule", "check_torch", "install", "installed", "running_backward", "uninstall"]
 
 
@@ -245,7 +247,7 @@ def _bound_decomp_search(search) -> None:
 
 
 # DTensor's reshaping view rules (``_view_ops``): they check a flattened or split dim's
-# evenness against the first mesh dim that shards it only (see ``_optable.nested_uneven``).
+# evenness against the first mesh dim that shards it only (see ``_shards.nested_uneven``).
 _RESHAPES = frozenset(
     {
         torch.ops.aten.view.default,
@@ -260,8 +262,6 @@ def _check_reshape(op_call, specs) -> None:
     """Raise (so the op takes the exact fallback) where a reshape's input has one tensor dim
     sharded unevenly over several mesh dims, which DTensor's view rule would view at sizes
     the ranks' pieces do not have: an error on some ranks, or wrong values."""
-    from spmdgt.tensor._optable import nested_uneven
-
     for spec in specs:
         if nested_uneven(spec):
             raise RuntimeError(
@@ -281,8 +281,6 @@ def _check_nesting(op_call, specs, result) -> None:
     exactly, and inputs that already come in nested keep DTensor's path."""
     from torch.distributed.tensor._dtensor_spec import DTensorSpec
     from torch.utils._pytree import tree_leaves
-
-    from spmdgt.tensor._optable import nested_uneven
 
     mine = [s for s in specs if isinstance(s, DTensorSpec)]
     if not mine or all(s.mesh.ndim == 1 for s in mine) or _registered(op_call):

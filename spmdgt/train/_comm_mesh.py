@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from spmdgt.interceptor._groups import WORLD
+from spmdgt.train._comm_probe import _RING_FACTOR, _probe_seconds
 
 __all__ = ["mesh_dims", "probe_dims"]
 
@@ -55,8 +56,6 @@ def probe_dims(
     """Latency (seconds per collective) and bus bandwidth (bytes/s, latency taken off) by dim
     and kind: ``({dim: {kind: s}}, {dim: {kind: B/s}})``. Collective over the whole world:
     every rank calls it with the same ``dims`` (``mesh_dims`` of one mesh)."""
-    from spmdgt.train._comm_cost import _RING_FACTOR, _probe_seconds
-
     if not dims:
         return {}, {}
     small: dict[tuple[str, str], float] = {}

@@ -278,7 +278,7 @@ def test_shard_shapes_follow_dtensor_nesting():
 
     from torch.distributed.tensor import Replicate, Shard
 
-    from spmdgt.tensor._optable import nested_uneven, shard_shapes
+    from spmdgt.tensor._shards import nested_uneven, shard_shapes
 
     def spec(shape, *pls):
         return SimpleNamespace(shape=shape, mesh=SimpleNamespace(shape=(2, 2)), placements=pls)
