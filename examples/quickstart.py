@@ -23,13 +23,14 @@ here = os.path.dirname(os.path.abspath(__file__))
 if "GT_CONFIG" not in os.environ and os.environ.get("GT_AUTO_SHARD", "0") == "0":
     gt.print0("(no GT_CONFIG: every tensor replicated; try GT_CONFIG=examples/quickstart.yaml)")
 
-# 1. GT's README example.
+# 1. GT's README example. GT wrote `c.data.numpy()`; on a GPU a replicated value is a plain
+#    CUDA tensor, whose `.numpy()` raises as torch's does, so `.cpu()` first (works everywhere).
 gt.manual_seed(0)
 a = gt.tensor([[1.0, 2.0], [3.0, 4.0]])
 b = gt.from_numpy(torch.ones(2, 2).numpy())
 c = a @ b + 2.0
-gt.print0("a @ b + 2 =\n", c.data.numpy())
-gt.print0("sum:", c.sum().item(), " max over axis 1:", c.max(axis=1).values.numpy())
+gt.print0("a @ b + 2 =\n", c.data.cpu().numpy())
+gt.print0("sum:", c.sum().item(), " max over axis 1:", c.max(axis=1).values.cpu().numpy())
 
 # 2. A signal-sharded matmul: x rows split ('data'), w columns split ('weights').
 with gt.signal.context("data"):
