@@ -49,6 +49,7 @@ gt.print0(f"loss={loss.item():.6f}  |grad w|={w.grad.norm().item():.6f}")
 # 3. A few training steps of a plain torch.nn model on spmdgt inputs.
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+model.to(gt.device())  # where spmdgt's tensors live: this rank's GPU under torchrun, else the CPU
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 gt.manual_seed(1)
 with gt.signal.context("data"):
