@@ -190,6 +190,8 @@ def run_reference(args: argparse.Namespace) -> dict:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from spmdgt.train import add_parallelism_args
+
     p = argparse.ArgumentParser(
         description=__doc__.split("\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -197,25 +199,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", choices=MODELS, default="qwen3", help="transformers family")
     p.add_argument("--config", help="training YAML; None: train_hf.yaml beside this script")
     p.add_argument("--strategy", choices=["ddp", "fsdp", "placements"], help="None: the config's")
-    p.add_argument(
-        "--tp",
-        type=int,
-        default=None,
-        help="tensor-parallel ranks (parallelism.tp): the placements table inside each group "
-        "of --tp neighbouring ranks, FSDP (or HSDP) across; None: the config's, else 1",
-    )
-    p.add_argument(
-        "--dp-shard",
-        type=int,
-        default=None,
-        help="FSDP's shard dim (parallelism.dp_shard; -1: the ranks left); None: the config's",
-    )
-    p.add_argument(
-        "--dp-replicate",
-        type=int,
-        default=None,
-        help="HSDP's replicate dim (parallelism.dp_replicate); None: the config's, else 1",
-    )
+    add_parallelism_args(p)  # --tp, --dp-shard, --dp-replicate
     p.add_argument("--tie", action="store_true", help="tie input embedding and LM head")
     p.add_argument("--dim", type=int, default=64, help="hidden size")
     p.add_argument("--layers", type=int, default=2, help="decoder layers")

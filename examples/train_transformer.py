@@ -426,6 +426,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from spmdgt.train import add_parallelism_args
+
     p = _Parser(
         description=__doc__.split("\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -438,26 +440,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="None: the config's strategy, else ddp; placements without --config takes the "
         "plan of train_transformer.yaml beside this script",
     )
-    p.add_argument(
-        "--tp",
-        type=int,
-        default=None,
-        help="tensor-parallel ranks (parallelism.tp; inside a node): the placements table is "
-        "applied within each group of --tp neighbouring ranks, FSDP (or HSDP) across; None: "
-        "the config's, else 1",
-    )
-    p.add_argument(
-        "--dp-shard",
-        type=int,
-        default=None,
-        help="FSDP's shard dim (parallelism.dp_shard; -1: the ranks left); None: the config's",
-    )
-    p.add_argument(
-        "--dp-replicate",
-        type=int,
-        default=None,
-        help="HSDP's replicate dim (parallelism.dp_replicate); None: the config's, else 1",
-    )
+    add_parallelism_args(p)  # --tp, --dp-shard, --dp-replicate
     p.add_argument("--text", help="train on the bytes of this file; None: synthetic tokens")
     p.add_argument("--dim", type=int, default=128, help="model width")
     p.add_argument("--layers", type=int, default=2, help="decoder blocks")

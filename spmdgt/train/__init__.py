@@ -15,10 +15,12 @@ The full guide is docs/trainer.md. Machinery: ``_strategies`` (wrapping: ``apply
 ``_checkpoint`` (atomic DCP checkpoints), ``_comm`` (collective algebra and logging),
 ``_units`` (the blocks: FSDP's units and compile's), ``_compile``, ``_dryrun`` (a step for a
 world that is not there), ``_throughput`` (FLOPs, MFU), ``_profilers``, ``_summary``,
-``_data``, ``_batches`` (a batch into the model, its loss out), ``_schedule``, ``_config``.
+``_data``, ``_batches`` (a batch into the model, its loss out), ``_schedule``, ``_config``,
+``_cli`` (the flags every training script shares).
 """
 
 from spmdgt.train._checkpoint import CheckpointError
+from spmdgt.train._cli import add_parallelism_args
 from spmdgt.train._comm import CollectiveLog, CommunicationProfiler, measure_bandwidth
 from spmdgt.train._config import (
     CheckpointConfig,
@@ -54,6 +56,7 @@ __all__ = [
     "SchedulerConfig",
     "TrainConfig",
     "TrainingConfig",
+    "add_parallelism_args",
     "build_scheduler",
     "dry_run",
     "dry_run_call",
