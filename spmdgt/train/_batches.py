@@ -7,6 +7,8 @@ nothing and hang."""
 
 from __future__ import annotations
 
+import inspect
+import sys
 import warnings
 from collections.abc import Iterable, Mapping
 
@@ -24,6 +26,8 @@ __all__ = [
     "describe",
     "loader_len",
     "loss_from_output",
+    "loss_token_rule",
+    "step_label_tokens",
     "num_samples",
     "num_tokens",
     "split_batch",
@@ -175,6 +179,97 @@ def loss_from_output(out: object, with_loss_fn: bool) -> object:
             "output's logits and the batch's labels)"
         )
     return out
+
+
+# ------------------------------------------- the step's label tokens (HF's num_items_in_batch)
+
+
+def loss_token_rule(model: torch.nn.Module) -> str | None:
+    """How ``model``'s own loss counts its items, when it divides by HF's
+    ``num_items_in_batch`` (``"shifted"``: a causal LM, ``labels[..., 1:] != -100``;
+    ``"unshifted"``: masked LM and token classification, ``labels != -100``), else ``None``.
+
+    Decided from the model alone (its class and forward signature: the same on every rank,
+    read before wrapping), the way HF's ``Trainer`` decides: the model's ``accepts_loss_kwargs``
+    when it sets one, else a forward taking ``num_items_in_batch`` or ``**kwargs``; and the
+    loss must be one of HF's token cross-entropies, which sum and divide by that count. Any
+    other loss (a regression's MSE, a user's model) would ignore the count, and passing it
+    would silently scale the loss: those keep the per-rank mean. ``transformers`` is read only
+    when the model's code already imported it (the core never imports it)."""
+    if getattr(model, "accepts_loss_kwargs", True) is False:
+        return None
+    loss_utils = sys.modules.get("transformers.loss.loss_utils")
+    if loss_utils is None:
+        return None
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return None
+    if "num_items_in_batch" not in params and not any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()
+    ):
+        return None
+    fn = getattr(model, "loss_function", None)  # HF's property: LOSS_MAPPING[loss_type]
+    config = getattr(model, "config", None)
+    if fn is loss_utils.ForCausalLMLoss and not getattr(config, "is_encoder_decoder", False):
+        return "shifted"
+    if fn in (loss_utils.ForMaskedLMLoss, loss_utils.ForTokenClassification):
+        return "unshifted"
+    return None
+
+
+def label_tokens(inputs: object, rule: str) -> torch.Tensor | None:
+    """This micro-batch's items as HF's loss counts them (a 0-dim int64 tensor on the labels'
+    device, no host sync), or ``None`` when it is not a dict batch with ``labels``. A batch's
+    own ``shift_labels`` (a padding-free collator's) are counted as they are, as HF does."""
+    if not isinstance(inputs, Mapping) or "labels" not in inputs:
+        return None
+    ignore = inputs.get("ignore_index", -100)
+    if "shift_labels" in inputs:
+        labels = inputs["shift_labels"]
+    else:
+        labels = inputs["labels"]
+        if rule == "shifted":
+            labels = labels[..., 1:]
+    return (labels != ignore).sum(dtype=torch.int64)
+
+
+def step_label_tokens(
+    micro_batches: list,
+    rule: str,
+    *,
+    dp_size: int,
+    rt: Runtime,
+    device: torch.device,
+    comm_device: torch.device,
+) -> torch.Tensor:
+    """The optimizer step's label tokens over all its micro-batches and every data-parallel
+    rank: HF's ``num_items_in_batch``, the divisor that makes the step's loss the global token
+    mean one process computes on the global batch (a 0-dim int64 tensor on ``device``).
+
+    Collective when ``dp_size > 1``: one all-reduce of two numbers over the world, on every
+    rank at every step (the schedule is the config's, never the data's). The TP ranks of a
+    data group share its batch, so the world's sum counts each data group ``world /
+    dp_size`` times and is divided by that. A micro-batch without ``labels`` (its model would
+    compute no loss to divide) is counted in the same all-reduce, so every rank raises the
+    same error rather than some ranks going on into a backward the others never reach."""
+    counts = [label_tokens(b, rule) for b in micro_batches]
+    missing = sum(c is None for c in counts)
+    present = [c for c in counts if c is not None]
+    total = torch.stack(present).sum() if present else torch.zeros((), dtype=torch.int64)
+    if dp_size > 1:
+        t = torch.stack([total.to(comm_device), torch.tensor(missing, device=comm_device)])
+        dist.all_reduce(t)
+        replicas = rt.world_size // dp_size  # the TP ranks sharing one data group's batch
+        total, missing = t[0] // replicas if replicas > 1 else t[0], int(t[1].item())
+    if missing:
+        raise ValueError(
+            f"{missing} micro-batch(es) of this step's global batch have no 'labels' (on rank "
+            f"{rt.rank}: {sum(c is None for c in counts)}): the model's loss divides by "
+            "the step's label tokens (HF's num_items_in_batch), counted over every rank; "
+            "give every dict batch its 'labels', or pass loss_fn=..."
+        )
+    return total.to(device)
 
 
 def _field(out: object, name: str) -> object:

@@ -19,6 +19,7 @@ import itertools
 import math
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
@@ -37,9 +38,11 @@ from spmdgt.train._batches import (
     describe,
     loader_len,
     loss_from_output,
+    loss_token_rule,
     num_samples,
     num_tokens,
     split_batch,
+    step_label_tokens,
     to_device,
 )
 from spmdgt.train._checkpoint import (
@@ -165,6 +168,9 @@ class DistributedTrainer:
         self.data_parallel_size, self.data_parallel_rank = data_parallel(
             self.config.parallelism, self.strategy, self.rt.world_size, self.rt.rank
         )
+        # HF's num_items_in_batch: read from the model before wrapping (FSDP2 swaps its class)
+        self._loss_tokens = loss_token_rule(model) if loss_fn is None else None
+        self._warn_mean_of_means(model)
         self.wrapped: Wrapped = self._wrap(model)
         self.model = self.wrapped.module
         self.scheduler = scheduler or build_scheduler(optimizer, self.config.training.scheduler)
@@ -226,6 +232,24 @@ class DistributedTrainer:
         dtype under AMP or FSDP mixed precision, else fp32."""
         mixed = self.strategy == "fsdp" and self.config.fsdp.use_mixed_precision
         return self.amp_dtype if self.config.training.use_amp or mixed else torch.float32
+
+    def _warn_mean_of_means(self, model: nn.Module) -> None:
+        """Say once, on every rank, that a Hugging Face model whose loss takes no
+        ``num_items_in_batch`` keeps the mean of per-micro-batch means when there is more than
+        one micro-batch per step (data parallelism or accumulation): decided from the config
+        and the model's class, never from data."""
+        hf = type(model).__module__.startswith("transformers.")
+        spread = self.data_parallel_size > 1 or self.accum > 1
+        if self.loss_fn is None and self._loss_tokens is None and hf and spread:
+            warnings.warn(
+                f"rank {self.rt.rank}: {type(model).__name__}'s loss is not one of HF's token "
+                "cross-entropies taking num_items_in_batch, so each micro-batch's loss is its "
+                f"own mean and the trainer averages {self.data_parallel_size} data-parallel "
+                f"rank(s) x {self.accum} micro-step(s) of them: one process's global mean only "
+                "when every micro-batch holds as many of the loss's items (no uneven -100 "
+                "padding); pass loss_fn=... for another reduction",
+                stacklevel=3,
+            )
 
     def _wrap(self, model: nn.Module) -> Wrapped:
         """Wrap ``model`` as the config says (``wrap_model``: TP, AC, compile, FSDP/DDP) and
@@ -323,7 +347,11 @@ class DistributedTrainer:
         inputs, targets = split_batch(batch, self.loss_fn is not None)
         return to_device(inputs, self.device), to_device(targets, self.device)
 
-    def _loss(self, inputs: object, targets: object) -> torch.Tensor:
+    def _loss(
+        self, inputs: object, targets: object, num_items: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if num_items is not None:  # HF's keyword: the model's loss is sum / num_items
+            inputs = {**inputs, "num_items_in_batch": num_items}
         out = loss_from_output(call_model(self.model, inputs), self.loss_fn is not None)
         if self.loss_fn is not None:
             loss = self.loss_fn(out, targets)
@@ -578,24 +606,33 @@ class DistributedTrainer:
         loss_sum: torch.Tensor | None = None
         samples = tokens = 0
         waited = 0.0
+        num_items, pulled = None, None
+        if self._loss_tokens is not None and (run.dp > 1 or group > 1):
+            # HF's num_items_in_batch: the step's label tokens over its micro-batches and the
+            # data-parallel ranks, counted before the first forward (as HF's Trainer does)
+            pulled = [self._pull(source, group, micro) for micro in range(group)]
+            waited = sum(secs for _, _, secs in pulled)
+            self._check_batch(run, pulled[0][0])
+            num_items = step_label_tokens(
+                [inputs for inputs, _, _ in pulled],
+                self._loss_tokens,
+                dp_size=run.dp,
+                rt=self.rt,
+                device=self.device,
+                comm_device=self._comm_device(),
+            )
         for micro in range(group):
-            t = time.perf_counter()
-            try:
-                batch = next(source)
-            except StopIteration:
-                raise ValueError(
-                    f"the training loader ended {group - micro} batch(es) before its len() "
-                    "said it would; a loader with a __len__ must yield that many batches "
-                    "(every rank runs as many steps as len() promises, or a collective hangs)"
-                ) from None
-            inputs, targets = self._unpack(batch)
-            waited += time.perf_counter() - t
-            if not run.checked_batch:
-                check_same_batch(inputs, self.rt, self._comm_device(), self._tp_group())
-                run.checked_batch = True
+            if pulled is None:
+                inputs, targets, secs = self._pull(source, group, micro)
+                waited += secs
+                self._check_batch(run, inputs)
+            else:
+                inputs, targets, _ = pulled[micro]
             samples += num_samples(inputs)
             tokens += num_tokens(inputs)
-            loss = self._micro_step(inputs, targets, group, last=micro == group - 1)
+            loss = self._micro_step(
+                inputs, targets, group, last=micro == group - 1, num_items=num_items, dp=run.dp
+            )
             det = loss.detach().float()
             loss_sum = det if loss_sum is None else loss_sum + det
         self._optimizer_step(run.params)
@@ -604,23 +641,67 @@ class DistributedTrainer:
         self._samples_in_epoch += samples * run.dp
         return loss_sum, samples, tokens
 
+    def _pull(self, source: Iterator, group: int, micro: int) -> tuple[object, object, float]:
+        """The step's next micro-batch from ``source``, on the device, as ``(inputs,
+        targets, seconds waited for it)``."""
+        t = time.perf_counter()
+        try:
+            batch = next(source)
+        except StopIteration:
+            raise ValueError(
+                f"the training loader ended {group - micro} batch(es) before its len() "
+                "said it would; a loader with a __len__ must yield that many batches "
+                "(every rank runs as many steps as len() promises, or a collective hangs)"
+            ) from None
+        inputs, targets = self._unpack(batch)
+        return inputs, targets, time.perf_counter() - t
+
+    def _check_batch(self, run: Run, inputs: object) -> None:
+        """Tensor parallelism: the first batch is the same on every rank of a TP group."""
+        if not run.checked_batch:
+            check_same_batch(inputs, self.rt, self._comm_device(), self._tp_group())
+            run.checked_batch = True
+
     def _micro_step(
-        self, inputs: object, targets: torch.Tensor | None, group: int, *, last: bool
+        self,
+        inputs: object,
+        targets: torch.Tensor | None,
+        group: int,
+        *,
+        last: bool,
+        num_items: torch.Tensor | None = None,
+        dp: int = 1,
     ) -> torch.Tensor:
-        """Forward and backward of one micro-batch; returns the unscaled loss. The loss is
-        divided by the group's size, so accumulation equals one large batch; all but the
-        ``last`` micro-step run under ``no_sync`` (gradients communicated once per step)."""
+        """Forward and backward of one micro-batch; returns its loss as a per-micro-step
+        mean (what the loss flush divides by the step's micro-steps and averages over ranks).
+        All but the ``last`` micro-step run under ``no_sync`` (gradients communicated once
+        per step).
+
+        Without ``num_items`` the loss is divided by the group's size, so accumulation equals
+        one large batch when every micro-batch weighs alike. With it (HF's
+        ``num_items_in_batch``: the step's label tokens on every data-parallel rank) the
+        model's loss is this micro-batch's token sum over the step's global count, so the
+        micro-steps' and ranks' losses add up to one process's global token mean; the
+        backward runs on it times ``dp``, which the data-parallel gradient mean (DDP's, and
+        FSDP's divide) takes back out, as HF's ``Trainer`` does (``loss *= num_processes``,
+        no division by the accumulation steps). The value returned is scaled by ``dp x
+        group`` so that the flush's mean over micro-steps and ranks gives that sum."""
         sync = contextlib.nullcontext() if last else self.wrapped.no_sync()
         with sync:
             with self._autocast():
-                loss = self._loss(inputs, targets)
+                loss = self._loss(inputs, targets, num_items)
             scaled = loss.float()
-            if group > 1:  # x / 1 is exact: skip the op when not accumulating
+            if num_items is not None:
+                if dp > 1:
+                    scaled = scaled * dp
+            elif group > 1:  # x / 1 is exact: skip the op when not accumulating
                 scaled = scaled / group
             if self.scaler is not None:
                 self.scaler.scale(scaled).backward()
             else:
                 scaled.backward()
+        if num_items is not None and dp * group > 1:
+            return loss.detach().float() * (dp * group)
         return loss
 
     def _end_step(
