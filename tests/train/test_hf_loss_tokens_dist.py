@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from spmdgt.train import DistributedTrainer, TrainConfig
+from spmdgt.train._config import ParallelismConfig
 from tests._dist import run_ranks
 from tests._hf import tiny_llama
 from tests.train.test_hf_dist import EX
@@ -141,14 +142,28 @@ def test_one_process_accumulation_is_the_global_token_mean():
     _assert_equal_to_reference(results, reference("llama", 2 * ROWS))
 
 
+def _llama_table() -> dict[str, str]:
+    """The example's tensor-parallel plan without Qwen3's q/k norms (Llama has none)."""
+    table = EX._train_config(EX.parse_args([])).placements
+    return {p: s for p, s in table.items() if "norm" not in p}
+
+
 def test_tensor_parallel_accumulation_is_the_global_token_mean(tmp_path):
     # placements: every rank reads the same batch (data-parallel size 1), the loss is the
     # DTensor path's; only the accumulation's micro-batches have different counts
-    table = {p: s for p, s in EX._train_config(EX.parse_args([])).placements.items()}
-    table = {p: s for p, s in table.items() if "norm" not in p}  # Llama has no q/k norms
-    config = TrainConfig(strategy="placements", placements=table)
+    config = TrainConfig(strategy="placements", placements=_llama_table())
     results = run_ranks(train, 2, tmp_path, "llama", config, 2, timeout=240)
     _assert_equal_to_reference(results, reference("llama", 2 * ROWS))
+
+
+def test_fsdp_x_tp_counts_the_data_parallel_ranks_only(tmp_path):
+    # 4 ranks as dp_shard 2 x tp 2, accumulation 2: the two TP ranks of a data group share
+    # its batch, so the count is over the 2 data groups (the world's sum / tp), not 4 ranks
+    config = TrainConfig(
+        strategy="fsdp", placements=_llama_table(), parallelism=ParallelismConfig(tp=2)
+    )
+    results = run_ranks(train, 4, tmp_path, "llama", config, 2, timeout=240)
+    _assert_equal_to_reference(results, reference("llama", 2 * 2 * ROWS))
 
 
 def test_the_mean_of_means_differs(tmp_path):
