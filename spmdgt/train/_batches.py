@@ -264,8 +264,8 @@ def step_label_tokens(
         total, missing = t[0] // replicas if replicas > 1 else t[0], int(t[1].item())
     if missing:
         raise ValueError(
-            f"{missing} micro-batch(es) of this step's global batch have no 'labels' (on rank "
-            f"{rt.rank}: {sum(c is None for c in counts)}): the model's loss divides by "
+            f"{missing} micro-batch(es) of this step's global batch have no 'labels': the "
+            "model's loss divides by "
             "the step's label tokens (HF's num_items_in_batch), counted over every rank; "
             "give every dict batch its 'labels', or pass loss_fn=..."
         )

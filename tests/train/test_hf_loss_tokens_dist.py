@@ -172,3 +172,35 @@ def test_the_mean_of_means_differs(tmp_path):
     results = run_ranks(train, 2, tmp_path, "llama", TrainConfig(strategy="ddp"), 1, False)
     loss_diff, param_diff = _max_diff(results, ref)
     assert loss_diff > 1e-3 and param_diff > 1e-3, (loss_diff, param_diff)
+
+
+def test_a_model_whose_loss_takes_no_count_says_so_and_keeps_the_mean_of_means():
+    torch.set_num_threads(1)
+    model = tiny_llama(seed=0)
+    model.accepts_loss_kwargs = False  # as some HF models declare: no num_items_in_batch
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    with pytest.warns(UserWarning, match=r"LlamaForCausalLM's loss .* num_items_in_batch"):
+        trainer = DistributedTrainer(model, opt, gradient_accumulation_steps=2, log_every=100)
+    losses = trainer.train(_rank_batches(1, 0, 2))["losses"]
+    ref = reference("llama", 2 * ROWS)[0]
+    assert max(abs(a - b) for a, b in zip(losses, ref)) > 1e-3  # today's mean of means
+
+
+def _without_labels(rank, world):
+    torch.set_num_threads(1)
+    model = tiny_llama(seed=0)
+    trainer = DistributedTrainer(model, torch.optim.SGD(model.parameters(), lr=LR))
+    batches = _rank_batches(world, rank, 1)
+    if rank == 1:  # one rank's first batch lacks its labels
+        del batches[0]["labels"]
+    try:
+        trainer.train(batches)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_a_batch_without_labels_is_the_same_error_on_every_rank(tmp_path):
+    errors = run_ranks(_without_labels, 2, tmp_path)
+    assert errors[0] is not None and errors[0] == errors[1]
+    assert "1 micro-batch(es) of this step's global batch have no 'labels'" in errors[0]
