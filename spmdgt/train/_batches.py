@@ -191,8 +191,9 @@ def loss_token_rule(model: torch.nn.Module) -> str | None:
 
     Decided from the model alone (its class and forward signature: the same on every rank,
     read before wrapping), the way HF's ``Trainer`` decides: the model's ``accepts_loss_kwargs``
-    when it sets one, else a forward taking ``num_items_in_batch`` or ``**kwargs``; and the
-    loss must be one of HF's token cross-entropies, which sum and divide by that count. Any
+    when it sets one, else a forward taking ``num_items_in_batch`` or ``**kwargs``; and,
+    stricter than HF, the forward must hand them to ``self.loss_function``, one of HF's token
+    cross-entropies, which sum and divide by that count. Any
     other loss (a regression's MSE, a user's model) would ignore the count, and passing it
     would silently scale the loss: those keep the per-rank mean. ``transformers`` is read only
     when the model's code already imported it (the core never imports it)."""
@@ -209,6 +210,8 @@ def loss_token_rule(model: torch.nn.Module) -> str | None:
         p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()
     ):
         return None
+    if not _forward_calls_loss_function(model):
+        return None
     fn = getattr(model, "loss_function", None)  # HF's property: LOSS_MAPPING[loss_type]
     config = getattr(model, "config", None)
     if fn is loss_utils.ForCausalLMLoss and not getattr(config, "is_encoder_decoder", False):
@@ -216,6 +219,19 @@ def loss_token_rule(model: torch.nn.Module) -> str | None:
     if fn in (loss_utils.ForMaskedLMLoss, loss_utils.ForTokenClassification):
         return "unshifted"
     return None
+
+
+def _forward_calls_loss_function(model: torch.nn.Module) -> bool:
+    """Whether the model's forward computes its loss through HF's ``self.loss_function``
+    with the keywords it was given. Some HF heads (``BertForMaskedLM``) take ``**kwargs`` but
+    compute ``CrossEntropyLoss()`` themselves: a count passed to them would be ignored, and
+    the trainer's scaling would silently multiply their loss. Read from the class's source
+    (no source: not counted)."""
+    try:
+        src = inspect.getsource(inspect.unwrap(type(model).forward))
+    except (OSError, TypeError):
+        return False
+    return "self.loss_function(" in src and ("**kwargs" in src or "num_items_in_batch" in src)
 
 
 def label_tokens(inputs: object, rule: str) -> torch.Tensor | None:

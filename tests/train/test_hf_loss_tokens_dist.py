@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from spmdgt.train import DistributedTrainer, TrainConfig
+from spmdgt.train._batches import loss_token_rule
 from spmdgt.train._config import ParallelismConfig
 from tests._dist import run_ranks
 from tests._hf import tiny_llama
@@ -204,3 +205,23 @@ def test_a_batch_without_labels_is_the_same_error_on_every_rank(tmp_path):
     errors = run_ranks(_without_labels, 2, tmp_path)
     assert errors[0] is not None and errors[0] == errors[1]
     assert "1 micro-batch(es) of this step's global batch have no 'labels'" in errors[0]
+
+
+def test_which_models_get_the_count():
+    import transformers as T
+
+    from tests._hf import tiny_gpt2
+
+    assert loss_token_rule(tiny_llama()) == "shifted"  # labels[..., 1:] != -100
+    assert loss_token_rule(tiny_gpt2()) == "shifted"
+    assert loss_token_rule(_model("qwen3")) == "shifted"
+    cfg = T.BertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=64,
+    )  # fmt: skip
+    # BertForMaskedLM takes **kwargs but computes CrossEntropyLoss() itself: a count would
+    # be ignored and the trainer's scaling would multiply its loss; it keeps its own mean
+    assert loss_token_rule(T.BertForMaskedLM(cfg)) is None
+    assert loss_token_rule(T.BertForTokenClassification(cfg)) is None  # the same
+    assert loss_token_rule(T.BertForSequenceClassification(cfg)) is None  # not a token mean
+    assert loss_token_rule(torch.nn.Linear(2, 2)) is None
