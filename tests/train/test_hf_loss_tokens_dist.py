@@ -127,6 +127,12 @@ CASES = {
     "fsdp2-llama": (2, "llama", TrainConfig(strategy="fsdp"), 1),
     "fsdp2-qwen3": (2, "qwen3", TrainConfig(strategy="fsdp"), 1),
     "ddp3-accum2-llama": (3, "llama", TrainConfig(strategy="ddp"), 2),
+    "hsdp2-llama": (
+        2,
+        "llama",
+        TrainConfig(strategy="fsdp", parallelism=ParallelismConfig(dp_replicate=2, dp_shard=1)),
+        1,
+    ),
 }
 
 
