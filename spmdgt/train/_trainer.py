@@ -5,7 +5,9 @@ made) or on N with ``torchrun --nproc_per_node=N train.py`` (gloo on CPU, NCCL o
 rank runs the same loop; rank 0 alone prints, draws the progress bar and writes TensorBoard.
 
 The loop, per optimizer step: ``gradient_accumulation_steps`` micro-steps (forward under
-autocast when AMP is on, backward on ``loss / micro_steps``; all but the last inside
+autocast when AMP is on, backward on ``loss / micro_steps``, or for an HF token loss on the
+loss over the step's label tokens counted on every data-parallel rank, HF's
+``num_items_in_batch`` (``_batches.step_label_tokens``); all but the last inside
 ``no_sync``, so gradients are communicated once per step), optional global-norm clipping
 (correct for sharded parameters), the optimizer and scheduler step, a checkpoint every
 ``checkpoint.every_steps``. See ``_strategies`` for the wrapping, ``_checkpoint`` for the
