@@ -2,8 +2,9 @@
 under ddp, fsdp and placements gives the losses of a plain one-process HF loop.
 
 The models are built from config objects (random init, nothing downloaded). Tolerance 1e-5
-(fp32): a data-parallel gradient is the mean of per-rank means, summed in another order than
-one process's mean (~1e-7 relative); ten AdamW steps with clipping keep that far inside 1e-5.
+(fp32): a data-parallel gradient is the step's token sum over the global label-token count
+(``num_items_in_batch``), summed in another order than one process's mean (~1e-7 relative);
+ten AdamW steps with clipping keep that far inside 1e-5.
 """
 
 from __future__ import annotations
