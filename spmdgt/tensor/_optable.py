@@ -73,7 +73,7 @@ from spmdgt.tensor import _attention, _fallback
 from spmdgt.tensor._assign import assign
 from spmdgt.tensor._fallback import op_name
 from spmdgt.tensor._hook import NoRule, running_backward
-from spmdgt.tensor._shards import nested_uneven, shard_shapes
+from spmdgt.tensor._shards import shard_shapes
 
 __all__ = [
     "DTENSOR",
