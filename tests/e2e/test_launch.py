@@ -82,7 +82,11 @@ def test_slurm_sbatch_starts_one_torchrun_per_node(tmp_path):
     ref = _numbers(_run([sys.executable, str(EXAMPLE)]))
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "scontrol").write_text("#!/bin/sh\necho 127.0.0.1\necho 127.0.0.2\n")
+    # scontrol's stand-in lists the head node first, then a long tail (a job of many nodes):
+    # a script that reads only its first line closes the pipe early and dies of SIGPIPE
+    (bin_dir / "scontrol").write_text(
+        "#!/bin/sh\necho 127.0.0.1\nfor i in $(seq 20000); do echo 127.0.0.2; done\n"
+    )
     # srun's stand-in: its per-node command, once per node, each with its SLURM_NODEID
     (bin_dir / "srun").write_text(
         "#!/usr/bin/env bash\n"
