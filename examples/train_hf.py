@@ -190,7 +190,7 @@ def run_reference(args: argparse.Namespace) -> dict:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from spmdgt.train import add_parallelism_args
+    from spmdgt.train import add_dry_run_args, add_parallelism_args
 
     p = argparse.ArgumentParser(
         description=__doc__.split("\n")[0],
@@ -217,15 +217,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
     p.add_argument("--reference", action="store_true", help="plain one-process HF loop")
     p.add_argument("--logdir", help="TensorBoard logdir (compare_runs reads its train/loss)")
-    p.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="one step for --world ranks in this process (fake process group, fake tensors): "
-        "per-rank memory, collectives, whether it fits",
-    )
-    p.add_argument("--world", type=int, default=64, help="--dry-run: ranks to simulate")
-    p.add_argument("--device", default=None, help="--dry-run: h100, a100-40gb, ... (its memory)")
-    p.add_argument("--interconnect", default=None, help="--dry-run: nvlink4, ib-ndr, ...")
+    add_dry_run_args(p)  # --dry-run, --world, --device, --interconnect
     return p.parse_args(argv)
 
 

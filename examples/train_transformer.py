@@ -426,7 +426,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from spmdgt.train import add_parallelism_args
+    from spmdgt.train import add_dry_run_args, add_parallelism_args
 
     p = _Parser(
         description=__doc__.split("\n")[0],
@@ -494,15 +494,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "python -m spmdgt.scripts.compare_runs A.json B.json",
     )
     p.add_argument("--pytorch", action="store_true", help="plain torch loop for comparison")
-    p.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="one step for --world ranks in this process (fake process group, fake tensors): "
-        "per-rank memory, collectives, whether it fits",
-    )
-    p.add_argument("--world", type=int, default=64, help="--dry-run: ranks to simulate")
-    p.add_argument("--device", default=None, help="--dry-run: h100, a100-40gb, ... (its memory)")
-    p.add_argument("--interconnect", default=None, help="--dry-run: nvlink4, ib-ndr, ...")
+    add_dry_run_args(p)  # --dry-run, --world, --device, --interconnect
     args = p.parse_args(argv)
     if args.dim % args.heads or args.heads % args.kv_heads:
         p.error("--dim must divide by --heads and --heads by --kv-heads")

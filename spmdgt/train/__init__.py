@@ -20,7 +20,7 @@ world that is not there), ``_throughput`` (FLOPs, MFU), ``_profilers``, ``_summa
 """
 
 from spmdgt.train._checkpoint import CheckpointError
-from spmdgt.train._cli import add_parallelism_args
+from spmdgt.train._cli import add_dry_run_args, add_parallelism_args
 from spmdgt.train._comm import CollectiveLog, CommunicationProfiler, measure_bandwidth
 from spmdgt.train._config import (
     CheckpointConfig,
@@ -56,6 +56,7 @@ __all__ = [
     "SchedulerConfig",
     "TrainConfig",
     "TrainingConfig",
+    "add_dry_run_args",
     "add_parallelism_args",
     "build_scheduler",
     "dry_run",

@@ -1,15 +1,17 @@
-"""Command-line flags a training script shares with every other: the ``parallelism`` block.
+"""Command-line flags a training script shares with every other: the ``parallelism`` block
+and the dry run.
 
 torchtitan's launch flags (``--parallelism.tensor_parallel_degree`` and friends) in the
 spelling of this project's examples; each maps to one ``TrainConfig.parallelism`` field and
-goes through ``override()``, so an absent flag keeps the config's value.
+goes through ``override()``, so an absent flag keeps the config's value. The dry-run flags
+are ``dry_run_call``'s arguments (``docs/dryrun.md``).
 """
 
 from __future__ import annotations
 
 import argparse
 
-__all__ = ["add_parallelism_args"]
+__all__ = ["add_dry_run_args", "add_parallelism_args"]
 
 
 def add_parallelism_args(parser: argparse.ArgumentParser) -> None:
@@ -36,3 +38,20 @@ def add_parallelism_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="HSDP's replicate dim (parallelism.dp_replicate); None: the config's, else 1",
     )
+
+
+def add_dry_run_args(parser: argparse.ArgumentParser) -> None:
+    """Add ``--dry-run``, ``--world``, ``--device`` and ``--interconnect`` to ``parser``: one
+    step for ``--world`` ranks in this process, whose per-rank memory and collectives say
+    whether a config fits before the machines exist."""
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="one step for --world ranks in this process (fake process group, fake tensors): "
+        "per-rank memory, collectives, whether it fits",
+    )
+    parser.add_argument("--world", type=int, default=64, help="--dry-run: ranks to simulate")
+    parser.add_argument(
+        "--device", default=None, help="--dry-run: h100, a100-40gb, ... (its memory)"
+    )
+    parser.add_argument("--interconnect", default=None, help="--dry-run: nvlink4, ib-ndr, ...")
