@@ -42,3 +42,44 @@ def tiny_gpt2(seed: int = 0) -> nn.Module:
         attn_pdrop=0.0,
     )
     return T.GPT2LMHeadModel(cfg)
+
+
+def tiny_t5(seed: int = 0) -> nn.Module:
+    """A T5 for conditional generation, 1 encoder and 1 decoder layer, width 32, 4 heads,
+    dropout p=0; its loss is ``CrossEntropyLoss()`` of its logits against the labels."""
+    import transformers as T
+
+    torch.manual_seed(seed)
+    cfg = T.T5Config(
+        vocab_size=SIZES["vocab_size"],
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=1,
+        num_decoder_layers=1,
+        num_heads=4,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
+    return T.T5ForConditionalGeneration(cfg)
+
+
+def tiny_bert(head: str = "BertForMaskedLM", seed: int = 0, **kw: object) -> nn.Module:
+    """A 1-layer BERT, hidden 32, 2 heads, every dropout p=0, with HF's ``head`` class
+    (``BertForMaskedLM``, ``BertForTokenClassification``, ...); ``kw`` goes to the config
+    (``num_labels=...``)."""
+    import transformers as T
+
+    torch.manual_seed(seed)
+    cfg = T.BertConfig(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        **SIZES,
+        **kw,
+    )
+    return getattr(T, head)(cfg)

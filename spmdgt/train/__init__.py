@@ -15,7 +15,8 @@ The full guide is docs/trainer.md. Machinery: ``_strategies`` (wrapping: ``apply
 ``_checkpoint`` (atomic DCP checkpoints), ``_comm`` (collective algebra and logging),
 ``_units`` (the blocks: FSDP's units and compile's), ``_compile``, ``_dryrun`` (a step for a
 world that is not there), ``_throughput`` (FLOPs, MFU), ``_profilers``, ``_summary``,
-``_data``, ``_batches`` (a batch into the model, its loss out), ``_schedule``, ``_config``,
+``_data``, ``_batches`` (a batch into the model, its loss out), ``_hf_ce`` (HF heads' own
+cross-entropy, recomputed as the global token mean), ``_schedule``, ``_config``,
 ``_cli`` (the flags every training script shares).
 """
 
