@@ -82,8 +82,14 @@ class Tensor(DTensor):
                     if type(a) is Tensor:
                         a.__class__ = DTensor
                         swapped.append(a)
-                elif isinstance(a, torch.Tensor) and (a.dim() or a.requires_grad):
-                    plain = True
+                elif isinstance(a, torch.Tensor):
+                    if a.dim() or a.requires_grad:
+                        plain = True
+                elif type(a) is list or type(a) is tuple:  # backward(inputs=[...])
+                    for b in a:
+                        if type(b) is Tensor:
+                            b.__class__ = DTensor
+                            swapped.append(b)
         else:
             kwargs = {}
         route = _routes.get(func)
@@ -98,9 +104,11 @@ class Tensor(DTensor):
             if views is not None:
                 for v in views:
                     _moves.refresh(v)
-            if mesh is not None and (many or _scope.stack):
+            # backward()/autograd.grad take their tensors as they are: a moved or lifted copy
+            # of an input is not the tensor asked about (grad w.r.t. a plain parameter)
+            if mesh is not None and (many or _scope.stack) and route != _AUTOGRAD:
                 args, kwargs = _moves.align_meshes(args, kwargs, route == _optable.INPLACE)
-            if plain and mesh is not None and torch.is_grad_enabled():
+            if plain and mesh is not None and torch.is_grad_enabled() and route != _AUTOGRAD:
                 args, kwargs = _moves.lift_grad_plain(mesh, args, kwargs)
             if route == 0 and "out" not in kwargs:  # DTENSOR, the common case: inlined
                 try:
@@ -273,6 +281,7 @@ def _retag(out):
 
 
 _routes = _optable._routes  # read on every op: one dict lookup
+_AUTOGRAD = _optable.AUTOGRAD
 assert _optable.DTENSOR == 0
 _moves.set_tensor_class(Tensor)
 _hook.install()
