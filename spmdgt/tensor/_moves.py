@@ -122,10 +122,13 @@ class _Move(torch.autograd.Function):
 
         if grad is None:
             return None, None
-        full = global_value(grad)
-        if ctx.source is None:
-            return full, None
-        return place(full, Target(*ctx.source)), None
+        target = None if ctx.source is None else Target(*ctx.source)
+        if torch.is_grad_enabled():
+            # create_graph (a gradient penalty, MAML): the way back is a move too, recorded,
+            # so the gradient can be differentiated again
+            with _DisableSubclass():
+                return _Move.apply(grad, target), None
+        return place(global_value(grad), target), None
 
 
 class _Gather(_Move):
@@ -221,9 +224,12 @@ def align_meshes(args, kwargs, writes_self: bool = False):
 class _Lift(torch.autograd.Function):
     """A plain (world-replicated) tensor entering an op as Replicate on ``mesh``; its gradient
     is gathered to every rank, so the plain tensor's ``.grad`` is the same full value
-    everywhere: on a sub-mesh (ranks outside it hold no part of it), and for 0-d tensors,
-    whose gradient a backward formula may hand back plain (``from_local``'s backward
-    expects a DTensor there)."""
+    everywhere: partial gradients summed, on a sub-mesh too (ranks outside it hold no part of
+    it), and for 0-d tensors, whose gradient a backward formula may hand back plain.
+
+    Not ``DTensor.from_local``: its backward sums a partial gradient outside autograd, so a
+    gradient w.r.t. a plain parameter taken with ``create_graph`` (a gradient penalty, a MAML
+    inner step) had no graph. Here, under ``create_graph``, the gather is a recorded move."""
 
     @staticmethod
     def forward(ctx, a, mesh):
@@ -231,20 +237,19 @@ class _Lift(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        if torch.is_grad_enabled() and isinstance(grad, DTensor):  # create_graph
+            return gather(grad), None
         return global_value(grad), None
 
 
 def lift_grad_plain(mesh, args, kwargs):
-    """Plain tensors that need gradients enter as Replicate DTensors through ``from_local``,
-    whose backward all-reduces partial gradients, so they get plain, correct ``.grad``."""
-    world = mesh.size() == get_runtime().world_size
+    """Plain tensors that need gradients enter as Replicate DTensors (``_Lift``), whose
+    backward sums partial gradients, so they get plain, correct ``.grad``."""
 
     def lift(a):
         if not isinstance(a, torch.Tensor) or isinstance(a, DTensor) or not a.requires_grad:
             return a
         # A plain DTensor: it lives for this one call (outputs are re-tagged).
-        if world and a.dim():
-            return DTensor.from_local(a, mesh, [Replicate()] * mesh.ndim, run_check=False)
         with _DisableSubclass():
             return _Lift.apply(a, mesh)
 

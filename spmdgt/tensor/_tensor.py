@@ -15,12 +15,13 @@ tensors are never ``gt.Tensor``: they are plain torch tensors, the cheapest form
 from __future__ import annotations
 
 import torch
+import torch.autograd.forward_ad as _fwad
 from torch.distributed.tensor import DTensor
 
 from spmdgt._core import scope as _scope
 from spmdgt.runtime import _agree
 from spmdgt.runtime._state import get_runtime
-from spmdgt.tensor import _assign, _dynamo, _fallback, _hook, _moves, _optable
+from spmdgt.tensor import _assign, _dynamo, _fallback, _hook, _moves, _optable, _transforms
 from spmdgt.tensor._hook import NoRule
 from spmdgt.tensor._meshes import describe_mesh, mesh_ranks
 from spmdgt.tensor._moves import global_value, move, place, place_local
@@ -28,6 +29,7 @@ from spmdgt.tensor._moves import global_value, move, place, place_local
 __all__ = ["Tensor", "global_value", "move", "place", "place_local"]
 
 _DisableSubclass = torch._C.DisableTorchFunctionSubclass
+_functorch_active = torch._C._are_functorch_transforms_active
 _get_implicit = torch._C._get_dtensor_allow_implicit_replication
 _set_implicit = torch._C._set_dtensor_allow_implicit_replication
 
@@ -82,8 +84,14 @@ class Tensor(DTensor):
                     if type(a) is Tensor:
                         a.__class__ = DTensor
                         swapped.append(a)
-                elif isinstance(a, torch.Tensor) and (a.dim() or a.requires_grad):
-                    plain = True
+                elif isinstance(a, torch.Tensor):
+                    if a.dim() or a.requires_grad:
+                        plain = True
+                elif type(a) is list or type(a) is tuple:  # backward(inputs=[...])
+                    for b in a:
+                        if type(b) is Tensor:
+                            b.__class__ = DTensor
+                            swapped.append(b)
         else:
             kwargs = {}
         route = _routes.get(func)
@@ -95,12 +103,16 @@ class Tensor(DTensor):
             # the propagation hook (_optable) that a missing rule means the exact fallback
             _set_implicit(True)
         try:
+            if _fwad._current_level >= 0 or _functorch_active():  # two cheap reads
+                _transforms.check(func, args, kwargs)  # torch.func / dual tensors: refused
             if views is not None:
                 for v in views:
                     _moves.refresh(v)
-            if mesh is not None and (many or _scope.stack):
+            # backward()/autograd.grad take their tensors as they are: a moved or lifted copy
+            # of an input is not the tensor asked about (grad w.r.t. a plain parameter)
+            if mesh is not None and (many or _scope.stack) and route != _AUTOGRAD:
                 args, kwargs = _moves.align_meshes(args, kwargs, route == _optable.INPLACE)
-            if plain and mesh is not None and torch.is_grad_enabled():
+            if plain and mesh is not None and torch.is_grad_enabled() and route != _AUTOGRAD:
                 args, kwargs = _moves.lift_grad_plain(mesh, args, kwargs)
             if route == 0 and "out" not in kwargs:  # DTENSOR, the common case: inlined
                 try:
@@ -273,8 +285,10 @@ def _retag(out):
 
 
 _routes = _optable._routes  # read on every op: one dict lookup
+_AUTOGRAD = _optable.AUTOGRAD
 assert _optable.DTENSOR == 0
 _moves.set_tensor_class(Tensor)
 _hook.install()
 _dynamo.install(Tensor)
+_transforms.install(Tensor)
 _assign.install_data_setter()
