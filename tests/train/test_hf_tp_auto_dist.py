@@ -1,0 +1,110 @@
+"""``placements: auto``: tensor parallelism for Hugging Face models with no table written.
+
+Ten tiny HF families (Llama, Qwen3, Mistral, Gemma3, Phi3, Olmo2, GPT-NeoX, Mixtral: their
+config's ``base_model_tp_plan``; T5 and ViT: no plan, the module tree) train on 2 ranks with
+``strategy: placements, placements: auto`` under SGD, and every step's loss and every final
+weight equal one plain HF process's within 1e-5. Each run_ranks call trains several models
+(the process start is paid once); the references are computed here, in the test process.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed.tensor.parallel  # imported before fork: children inherit it
+
+from spmdgt.train import DistributedTrainer, OptimizedDataLoader, TrainConfig
+from tests._dist import run_ranks
+from tests._hf import tiny_batches, tiny_hf
+
+STEPS, LR = 3, 0.2
+
+
+def _rows(name: str) -> list[dict]:
+    """The batches as per-row items (the loader batches them back, in order)."""
+    return [
+        {k: v[i] for k, v in batch.items()}
+        for batch in tiny_batches(name, STEPS)
+        for i in range(len(next(iter(batch.values()))))
+    ]
+
+
+def reference(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One plain HF process: every step's loss and the final weights."""
+    model = tiny_hf(name)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for batch in tiny_batches(name, STEPS):
+        loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def train_auto(name: str, config: TrainConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The trainer under ``config`` (every rank): its losses and its final weights whole
+    (DTensor parameters gathered: a collective, in the same order on every rank)."""
+    model = tiny_hf(name)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    trainer = DistributedTrainer(model, opt, config=config, log_every=1)
+    rows = _rows(name)
+    loader = OptimizedDataLoader.create(
+        rows,
+        len(rows) // STEPS // trainer.data_parallel_size,
+        shuffle=False,
+        num_replicas=trainer.data_parallel_size,
+        rank=trainer.data_parallel_rank,
+    )
+    losses = trainer.train(loader, epochs=1)["losses"]
+    weights = {}
+    for n, p in trainer.model.named_parameters():
+        p = p.full_tensor() if hasattr(p, "full_tensor") else p
+        weights[n] = p.detach().clone()
+    return losses, weights
+
+
+def _ranks_train(rank: int, world: int, names: list[str]) -> dict:
+    torch.set_num_threads(1)
+    cfg = TrainConfig(strategy="placements", placements="auto")
+    return {name: train_auto(name, cfg) for name in names}
+
+
+def assert_like_one_process(results: list[dict], names: list[str]) -> dict[str, tuple]:
+    """Every rank's losses and weights within 1e-5 of one process; the largest differences."""
+    worst = {}
+    for name in names:
+        ref_losses, ref_weights = reference(name)
+        dl = dw = 0.0
+        for rank, per in enumerate(results):
+            losses, weights = per[name]
+            got, want = torch.tensor(losses), torch.tensor(ref_losses)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=f"{name} r{rank}")
+            dl = max(dl, float((got - want).abs().max()))
+            assert set(weights) == set(ref_weights), name
+            for n, w in weights.items():
+                torch.testing.assert_close(
+                    w, ref_weights[n], atol=1e-5, rtol=0, msg=f"{name} {n} r{rank}"
+                )
+                dw = max(dw, float((w - ref_weights[n]).abs().max()))
+        assert ref_losses[-1] != ref_losses[0], name  # the steps changed the model
+        worst[name] = (dl, dw)
+    print({n: f"loss {a:.1e} weight {b:.1e}" for n, (a, b) in worst.items()})
+    return worst
+
+
+GROUPS = {
+    "plan-dense": ["llama", "qwen3", "mistral", "gemma3"],
+    "plan-packed-gathered": ["phi3", "olmo2", "gpt_neox", "mixtral"],
+    "tree": ["t5", "vit"],
+}
+
+
+@pytest.mark.parametrize("group", list(GROUPS))
+def test_placements_auto_on_two_ranks_equals_one_process(tmp_path, group, capfd):
+    names = GROUPS[group]
+    results = run_ranks(_ranks_train, 2, tmp_path, names, timeout=400)
+    assert_like_one_process(results, names)
+    log = capfd.readouterr().out
+    assert log.count("spmdgt.train: placements: auto, from ") == len(names)  # rank 0 only
