@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed.tensor.parallel  # imported before fork: children inherit it
 
+from spmdgt.config import ConfigError
 from spmdgt.train import DistributedTrainer, OptimizedDataLoader, TrainConfig
 from tests._dist import run_ranks
 from tests._hf import tiny_batches, tiny_hf
@@ -108,3 +109,90 @@ def test_placements_auto_on_two_ranks_equals_one_process(tmp_path, group, capfd)
     assert_like_one_process(results, names)
     log = capfd.readouterr().out
     assert log.count("spmdgt.train: placements: auto, from ") == len(names)  # rank 0 only
+
+
+L = "model.layers.*."
+# Hand tables that cannot be exact: (model, table, the module the error names, what it says
+# the module reads, the style the working table gives it)
+REFUSED = {
+    "phi3-packed-qkv": (
+        "phi3",
+        {
+            L + "self_attn.qkv_proj": "colwise",
+            L + "self_attn.o_proj": "rowwise",
+            L + "mlp.gate_up_proj": "colwise",
+            L + "mlp.down_proj": "rowwise",
+        },
+        "model.layers.0.self_attn.qkv_proj",
+        "q, k and v side by side",
+        ("model.layers.*.self_attn.qkv_proj", "colwise_gather"),
+    ),
+    "phi3-packed-gate-up": (
+        "phi3",
+        {L + "mlp.gate_up_proj": "colwise", L + "mlp.down_proj": "rowwise"},
+        "model.layers.0.mlp.gate_up_proj",
+        "gate then up",
+        ("model.layers.*.mlp.gate_up_proj", "packed_colwise"),
+    ),
+    "olmo2-norm-over-all-heads": (
+        "olmo2",
+        {
+            L + "self_attn.[qkv]_proj": "colwise",
+            L + "self_attn.o_proj": "rowwise",
+            L + "self_attn.[qk]_norm": "sharded_input",  # the old docs' advice
+            L + "mlp.[gu]*_proj": "colwise",
+            L + "mlp.down_proj": "rowwise",
+        },
+        "model.layers.0.self_attn.q_norm",
+        "the whole output of the colwise 'model.layers.0.self_attn.q_proj'",
+        ("model.layers.*.self_attn.q_norm", "replicate"),
+    ),
+    "t5-global-head-count": (
+        "t5",
+        {
+            "*.SelfAttention.[qkv]": "colwise",
+            "*.SelfAttention.o": "rowwise",
+            "*.relative_attention_bias": "replicate",  # the old error's suggestion
+            "*.DenseReluDense.wi": "colwise",
+            "*.DenseReluDense.wo": "rowwise",
+        },
+        "encoder.block.0.layer.0.SelfAttention",
+        "reads the global head count (self.n_heads)",
+        ("encoder.block.*.layer.*.SelfAttention.q", "colwise_gather"),
+    ),
+}
+
+
+def _refusal(name: str, table: dict) -> ConfigError:
+    """The trainer's error for ``table`` (in this process: a world of one checks the table
+    as every rank does, before any shard is made or step run)."""
+    model = tiny_hf(name)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    with pytest.raises(ConfigError) as info:
+        DistributedTrainer(model, opt, config=TrainConfig(strategy="placements", placements=table))
+    return info.value
+
+
+def _ranks_train_tables(rank: int, world: int, runs: dict) -> dict:
+    torch.set_num_threads(1)
+    return {
+        case: train_auto(name, TrainConfig(strategy="placements", placements=table))
+        for case, (name, table) in runs.items()
+    }
+
+
+def test_inexact_tables_are_refused_and_each_suggested_table_trains_exactly(tmp_path):
+    fixes = {}
+    for case, (name, table, module, reads, (pattern, style)) in REFUSED.items():
+        err = _refusal(name, table)
+        msg = str(err)
+        assert f"cannot be exact for {module!r}" in msg and reads in msg, (case, msg)
+        fix = err.suggested_placements
+        assert fix[pattern] == style, (case, fix)
+        assert f'"{pattern}": {style}' in msg  # the message prints the table it carries
+        fixes[case] = (name, fix)
+    # every suggestion trains, on 2 ranks, as one process does
+    results = run_ranks(_ranks_train_tables, 2, tmp_path, fixes, timeout=400)
+    per_case = [{case: r[case] for case in fixes} for r in results]
+    for case, (name, _) in fixes.items():
+        assert_like_one_process([{name: r[case]} for r in per_case], [name])
