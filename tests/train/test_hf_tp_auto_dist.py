@@ -14,7 +14,7 @@ import torch
 import torch.distributed.tensor.parallel  # imported before fork: children inherit it
 
 from spmdgt.config import ConfigError
-from spmdgt.train import DistributedTrainer, OptimizedDataLoader, TrainConfig
+from spmdgt.train import DistributedTrainer, OptimizedDataLoader, TrainConfig, override
 from tests._dist import run_ranks
 from tests._hf import tiny_batches, tiny_hf
 
@@ -196,3 +196,20 @@ def test_inexact_tables_are_refused_and_each_suggested_table_trains_exactly(tmp_
     per_case = [{case: r[case] for case in fixes} for r in results]
     for case, (name, _) in fixes.items():
         assert_like_one_process([{name: r[case]} for r in per_case], [name])
+
+
+def _ranks_train_2d(rank: int, world: int, names: list[str]) -> dict:
+    torch.set_num_threads(1)
+    cfg = TrainConfig(strategy="fsdp", placements="auto")
+    cfg = override(cfg, dp_shard=2, tp=2)
+    return {name: train_auto(name, cfg) for name in names}
+
+
+@pytest.mark.slow
+def test_placements_auto_inside_tp_with_fsdp_over_data_equals_one_process(tmp_path):
+    # 2x2 (dp_shard x tp): the derived table inside each tp pair, FSDP2 across them, each
+    # data-parallel pair reading half of every step's rows. Qwen3: sharded_input norms under
+    # FSDP; Olmo2: gathered attention beside a split MLP.
+    names = ["qwen3", "olmo2"]
+    results = run_ranks(_ranks_train_2d, 4, tmp_path, names, timeout=500)
+    assert_like_one_process(results, names)
