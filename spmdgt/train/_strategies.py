@@ -7,9 +7,11 @@
   ``set_requires_gradient_sync(False)``. On gloo, reductions are forced to SUM-then-divide
   (``set_force_sum_reduction_for_comms``) rather than trusting an AVG reduce-scatter.
 * ``placements``: tensor parallelism from a YAML table of module-name globs through
-  ``parallelize_module`` with ``ColwiseParallel`` / ``RowwiseParallel`` on the world mesh. Every
-  rank must see the same batch (no data parallelism); ``replicate`` keeps a full copy on each
-  rank (plain tensors that stay identical because their inputs are identical).
+  ``parallelize_module`` with ``ColwiseParallel`` / ``RowwiseParallel`` (gathered and split
+  variants too) and ``_tp_styles``' packed and experts styles on the world mesh; ``auto``
+  derives the table from the model (``_tp_plan``), which also refuses tables that cannot be
+  exact. Every rank must see the same batch (no data parallelism); ``replicate`` keeps a full
+  copy on each rank (plain tensors that stay identical because their inputs are identical).
 
 ``wrap_model`` is the one place that applies these, in torchtitan's order (its
 ``parallelize_llama``), each step a small function of its own: ``apply_tp`` (tensor
