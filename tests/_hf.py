@@ -115,10 +115,11 @@ TINY = {
 }
 
 
-def tiny_hf(name: str, seed: int = 0) -> nn.Module:
+def tiny_hf(name: str, seed: int = 0, **sizes: int) -> nn.Module:
     """A tiny ``transformers`` model by family name: the ``TINY`` decoders (2 layers, hidden
     64, 4 query and 2 key/value heads, vocabulary 128), ``t5`` (``tiny_t5``) or ``vit`` (a
-    1-layer ViT image classifier on 8x8 images, 3 labels)."""
+    1-layer ViT image classifier on 8x8 images, 3 labels); ``sizes`` override a decoder's
+    config (``hidden_size=48, num_attention_heads=6, ...`` for 3 ranks)."""
     import transformers as T
 
     if name == "t5":
@@ -136,7 +137,7 @@ def tiny_hf(name: str, seed: int = 0) -> nn.Module:
         )
         return T.ViTForImageClassification(cfg)
     cfg_cls, model_cls, extra = TINY[name]
-    kw = {k: v for k, v in {**_DECODER, **extra}.items() if v is not None}
+    kw = {k: v for k, v in {**_DECODER, **extra, **sizes}.items() if v is not None}
     return getattr(T, model_cls)(getattr(T, cfg_cls)(**kw))
 
 

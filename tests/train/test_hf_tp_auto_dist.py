@@ -30,9 +30,9 @@ def _rows(name: str) -> list[dict]:
     ]
 
 
-def reference(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference(name: str, **sizes: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One plain HF process: every step's loss and the final weights."""
-    model = tiny_hf(name)
+    model = tiny_hf(name, **sizes)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for batch in tiny_batches(name, STEPS):
@@ -44,10 +44,12 @@ def reference(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def train_auto(name: str, config: TrainConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
+def train_auto(
+    name: str, config: TrainConfig, **sizes: int
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The trainer under ``config`` (every rank): its losses and its final weights whole
     (DTensor parameters gathered: a collective, in the same order on every rank)."""
-    model = tiny_hf(name)
+    model = tiny_hf(name, **sizes)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     trainer = DistributedTrainer(model, opt, config=config, log_every=1)
     rows = _rows(name)
@@ -66,17 +68,19 @@ def train_auto(name: str, config: TrainConfig) -> tuple[list[float], dict[str, t
     return losses, weights
 
 
-def _ranks_train(rank: int, world: int, names: list[str]) -> dict:
+def _ranks_train(rank: int, world: int, names: list[str], sizes: dict | None = None) -> dict:
     torch.set_num_threads(1)
     cfg = TrainConfig(strategy="placements", placements="auto")
-    return {name: train_auto(name, cfg) for name in names}
+    return {name: train_auto(name, cfg, **(sizes or {})) for name in names}
 
 
-def assert_like_one_process(results: list[dict], names: list[str]) -> dict[str, tuple]:
+def assert_like_one_process(
+    results: list[dict], names: list[str], sizes: dict | None = None
+) -> dict[str, tuple]:
     """Every rank's losses and weights within 1e-5 of one process; the largest differences."""
     worst = {}
     for name in names:
-        ref_losses, ref_weights = reference(name)
+        ref_losses, ref_weights = reference(name, **(sizes or {}))
         dl = dw = 0.0
         for rank, per in enumerate(results):
             losses, weights = per[name]
@@ -109,6 +113,23 @@ def test_placements_auto_on_two_ranks_equals_one_process(tmp_path, group, capfd)
     assert_like_one_process(results, names)
     log = capfd.readouterr().out
     assert log.count("spmdgt.train: placements: auto, from ") == len(names)  # rank 0 only
+
+
+# 6 query and 3 key/value heads of 8, FFN 96: every split divides by 3 ranks
+THREE = {
+    "hidden_size": 48,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 3,
+    "head_dim": 8,
+    "intermediate_size": 96,
+}
+
+
+def test_placements_auto_on_three_ranks_equals_one_process(tmp_path):
+    # Qwen3: per-head norms summed over 3 ranks; Olmo2: gathered attention, 3-way MLP
+    names = ["qwen3", "olmo2"]
+    results = run_ranks(_ranks_train, 3, tmp_path, names, THREE, timeout=400)
+    assert_like_one_process(results, names, THREE)
 
 
 L = "model.layers.*."
