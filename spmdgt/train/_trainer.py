@@ -291,6 +291,9 @@ class DistributedTrainer:
             **meshes,
         )
         self._rebind_optimizer(old_params, list(model.parameters()))
+        if wrapped.placements is not None and cfg.placements == "auto":
+            # the derived table from here on (the same on every rank: read from the model)
+            self.config = override(self.config, placements=wrapped.placements)
         return wrapped
 
     def _build_mesh(self) -> dict[str, object]:
