@@ -266,7 +266,7 @@ def _watch(stop_event: threading.Event, store: Any, key: str) -> None:
         try:
             if not store.check([key]):
                 continue
-        except RuntimeError:  # the store is gone: the job is ending
+        except Exception:  # the store is gone (the job is ending): nothing to watch
             return
         close_connections()
         try:
