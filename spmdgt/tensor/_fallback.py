@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import sys
 import warnings
-import weakref
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate
@@ -128,6 +127,13 @@ def _layout_outputs(out, like):
     return _map(lay, out)
 
 
+# Outputs torch's kernels read on the host as sizes, which must stay plain CPU tensors as
+# torch gives them: a packed sequence's batch sizes (an RNN reads them: as a sharded wrapper
+# they hold no data, "data is not allocated yet") and the lengths pad_packed_sequence returns.
+# op name -> the output's index
+_HOST_OUTPUTS = {"_pack_padded_sequence": 1, "_pad_packed_sequence": 1}
+
+
 def run_global(func, args, kwargs, why: str):
     """``func`` on the global values of its arguments; outputs laid out again."""
     like = _first_dtensor(args, kwargs)
@@ -137,7 +143,15 @@ def run_global(func, args, kwargs, why: str):
     )
     with _DisableSubclass():
         out = func(*full_args, **full_kwargs)
-    return _layout_outputs(out, like) if like is not None else out
+    if like is None:
+        return out
+    host = _HOST_OUTPUTS.get(op_name(func).split(".")[0])
+    if host is not None:
+        outs = list(out)
+        outs[:host] = _layout_outputs(outs[:host], like)
+        outs[host + 1 :] = _layout_outputs(outs[host + 1 :], like)
+        return type(out)(outs)
+    return _layout_outputs(out, like)
 
 
 def _check_leaf(t: torch.Tensor, name: str) -> None:
@@ -209,7 +223,14 @@ def _root(t: torch.Tensor) -> torch.Tensor:
 def tag_views(func, args, kwargs, out, src) -> None:
     """After view op ``func`` on sharded ``src``: tag each output that does not share ``src``'s
     local memory (DTensor redistributed to make it, so it is a copy) with how to rebuild it
-    from the base, so an in-place op on it can write through, as on a torch view."""
+    from the base, so an in-place op on it can write through, as on a torch view.
+
+    The tag holds the base itself, not a weak reference: a torch view keeps its base's
+    storage alive, so writes to the base made before it died stay visible through the view,
+    and writes through the view keep reaching a base nobody else holds. With a weak reference
+    a copy went stale the moment Python collected its base, a result that depended on when
+    the collector ran. The view holds only the base (never the reverse), so both die with the
+    view's last reference, as a torch view and its storage do."""
     if any(isinstance(a, DTensor) for a in args[1:]) or any(
         isinstance(v, DTensor) for v in (kwargs or {}).values()
     ):
@@ -228,17 +249,15 @@ def tag_views(func, args, kwargs, out, src) -> None:
             v = func(full, *rest, **kw)
             return v[_i] if _many else v
 
-        if parent is not None:
-            base_ref, inner, _ = parent
+        base = src
+        if parent is not None:  # a view of a tagged view: replay both from the first base
+            base, inner, _ = parent
 
             def replay(full, _outer=replay, _inner=inner):
                 return _outer(_inner(full))
 
-            base = base_ref()
-        else:
-            base_ref, base = weakref.ref(src), src
         # the base's version now: a later write to the base makes this copy stale (refresh)
-        o._gt_view = (base_ref, replay, base._version if base is not None else -1)
+        o._gt_view = (base, replay, base._version)
 
 
 def write_through(func, args, kwargs, view: DTensor):
@@ -247,13 +266,7 @@ def write_through(func, args, kwargs, view: DTensor):
     when torch's own op would not be a view either (advanced indexing): then the op acts on
     the copy alone, as in torch."""
     name = op_name(func)
-    base_ref, replay, _ = view._gt_view
-    base = base_ref()
-    if base is None:
-        raise RuntimeError(
-            f"{name}: in-place write through a view of a sharded tensor whose base is gone; "
-            "write to the base tensor directly (base[index] = value)"
-        )
+    base, replay, _ = view._gt_view
     needs_grad = torch.is_grad_enabled() and (
         base.requires_grad
         or view.requires_grad
@@ -280,5 +293,5 @@ def write_through(func, args, kwargs, view: DTensor):
             new_view = replay(full_base)
         _write_back(base, full_base, name)
         _write_back(view, new_view.contiguous(), name)
-    view._gt_view = (base_ref, replay, base._version)
+    view._gt_view = (base, replay, base._version)
     return None if op_name(func) == "__setitem__" else view

@@ -141,7 +141,12 @@ class _Gather(_Move):
     @staticmethod
     def forward(ctx, x, target):
         ctx.set_materialize_grads(False)
-        return _Move.forward(ctx, x, target)
+        # detached: a replicated value's global value is its own memory, a view of it, and a
+        # custom Function's output that is a view may not be used once its base was written
+        # in place (autograd's view+inplace rule). A plain parameter lifted into the op
+        # (``embedding(max_norm=)`` renormalises its weight in place, then reads it) stays
+        # the same memory, so the write still reaches it, as in one process
+        return _Move.forward(ctx, x, target).detach()
 
 
 def move(x: torch.Tensor, target) -> torch.Tensor:
@@ -291,12 +296,17 @@ def scatter(full: torch.Tensor, target):
 
 def refresh(view: DTensor) -> None:
     """Bring a tagged view up to date if its base was written since (a torch view would show
-    the write at once). Versions advance alike on every rank, so all refresh together."""
-    base_ref, replay, version = view._gt_view
-    base = base_ref()
-    if base is None or base._version == version:
+    the write at once). Versions advance alike on every rank, so all refresh together.
+
+    Where autograd records and the base needs a gradient, the new value is copied in through
+    autograd (``copy_``), so the view's gradient reaches the base as it is now, as a torch
+    view's does after its base was written; a copy behind autograd's back left the view's
+    history at the old base (a silently wrong gradient)."""
+    base, replay, version = view._gt_view
+    if base._version == version:
         return
-    with torch.no_grad():
+    grad = torch.is_grad_enabled() and base.requires_grad
+    with torch.set_grad_enabled(grad):
         full = gather(base)
         with _DisableSubclass():
             new_view = replay(full)
@@ -304,5 +314,9 @@ def refresh(view: DTensor) -> None:
             new = scatter(
                 new_view.contiguous().to(view.dtype), target_of(view.device_mesh, view.placements)
             )
-            view._local_tensor.copy_(new._local_tensor)
-    view._gt_view = (base_ref, replay, base._version)
+            if grad:
+                with _DisableSubclass():
+                    view.copy_(new)
+            else:
+                view._local_tensor.copy_(new._local_tensor)
+    view._gt_view = (base, replay, base._version)

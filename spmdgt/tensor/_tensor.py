@@ -37,7 +37,7 @@ _set_implicit = torch._C._set_dtensor_allow_implicit_replication
 class Tensor(DTensor):
     """A sharded spmdgt tensor (a ``DTensor`` subclass); see the module docstring."""
 
-    # (base weakref, replay, base version) on a view DTensor had to copy (see _fallback)
+    # (base, replay, base version) on a view DTensor had to copy (see _fallback.tag_views)
     _gt_view = None
 
     @classmethod
@@ -187,8 +187,14 @@ class Tensor(DTensor):
     # tensor and the call site before any data moves, so a rank that reads another tensor,
     # or none, is an error on every rank instead of a wrong value or a hang.
     def numpy(self, *, force: bool = False):
-        """The global value as a numpy array (a collective: every rank must call it)."""
-        return _read(self, "numpy()").cpu().numpy(force=force)
+        """The global value as a read-only numpy array (a collective: every rank must call it).
+
+        torch's ``.numpy()`` shares the tensor's memory, so writing into the array changes the
+        tensor. No rank holds a sharded tensor's memory whole: the array is a copy, and a
+        write into it could not reach the tensor. It is read-only, so such a write raises
+        (numpy's "assignment destination is read-only") instead of silently differing from
+        one process; ``.numpy().copy()`` gives an array to write to."""
+        return _read_only(_read(self, "numpy()").cpu().numpy(force=force))
 
     def item(self):
         """The global scalar value (a collective)."""
@@ -199,8 +205,11 @@ class Tensor(DTensor):
         return _read(self, "tolist()").tolist()
 
     def __array__(self, dtype=None, copy=None):
-        arr = _read(self, "numpy.asarray()").cpu().numpy()
-        return arr.astype(dtype) if dtype is not None else arr
+        # read-only as .numpy() is; a copy numpy asks for (np.array) is the caller's to write
+        arr = _read_only(_read(self, "numpy.asarray()").cpu().numpy())
+        if dtype is not None:
+            arr = arr.astype(dtype, copy=False)
+        return arr.copy() if copy else arr
 
     def __repr__(self, *, tensor_contents=None) -> str:
         value = repr(_read(self, "print()/repr()"))
@@ -247,6 +256,12 @@ def _read(t: DTensor, what: str) -> torch.Tensor:
         return global_value(t)
     except Exception as e:
         raise _agree.translate(e, what)  # noqa: B904 (e, or a timeout error caused by e)
+
+
+def _read_only(arr):
+    """``arr`` made read-only: see ``Tensor.numpy``."""
+    arr.flags.writeable = False
+    return arr
 
 
 def _swap_to_base(args, kwargs) -> list:
