@@ -98,9 +98,12 @@ class Tensor(DTensor):
             if views is not None:
                 for v in views:
                     _moves.refresh(v)
-            if mesh is not None and (many or _scope.stack):
+            # ``backward`` / ``autograd.grad`` take their tensors as they are: a moved or
+            # lifted copy of an ``inputs=`` tensor is a new node, whose gradient is None
+            engine = route == _optable.AUTOGRAD
+            if mesh is not None and (many or _scope.stack) and not engine:
                 args, kwargs = _moves.align_meshes(args, kwargs, route == _optable.INPLACE)
-            if plain and mesh is not None and torch.is_grad_enabled():
+            if plain and mesh is not None and torch.is_grad_enabled() and not engine:
                 args, kwargs = _moves.lift_grad_plain(mesh, args, kwargs)
             if route == 0 and "out" not in kwargs:  # DTENSOR, the common case: inlined
                 try:
