@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from spmdgt._core import debuglog as _debuglog
 from spmdgt.tensor._moves import gather, scatter, target_of
 
-__all__ = ["counts", "run_global", "run_inplace", "tag_views", "write_through"]
+__all__ = ["counts", "run_global", "run_inplace", "tag_views", "write_through", "written"]
 
 _DisableSubclass = torch._C.DisableTorchFunctionSubclass
 
@@ -176,18 +176,66 @@ def _write_back(dst: DTensor, full: torch.Tensor, name: str) -> None:
         dst.copy_(new)
 
 
-def run_inplace(func, args, kwargs, why: str):
-    """A mutation (in-place op, ``__setitem__`` or ``out=``) computed on global values, then
-    written back into each rank's shard of every sharded tensor it mutates."""
-    name = op_name(func)
+_written_args: dict[str, tuple[tuple[int, str], ...]] = {}
+
+
+def _schema_writes(func) -> tuple[tuple[int, str], ...]:
+    """(position, name) of every argument aten's schema of ``func`` marks written
+    (``Tensor(a!)``, ``Tensor(a!)[]``), over all its overloads (``out`` excluded: ``run_inplace``
+    reads it itself); () when ``func`` is no aten op (``__setitem__``, the dunders)."""
+    schema = getattr(func, "_schema", None)
+    key = str(schema.name) + "." + schema.overload_name if schema is not None else op_name(func)
+    r = _written_args.get(key)
+    if r is None:
+        if schema is not None:
+            schemas = [schema]
+        else:
+            packet = getattr(torch.ops.aten, key, None)
+            schemas = [getattr(packet, o)._schema for o in packet.overloads()] if packet else []
+        found = {
+            (i, a.name)
+            for s in schemas
+            for i, a in enumerate(s.arguments)
+            if a.alias_info is not None and a.alias_info.is_write and a.name != "out"
+        }
+        r = _written_args[key] = tuple(sorted(found))
+    return r
+
+
+def written(func, args, kwargs) -> list:
+    """The tensors a mutation ``func(*args, **kwargs)`` writes into, lists flattened: those
+    passed as ``out=``, else every argument aten's schema marks written (all five lists of
+    ``_fused_adam_``: params, grads and states), else ``args[0]`` (``__setitem__``, the
+    in-place dunders, ``F.dropout(x, inplace=True)``)."""
     out_arg = kwargs.get("out") if kwargs else None
     if out_arg is not None:
-        targets = list(out_arg) if isinstance(out_arg, (list, tuple)) else [out_arg]
+        found = [out_arg]
     else:
-        targets = [args[0]]
+        found = []
+        for i, name in _schema_writes(func):
+            if i < len(args):
+                found.append(args[i])
+            elif kwargs and name in kwargs:
+                found.append(kwargs[name])
+        if not found and args:
+            found = [args[0]]
+    flat: list = []
+    for f in found:
+        for t in f if isinstance(f, (list, tuple)) else (f,):
+            if isinstance(t, torch.Tensor) and not any(t is g for g in flat):
+                flat.append(t)
+    return flat
+
+
+def run_inplace(func, args, kwargs, why: str):
+    """A mutation (in-place op, ``__setitem__``, ``out=``, a foreach or fused optimizer op
+    that writes lists) computed on global values, then written back into each rank's shard
+    of every sharded tensor it mutates (``written``). Plain tensors it mutates are written by
+    the op itself, alike on every rank."""
+    name = op_name(func)
+    targets = written(func, args, kwargs)
     for t in targets:
-        if isinstance(t, torch.Tensor):
-            _check_leaf(t, name)
+        _check_leaf(t, name)
     _note(func, why, args, kwargs)
     fulls: dict[int, torch.Tensor] = {}
 
