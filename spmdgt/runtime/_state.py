@@ -117,12 +117,17 @@ def init(backend: str | None = None) -> Runtime:
 
 
 def _per_rank_compile_cache(rank: int) -> None:
-    """Give each rank its own inductor cache folder (``TORCHINDUCTOR_CACHE_DIR``/rank<r>).
+    """Give each rank its own inductor cache folder
+    (``TORCHINDUCTOR_CACHE_DIR``/spmdgt-<code>/rank<r>).
 
     A compiled graph over sharded tensors runs on each rank's local shard, whose shape differs
     between ranks when a size does not divide evenly; torch's compile caches key such graphs
     by the global shapes, so a rank could load another rank's kernel and fail its shape check
-    (seen with inductor on 5 rows over 2 ranks). Set here, before anything compiles."""
+    (seen with inductor on 5 rows over 2 ranks). Nor do torch's keys know spmdgt's code, which
+    decides what a traced graph over ``gt.Tensor``s looks like: an AOTAutograd entry written by
+    another spmdgt version was served to this one and its backward left the leaves' ``.grad``
+    None. So the folder is keyed by spmdgt's source too (``_code_key``). Set here, before
+    anything compiles."""
     import tempfile
 
     base = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
@@ -136,7 +141,21 @@ def _per_rank_compile_cache(rank: int) -> None:
         base = os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")
     leaf = f"rank{rank}"
     if os.path.basename(os.path.normpath(base)) != leaf:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, leaf)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, f"spmdgt-{_code_key()}", leaf)
+
+
+def _code_key() -> str:
+    """A short hash of spmdgt's own source files and torch's version (~2 ms, once per rank):
+    a compile cache written by other code is never read."""
+    import hashlib
+    from pathlib import Path
+
+    h = hashlib.sha1(torch.__version__.encode())
+    root = Path(__file__).resolve().parent.parent
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:12]
 
 
 def current_runtime() -> Runtime | None:
