@@ -69,7 +69,7 @@ import math
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from spmdgt.tensor import _attention, _fallback
+from spmdgt.tensor import _attention, _fallback, _random
 from spmdgt.tensor._assign import assign
 from spmdgt.tensor._fallback import op_name
 from spmdgt.tensor._hook import NoRule, running_backward
@@ -345,7 +345,7 @@ def _classify(func) -> int:
         name.endswith("_") and not name.endswith("__") and name not in _NOT_MUTATING
     ):
         return INPLACE  # random in-place ops too: not in the pointwise table, so exact
-    if name in _RANDOM or name in _DATA_DEPENDENT:
+    if name in _RANDOM or name in _DATA_DEPENDENT or _random.always_draws(name):
         return GLOBAL
     if name.startswith("fft_") or name == "chalf":  # complex results: gradients diverged
         return GLOBAL
@@ -384,7 +384,7 @@ def is_pointwise_inplace(func) -> bool:
     if r is None:
         name = op_name(func)
         name = _DUNDER_ATEN.get(name, name)
-        inplace = name.endswith("_") and name not in _RANDOM
+        inplace = name.endswith("_") and name not in _RANDOM and not _random.always_draws(name)
         packet = getattr(torch.ops.aten, name, None) if inplace else None
         r = False
         if packet is not None:
