@@ -128,12 +128,36 @@ def _layout_outputs(out, like):
     return _map(lay, out)
 
 
-def run_global(func, args, kwargs, why: str):
-    """``func`` on the global values of its arguments; outputs laid out again."""
+def in_layout_of(full: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """``full`` laid out in memory as DTensor ``a``'s global strides say (a transposed value
+    stays transposed), where those strides are a permutation of a dense layout; ``full``
+    itself otherwise. A random op fills memory in order (``x.t().uniform_()``, and dropout's
+    ``empty_like(x).bernoulli_()``), so one process's numbers land where ``x``'s layout puts
+    them; a gathered value is contiguous. A copy (differentiable) when the layouts differ."""
+    stride = tuple(a.stride())
+    if tuple(full.stride()) == stride or full.dim() < 2:
+        return full
+    expected = 1  # a permutation of a dense layout: sorted by stride, each the inner size
+    for size, st in sorted(zip(a.shape, stride), key=lambda p: p[1]):
+        if size != 1:
+            if st != expected:
+                return full
+            expected *= size
+    out = torch.empty_strided(a.shape, stride, dtype=full.dtype, device=full.device)
+    return out.copy_(full)
+
+
+def run_global(func, args, kwargs, why: str, strided: bool = False):
+    """``func`` on the global values of its arguments; outputs laid out again. ``strided``
+    (random ops): each global value in its DTensor's memory layout (``in_layout_of``)."""
     like = _first_dtensor(args, kwargs)
     _note(func, why, args, kwargs)
+
+    def full_of(a):
+        return in_layout_of(gather(a), a) if strided else gather(a)
+
     full_args, full_kwargs = _map(
-        lambda a: gather(a) if isinstance(a, DTensor) else a, (args, kwargs)
+        lambda a: full_of(a) if isinstance(a, DTensor) else a, (args, kwargs)
     )
     with _DisableSubclass():
         out = func(*full_args, **full_kwargs)
@@ -169,8 +193,8 @@ def run_inplace(func, args, kwargs, why: str):
     out_arg = kwargs.get("out") if kwargs else None
     if out_arg is not None:
         targets = list(out_arg) if isinstance(out_arg, (list, tuple)) else [out_arg]
-    else:
-        targets = [args[0]]
+    else:  # self: nn.init's functions pass their tensor as a keyword (tensor=)
+        targets = [args[0] if args else _first_dtensor(args, kwargs)]
     for t in targets:
         if isinstance(t, torch.Tensor):
             _check_leaf(t, name)
@@ -184,8 +208,10 @@ def run_inplace(func, args, kwargs, why: str):
         if f is None:
             f = gather(a)
             if any(a is t for t in targets):
-                # the op mutates it: a copy, so the gathered value saved for backward stays
-                f = f.clone()
+                # the op mutates it: a copy, so the gathered value saved for backward stays,
+                # in the target's memory layout (a random fill follows it: in_layout_of)
+                g = in_layout_of(f, a)
+                f = g if g is not f else f.clone()
             fulls[id(a)] = f
         return f
 

@@ -14,8 +14,8 @@ kernels, which take the mask as a keyword argument DTensor never redistributes
 composite draws one process's numbers (``_random``). ``install()`` also registers the
 attention strategies DTensor lacks (``_attention.install``) and bounds DTensor's
 decomposition-based strategy search inside spmdgt's calls (``MAX_DECOMP_CANDIDATES``);
-``uninstall()`` undoes all of it. ``check_torch()``
-runs at import and names torch's version if the private entry moved.
+``uninstall()`` undoes all of it. ``check_torch()`` runs at import and names torch's version if
+the private entry moved.
 """
 
 from __future__ import annotations

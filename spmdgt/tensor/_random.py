@@ -41,7 +41,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from spmdgt.tensor._fallback import _layout_outputs, _note, _write_back, op_name
+from spmdgt.tensor._fallback import _layout_outputs, _note, _write_back, in_layout_of, op_name
 from spmdgt.tensor._moves import global_value
 
 __all__ = ["always_draws", "draws", "drew", "forget", "note_outside", "run", "settle", "state"]
@@ -175,8 +175,10 @@ def run(op_call, args, kwargs, why: str = "random op inside a composite"):
         f = fulls.get(id(a))
         if f is None:
             f = global_value(a)
-            if any(a is t for t in targets):  # written: a copy of its own
-                f = f.clone()
+            g = in_layout_of(f, a)  # a fill follows memory order: the DTensor's layout
+            if g is f and any(a is t for t in targets):  # written: a copy of its own
+                g = f.clone()
+            f = g
             fulls[id(a)] = f
         return f
 
@@ -187,7 +189,9 @@ def run(op_call, args, kwargs, why: str = "random op inside a composite"):
         out = op_call(*full_args, **full_kwargs)
         name = op_name(op_call)
         for t in targets:
+            cls = type(t)
             _write_back(t, fulls[id(t)], name)
+            t.__class__ = cls  # its copy_ passes gt.Tensor's dispatch, which retags it
     back = {id(fulls[id(t)]): t for t in targets}
 
     def lay(o):
