@@ -20,6 +20,7 @@ when one moves a whole tensor (``GT_DEBUG_DISPATCHER=1`` prints every one).
 from __future__ import annotations
 
 import sys
+import types
 import warnings
 import weakref
 
@@ -195,8 +196,12 @@ def run_inplace(func, args, kwargs, why: str):
         targets = list(out_arg) if isinstance(out_arg, (list, tuple)) else [out_arg]
     else:  # self: nn.init's functions pass their tensor as a keyword (tensor=)
         targets = [args[0] if args else _first_dtensor(args, kwargs)]
+    # A Python function (nn.init.kaiming_uniform_) decides itself: its body may run under
+    # no_grad, where writing into a leaf that requires grad is allowed. Its copy of such a
+    # leaf is a leaf too, so torch raises in it exactly where it would raise in one process.
+    composite = isinstance(func, types.FunctionType)
     for t in targets:
-        if isinstance(t, torch.Tensor):
+        if isinstance(t, torch.Tensor) and not composite:
             _check_leaf(t, name)
     _note(func, why, args, kwargs)
     fulls: dict[int, torch.Tensor] = {}
@@ -212,6 +217,8 @@ def run_inplace(func, args, kwargs, why: str):
                 # in the target's memory layout (a random fill follows it: in_layout_of)
                 g = in_layout_of(f, a)
                 f = g if g is not f else f.clone()
+                if composite and a.is_leaf and a.requires_grad:
+                    f = f.detach().requires_grad_()
             fulls[id(a)] = f
         return f
 
@@ -220,7 +227,11 @@ def run_inplace(func, args, kwargs, why: str):
         res = func(*full_args, **full_kwargs)
     for t in targets:
         if isinstance(t, DTensor):
-            _write_back(t, fulls[id(t)], name)
+            if t.is_leaf and t.requires_grad:  # allowed above: written as under no_grad
+                with torch.no_grad():
+                    _write_back(t, fulls[id(t)].detach(), name)
+            else:
+                _write_back(t, fulls[id(t)], name)
     back = {id(fulls[id(t)]): t for t in targets if isinstance(t, DTensor)}
     return _map(lambda r: back.get(id(r), r), res)
 

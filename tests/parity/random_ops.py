@@ -157,14 +157,14 @@ def _sdpa(case: Case) -> dict:
 
 
 def _init(fn: Callable[..., Any], generator: bool = False, cols: int = 5):
-    """A scenario body: ``fn`` on a sharded parameter, as a model's ``reset_parameters`` runs."""
+    """A scenario body: ``fn`` on a sharded parameter, as a model's ``reset_parameters`` runs
+    it (grad enabled: nn.init writes under no_grad itself)."""
 
     def run(case: Case) -> dict:
         w = nn.Parameter(case.put(_data(case, cols)))
         g = _gen() if generator else None
-        with torch.no_grad():
-            fn(w, generator=g) if generator else fn(w)
-        return _after(case, {"w": w}, gen=g)
+        fn(w, generator=g) if generator else fn(w)
+        return _after(case, {"w": w, "leaf": w.is_leaf, "grad": w.requires_grad}, gen=g)
 
     return run
 
