@@ -50,8 +50,9 @@ def _draw_then_no_rule(x):
     return y + torch.rand_like(y), torch.nonzero(y > 1.0)
 
 
-def _program(put) -> dict[str, dict]:
-    """Every check on tensors laid out by ``put`` (plain in the reference); name -> results."""
+def _program(put, outside=None) -> dict[str, dict]:
+    """Every check on tensors laid out by ``put`` (plain in the reference); name -> results.
+    ``outside(x)`` (ranks only) first draws on ``x``'s layout with DTensor itself."""
     out = {}
 
     torch.manual_seed(1)
@@ -109,6 +110,14 @@ def _program(put) -> dict[str, dict]:
     torch.manual_seed(9)
     y, hits = _draw_then_no_rule(put(_data(8)))
     out["draw_then_no_rule"] = _after({"y": _np(y), "hits": _np(hits)})
+
+    # DTensor used directly draws on this layout first, outside spmdgt's calls: DTensor
+    # caches its sharding of exponential_ there, which spmdgt's next call must not be served
+    torch.manual_seed(10)
+    x = put(_data(9))
+    if outside is not None:
+        outside(x)
+    out["after_a_dtensor_draw"] = _after({"y": _np(F.gumbel_softmax(x))})
     return out
 
 
@@ -122,7 +131,16 @@ def _ranks(rank, world, signal):
         with gt.signal.context(signal):
             return gt.tensor(t)
 
-    return _program(put)
+    def outside(x):
+        from torch.distributed.tensor import DTensor
+
+        d = x.detach().clone()
+        d.__class__ = DTensor  # a plain DTensor: DTensor's own random op, per shard
+        state = torch.get_rng_state()
+        d.exponential_()
+        torch.set_rng_state(state)  # its per-shard draw is not the program's
+
+    return _program(put, outside)
 
 
 @pytest.mark.parametrize("world", [2, 3])
