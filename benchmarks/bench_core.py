@@ -9,6 +9,7 @@ hits both sides alike. Targets: small-op loop <= 1.3x torch, seed 000's baseline
 <= 1.05x, MLP step <= 1.05x, 2-rank sharded per-op cost no worse than DTensor's own.
 Rank agreement: the header a host read carries, on a 1000x1000 ``.numpy()`` at 2
 ranks, and what ``GT_CHECK_RANKS=1`` costs a read, a redistributing matmul and a local op.
+Errors on one rank: what the watchdog costs an op, and what an error every rank raises costs.
 """
 
 from __future__ import annotations
@@ -305,7 +306,56 @@ def _two_rank(rank: int, world: int, q: bool) -> list | None:
         1,
         1e6 / (2 * n),
     )
+    _rank_error_rows(rank, q, loop(ga, gb, gc), n, results)
     return results if rank == 0 else None
+
+
+def _rank_error_rows(rank: int, q: bool, ops, n: int, results: list) -> None:
+    """What spmdgt's answer to an error on one rank costs (``runtime._failed``): on the happy
+    path only its watchdog thread (one store look a second), timed per op with the watchdog
+    stopped (baseline) and running; and an error every rank raises, which now also posts to
+    the store and waits for every rank's post (baseline: ``GT_RANK_ERROR_WAIT=0``, off)."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import spmdgt as gt
+    from spmdgt.runtime import _failed
+
+    with gt.signal.context("rows"):
+        bad = gt.tensor(torch.full((8,), 9))  # out of range on every rank: a uniform error
+    w = torch.randn(5, 3)
+
+    def uniform_error():
+        try:
+            F.embedding(bad, w)
+        except IndexError:
+            pass
+
+    def timed(name, f, iters, unit, off, on):
+        f()
+        tb = to = float("inf")
+        for _ in range(5 if q else 20):
+            off()
+            dist.barrier()
+            tb = min(tb, best_of(f, iters, 1))
+            on()
+            dist.barrier()
+            to = min(to, best_of(f, iters, 1))
+        results.append((name, tb * unit, to * unit))
+
+    def env(value):
+        return lambda: os.environ.__setitem__("GT_RANK_ERROR_WAIT", value)
+
+    timed(
+        "2 ranks: rank-error watchdog, c=c*b+a (per op)",
+        ops,
+        1,
+        1e6 / (2 * n),
+        _failed.stop,
+        _failed._start_watchdog,
+    )
+    timed("2 ranks: an error every rank raises", uniform_error, 5, 1e6, env("0"), env("5"))
+    os.environ.pop("GT_RANK_ERROR_WAIT")
 
 
 def _share_spec(g, d):
@@ -326,12 +376,18 @@ def two_rank_vs_dtensor(q: bool) -> None:
         base = "DTensor"
         if "GT_CHECK_RANKS" in name or "agreement" in name:
             base = "spmdgt" if "GT_CHECK_RANKS" in name else "gloo"
+        elif "rank-error" in name or "every rank raises" in name:
+            base = "off"
         print(f"{name:<46} {base:<7} {tb:9.2f} us   spmdgt {to:9.2f} us   ratio {to / tb:5.2f}x")
         target = 1.0 if base == "DTensor" else None  # no worse than DTensor's own
         record(name, base if base != "spmdgt" else "spmdgt, check off", tb, to, "us", target)
         if name.startswith("2 ranks: sum()"):
             print(f"{'':<46} target: no worse than DTensor (ratio ~1.0 within noise)")
     print(f"{'':<46} (GT_CHECK_RANKS rows: baseline is spmdgt with the check off)")
+    print(
+        f"{'':<46} (rank-error rows: baseline is spmdgt without the watchdog / with "
+        "GT_RANK_ERROR_WAIT=0)"
+    )
 
 
 def main() -> None:

@@ -21,6 +21,7 @@ side, and the 2x2 layout's collectives per mesh dim beside the per-dim cost mode
     python benchmarks/bench_trainer.py --mesh-only --no-compile --json results/mesh4.json
     python benchmarks/bench_trainer.py --steps 5 --rounds 1 --dim 64   # quick look
     python benchmarks/bench_trainer.py --compile-only  # just the compile section
+    python benchmarks/bench_trainer.py --rank-errors-only  # the rank-error watchdog's cost
     python benchmarks/bench_trainer.py --json results/trainer.json   # the figures as a file
     python benchmarks/bench_trainer.py --compile-only --dim 1024 --layers 8 --seq-len 512 \
         --batch-size 16 --heads 16 --kv-heads 4        # the issue's GPU size (bf16 on CUDA)
@@ -298,6 +299,62 @@ def _overhead_floor(args, ex) -> dict[str, dict[str, float]]:
     return out
 
 
+def _rank_error_cost(args, ex) -> dict[str, dict[str, float]]:
+    """What spmdgt's answer to an error on one rank (``runtime._failed``) costs a training
+    step: on the happy path, its watchdog thread alone (the error path never runs). Each
+    strategy's trainer runs with the watchdog running and stopped, ``--rank-error-rounds``
+    alternating rounds, in this one run; per side the median of the rounds' mean step times."""
+    from spmdgt.runtime import _failed
+
+    out = {}
+    for strategy in ("ddp", "placements"):
+        on, off = [], []
+        for i in range(args.rank_error_rounds):
+            for side in ("on", "off") if i % 2 == 0 else ("off", "on"):
+                if side == "on":
+                    _failed._start_watchdog()
+                else:
+                    _failed.stop()
+                t = _trainer_case(args, ex, strategy)["avg_step_time"]
+                (on if side == "on" else off).append(t)
+        _failed._start_watchdog()  # as gt.init left it
+        paired = [a / b - 1 for a, b in zip(on, off)]
+        out[strategy] = {
+            "with": statistics.median(on),
+            "without": statistics.median(off),
+            "paired_min": min(paired),
+            "paired_max": max(paired),
+        }
+    # the watchdog's whole work: one store look per _POLL seconds; its time bounds the cost
+    key = [_failed._prefix + _failed._TEXT]
+    t0 = time.perf_counter()
+    for _ in range(200):
+        _failed._store.check(key)
+    out["poll_s"] = {"look": (time.perf_counter() - t0) / 200, "every": _failed._POLL}
+    return out
+
+
+def report_rank_errors(cost: dict, args) -> None:
+    print(
+        "\nerrors on one rank (GT_RANK_ERROR_WAIT): cost per step, with and without the "
+        f"watchdog, {args.rank_error_rounds} alternating rounds of {args.steps} steps, this run:"
+    )
+    cost = dict(cost)
+    poll = cost.pop("poll_s")
+    for s, c in cost.items():
+        added = c["with"] / c["without"] - 1
+        print(
+            f"  {s:<11} with {c['with'] * 1e3:8.2f} ms   without {c['without'] * 1e3:8.2f} ms"
+            f"   added {added * 100:+5.2f}% (paired {c['paired_min'] * 100:+.1f}.."
+            f"{c['paired_max'] * 100:+.1f}%; target <= +2%)"
+        )
+    print(
+        f"  the watchdog's work: one store look ({poll['look'] * 1e6:.0f} us) every "
+        f"{poll['every']:g} s = {poll['look'] / poll['every'] * 100:.3f}% of any step's time "
+        "at most (a bound that the rounds' noise above cannot resolve)"
+    )
+
+
 def _rank_main(rank: int, world: int, args) -> dict | None:
     """One of the 2 CPU ranks (started by ``_ranks.run_ranks``: gloo, 1 thread, the process
     group joined by ``spmdgt.init()`` as under torchrun); rank 0 returns the figures."""
@@ -308,6 +365,10 @@ def _rank_main(rank: int, world: int, args) -> dict | None:
     ex = _example()
     out = {}
     say = Progress("bench_trainer") if rank == 0 else (lambda msg: None)
+    say("errors on one rank: the watchdog's cost per step")
+    out["rank_errors"] = _rank_error_cost(args, ex)
+    if args.rank_errors_only:
+        return out if rank == 0 else None
     for strategy in ("ddp", "fsdp", "placements"):
         tr, raw = [], []
         for i in range(args.rounds):  # alternate, flipping the order, so drift hits both sides
@@ -350,6 +411,9 @@ def _rank_main(rank: int, world: int, args) -> dict | None:
 
 def report(out: dict, args) -> None:
     world = 2
+    if args.rank_errors_only:
+        report_rank_errors(out["rank_errors"], args)
+        return
     print(
         f"bench_trainer: Qwen3-like transformer dim={args.dim} layers={args.layers} "
         f"seq={args.seq_len} batch/rank={args.batch_size}, {world} CPU ranks (gloo, 1 thread "
@@ -405,6 +469,7 @@ def report(out: dict, args) -> None:
             f"{r['avg_step_time'] * 1e3:.1f} ms/optimizer step, "
             f"{r['avg_step_time'] / a * 1e3:.1f} ms/micro-step"
         )
+    report_rank_errors(out["rank_errors"], args)
 
 
 def _report_comm(out: dict) -> None:
@@ -503,6 +568,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--mesh-rounds", type=int, default=3, help="mesh section: rotated rounds")
     p.add_argument("--no-compile", action="store_true", help="skip the compile section")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds for the 2 ranks")
+    p.add_argument("--rank-error-rounds", type=int, default=4, help="watchdog on/off rounds")
+    p.add_argument(
+        "--rank-errors-only", action="store_true", help="only the errors-on-one-rank section"
+    )
     p.add_argument("--json", metavar="PATH", help="write the figures to PATH")
     args = p.parse_args(argv)
     sys.path.insert(0, str(ROOT))
@@ -511,10 +580,11 @@ def main(argv: list[str] | None = None) -> None:
         # forked gloo ranks; a failing rank fails the run with its traceback, a hang is killed
         out = run_ranks(_rank_main, 2, args, device="cpu", threads=1, timeout=args.timeout)[0]
         report(out, args)
-    if not args.compile_only and not args.no_mesh:
+    if not args.compile_only and not args.no_mesh and not args.rank_errors_only:
         mesh = run_ranks(_mesh_rank, 4, args, device="cpu", threads=1, timeout=args.timeout)[0]
         report_mesh(mesh, args)
-    if not args.no_compile and not args.mesh_only:  # after the forked ranks: they never compile
+    # after the forked ranks: they never compile
+    if not args.no_compile and not args.mesh_only and not args.rank_errors_only:
         comp = compile_section(args)
         report_compile(comp, args)
     if args.json:
@@ -566,6 +636,7 @@ def figures(out: dict | None, comp: dict | None, args, mesh: dict | None = None)
             for s in ("ddp", "fsdp", "placements")
         }
         res["floor"] = out["floor"]
+        res["rank_errors"] = out["rank_errors"]
         res["accum"] = {
             a: {k: r.get(k) for k in ("avg_step_time", "collectives_per_step")}
             for a, r in out["accum"].items()

@@ -5,7 +5,8 @@ Llama or GPT-2. Batches are HF's dicts, ``{"input_ids", "attention_mask", "label
 trainer calls ``model(**batch)`` and trains on the ``loss`` the model returns, as HF's
 ``Trainer`` does. FSDP2 shards it layer by layer (``model.model.layers``, found without
 configuration), tied input/output embeddings stay in one unit, and tensor parallelism takes
-the placements table in ``train_hf.yaml`` (HF's module names).
+``placements: auto`` from ``train_hf.yaml``: the table derived from the model's own HF plan
+(printed on rank 0; the YAML keeps it as a comment).
 
 Needs the ``hf`` extra: ``pip install -e '.[hf]'`` (``transformers``; spmdgt's core never
 imports it).
@@ -13,9 +14,9 @@ imports it).
 One process:    python examples/train_hf.py --steps 20
 N processes:    torchrun --nproc_per_node=2 examples/train_hf.py --strategy fsdp
 Tensor parallel: torchrun --nproc_per_node=2 examples/train_hf.py --strategy placements
-                (the plan is train_hf.yaml's table for Qwen3; ``--model llama`` drops its
-                ``q_norm``/``k_norm`` rows; GPT-2's ``Conv1D`` layers are not ``nn.Linear``,
-                so GPT-2 trains with ddp or fsdp)
+                (``placements: auto``: Qwen3's and Llama's tables derived from their HF
+                plans; GPT-2's ``Conv1D`` layers are not ``nn.Linear``, so GPT-2 trains with
+                ddp or fsdp)
 2-D mesh:       torchrun --nproc_per_node=4 examples/train_hf.py --tp 2
                 (torchtitan's recipe: the placements table inside each pair of neighbouring
                 ranks, FSDP per decoder layer across them; --dp-shard and --dp-replicate set
@@ -28,7 +29,6 @@ Check:          python examples/train_hf.py --reference   (a plain one-process H
 from __future__ import annotations
 
 import argparse
-import fnmatch
 import os
 import sys
 import time
@@ -93,8 +93,9 @@ def _train_config(args: argparse.Namespace):
     through ``spmdgt.train.override`` (validated like the YAML: a bad value is a
     ``ConfigError`` naming the key). ``--tp`` > 1 without ``--strategy`` means ``fsdp`` over
     the data dims with the placements table inside each tp group (torchtitan's 2-D recipe).
-    When the table is applied and comes from the example YAML, its rows that match no module
-    of this model are dropped (Llama has no ``q_norm``), since the YAML is written for Qwen3."""
+    The example YAML's table is ``auto``: derived from the model (Qwen3's and Llama's HF
+    plans); a model it finds nothing in (GPT-2) is refused here, before any rank builds a
+    mesh."""
     from spmdgt.config import ConfigError
     from spmdgt.train import load_train_config, override
 
@@ -111,19 +112,20 @@ def _train_config(args: argparse.Namespace):
         use_amp=args.amp or None,
         compile=args.compile or None,
     )
-    if (cfg.strategy == "placements" or tp != 1) and not args.config:
-        names = [n for n, _ in build_model(args).named_modules()]
-        table = {p: s for p, s in cfg.placements.items() if fnmatch.filter(names, p)}
-        if not table:  # GPT-2: Conv1D, not nn.Linear, under other names
+    if (cfg.strategy == "placements" or tp != 1) and cfg.placements == "auto":
+        from spmdgt.train import derive_placements
+
+        try:  # the trainer derives it again when it wraps the model: the same table
+            derive_placements(build_model(args))
+        except ConfigError:  # GPT-2: Conv1D, not nn.Linear, and no HF plan
             flag = f"--tp {tp}" if tp != 1 else "--strategy placements"
             raise ConfigError(
-                f"{flag}: no row of the placements table in {EXAMPLE_YAML} names a module of "
-                f"--model {args.model} (GPT-2's Conv1D layers are not nn.Linear: train it with "
-                "ddp or fsdp, no --tp)",
-                file=str(EXAMPLE_YAML),
+                f"{flag}: placements: auto finds no tensor-parallel layers in --model "
+                f"{args.model} (GPT-2's Conv1D layers are not nn.Linear: train it with ddp or "
+                "fsdp, no --tp)",
+                file=str(args.config or EXAMPLE_YAML),
                 key="placements",
-            )
-        cfg = override(cfg, placements=table)
+            ) from None
     return cfg
 
 

@@ -32,6 +32,7 @@ from spmdgt.config import (
 )
 from spmdgt.runtime import (
     RankDivergenceError,
+    RankFailedError,
     RankTimeoutError,
     barrier,
     connect,
@@ -77,6 +78,7 @@ __all__ = [
     "ConfigError",
     "MeshConfig",
     "RankDivergenceError",
+    "RankFailedError",
     "RankTimeoutError",
     "session",
     "ShardConfig",

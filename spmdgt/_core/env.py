@@ -119,6 +119,14 @@ VARIABLES: tuple[Var, ...] = (
         low=0,
         low_open=True,
     ),
+    Var(
+        "GT_RANK_ERROR_WAIT",
+        "float",
+        5.0,
+        "seconds an op error waits for every rank to raise it; else every rank's groups end "
+        "(0: off)",
+        low=0,
+    ),
     _flag("GT_AUTO_COMPILE", False, "the compile pass's hot functions go to torch.compile"),
     _flag("GT_COMPILE", True, "off: no compilation at all (the pass, TrainConfig(compile=True))"),
     Var("GT_COMPILE_BACKEND", "str", "inductor", "the compile pass's torch.compile backend"),

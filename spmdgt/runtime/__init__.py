@@ -13,11 +13,18 @@ import torch
 import torch.distributed as dist
 
 from spmdgt.runtime import _agree
-from spmdgt.runtime._agree import RankDivergenceError, RankTimeoutError, all_ranks, any_rank
+from spmdgt.runtime._agree import (
+    RankDivergenceError,
+    RankFailedError,
+    RankTimeoutError,
+    all_ranks,
+    any_rank,
+)
 from spmdgt.runtime._state import Runtime, get_runtime, init, shutdown, world_mesh
 
 __all__ = [
     "RankDivergenceError",
+    "RankFailedError",
     "RankTimeoutError",
     "Runtime",
     "all_ranks",

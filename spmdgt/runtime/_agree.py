@@ -32,6 +32,10 @@ barrier that names a rank that does not arrive within ``GT_TIMEOUT``.
 collective that times out raises :class:`RankTimeoutError` naming the op and this rank's last
 agreement point.
 
+An op that raises on one rank only (its shard holds a bad index) ends the process groups on
+every rank within ``GT_RANK_ERROR_WAIT`` seconds, and every rank raises the same
+:class:`RankFailedError` naming the rank, the op and the message (``runtime._failed``).
+
 Every exchange is reached by the same calls on every rank and decided from exchanged data only:
 no rank, clock or terminal takes part in a decision.
 """
@@ -53,10 +57,13 @@ import torch
 import torch.distributed as dist
 
 from spmdgt._core import env as _env
+from spmdgt.runtime import _failed
+from spmdgt.runtime._failed import RankFailedError
 
 __all__ = [
     "Listener",
     "RankDivergenceError",
+    "RankFailedError",
     "RankTimeoutError",
     "active",
     "agree",
@@ -87,6 +94,7 @@ class RankTimeoutError(RuntimeError):
 
 
 RankDivergenceError.__module__ = RankTimeoutError.__module__ = "spmdgt"  # gt.RankDivergenceError
+_OURS = (RankDivergenceError, RankTimeoutError, RankFailedError)
 
 
 _group: Any = None  # the gloo side group for agreement points; None: no exchanges
@@ -151,6 +159,7 @@ def setup(rank: int, world: int) -> None:
     if not _at_exit:
         atexit.register(_end_at_exit)
         _at_exit = True
+    _failed.setup(rank, world)
     _install_excepthook()
 
 
@@ -159,6 +168,7 @@ def forget() -> None:
     global _group, _count, _out_of_step
     _group, _count, _out_of_step = None, 0, None
     _proposals.clear()
+    _failed.stop()
 
 
 # -- the exchange -----------------------------------------------------------------------------
@@ -207,6 +217,8 @@ def _stopped(state: tuple[type[RuntimeError], str, dict[int, str]], doing: str) 
     """The error an agreement point raises, without exchanging, once the ranks fell out of
     step (``state``: see ``_out_of_step``)."""
     kind, why, rows = state
+    if kind is RankFailedError:
+        return _not_run(doing, why)
     message = (
         f"rank {_rank}: {doing}: not checked, because an earlier error left the ranks out of "
         f"step ({why}). Their agreement points no longer pair up, so spmdgt stops here rather "
@@ -358,6 +370,9 @@ def _diverged(n: int, mine: str) -> None:
 
 def _fail_timeout(e: BaseException, doing: str, n: int) -> None:
     global _out_of_step
+    shown = _failed.reported()  # an op raised on one rank, which ended its groups?
+    if shown is not None:
+        raise _fail_everywhere(shown, e, f"was waiting at agreement point #{n} ({doing})")
     text = str(e)
     found = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", text)
     if found:  # rank 0's monitored barrier names the ranks that did not arrive
@@ -404,7 +419,7 @@ def end() -> None:
 def _end_at_exit() -> None:
     try:
         end()
-    except (RankDivergenceError, RankTimeoutError) as e:
+    except _OURS as e:
         text = f"[rank {_rank}] spmdgt: {type(e).__name__}: {e}\n"
         sys.stderr.write(text)
         sys.stderr.flush()
@@ -417,27 +432,99 @@ _TIMEOUT_WORDS = ("Timed out", "timed out", "Connection closed by peer", "Connec
 
 
 def translate(e: BaseException, op: object) -> BaseException:
-    """A collective's timeout or lost peer inside ``op`` becomes a :class:`RankTimeoutError`
-    naming the op, the call site and this rank's last agreement point (its ``__cause__`` is
-    ``e``); any other error is returned as it is, so ``raise translate(e, op)`` in an
-    ``except`` block re-raises it unchanged."""
-    if _group is None or isinstance(e, (RankTimeoutError, RankDivergenceError)):
-        return e
-    text = str(e)
-    if not any(w in text for w in _TIMEOUT_WORDS):
-        return e
+    """What an error inside ``op`` (a torch function, a host read) becomes on this rank.
+
+    - An error this rank alone raised (its shard holds a bad index, ...) or one of a rank that
+      did: :class:`RankFailedError`, the same on every rank, naming that rank, its op and its
+      message, after the process groups were ended so that no rank waits (``runtime._failed``).
+    - A collective's timeout or lost peer: :class:`RankTimeoutError` naming the op, the call
+      site and this rank's last agreement point.
+    - An error every rank raised (the program's own): ``e`` itself, so ``raise translate(e,
+      op)`` in an ``except`` block re-raises it unchanged.
+
+    The new error's ``__cause__`` is ``e``. Runs on the error path only."""
+    if _group is None or isinstance(e, _OURS) or getattr(e, "_gt_seen", False):
+        return e  # no world, one of ours, or decided in an inner frame of the same error
     global _out_of_step
-    name = getattr(op, "__qualname__", None) or getattr(op, "__name__", None) or str(op)
-    # the ranks no longer pair up: no later exchange, the exit's included
-    _out_of_step = (RankTimeoutError, f"a collective in {name} got no answer", {})
-    err = RankTimeoutError(
-        f"rank {_rank}: a collective in {name} at {call_site()} got no answer within {_waited()} "
-        f"({text.strip().splitlines()[0]}). This rank's last agreement point was {_said(_last)}; "
-        "another rank is running something else, is stuck or has exited "
-        "(GT_CHECK_RANKS=1 names it)."
+    name = _op_text(op)
+    site = call_site()
+    if _out_of_step is not None and _out_of_step[0] is RankFailedError:
+        err = _not_run(f"{name} at {site}", _out_of_step[1])
+        err.__cause__ = e
+        return err
+    text = str(e)
+    if any(w in text for w in _TIMEOUT_WORDS):
+        shown = _failed.reported()  # a rank whose op raised ended its groups: this woke us
+        if shown is not None:
+            return _fail_everywhere(shown, e, f"was waiting in a collective in {name} at {site}")
+        # the ranks no longer pair up: no later exchange, the exit's included
+        _out_of_step = (RankTimeoutError, f"a collective in {name} got no answer", {})
+        err = RankTimeoutError(
+            f"rank {_rank}: a collective in {name} at {site} got no answer within {_waited()} "
+            f"({text.strip().splitlines()[0]}). This rank's last agreement point was "
+            f"{_said(_last)}; another rank is running something else, is stuck or has exited "
+            "(GT_CHECK_RANKS=1 names it)."
+        )
+        err.__cause__ = e
+        return err
+    shown = _failed.decide(e, name, site)
+    if shown is None:  # every rank raised it: the program's own error, nothing out of step
+        try:
+            e._gt_seen = True  # type: ignore[attr-defined]
+        except AttributeError:
+            pass
+        return e
+    mine = shown.startswith(f"rank {_rank} ")
+    return _fail_everywhere(
+        shown, e, "raised it" if mine else f"raised {type(e).__name__} in {name} at {site} too"
+    )
+
+
+_GROUPS_ENDED = (
+    "No collective can run in this process any more: a program that catches this error "
+    "cannot go on with distributed work. Let it end the program, and fix the data or the op "
+    "on the rank named."
+)
+
+
+def _fail_everywhere(shown: str, e: BaseException, doing: str) -> RankFailedError:
+    """End this rank's process groups (which wakes a peer waiting on it) and return the
+    :class:`RankFailedError` every rank raises for the failure ``shown``; ``doing``: what this
+    rank did ("raised it", "was waiting in a collective in ...")."""
+    global _out_of_step, _group, _backend
+    _out_of_step = (RankFailedError, shown, {})
+    # drop our references to the side group, so that ending it frees it and closes its
+    # connections; agreement points raise from ``_out_of_step`` from now on
+    _group, _backend = _ENDED, None
+    _failed.end_groups()
+    err = RankFailedError(
+        f"{shown}\nNot every rank raised it, and a rank that did not was left waiting in a "
+        "collective: spmdgt ended the process groups on every rank, and every rank raises this "
+        f"error (rank {_rank} {doing}). {_GROUPS_ENDED}"
     )
     err.__cause__ = e
     return err
+
+
+def _not_run(doing: str, shown: str) -> RankFailedError:
+    """The error of a collective, agreement point or exchange asked for after the process
+    groups were ended by the failure ``shown``."""
+    return RankFailedError(
+        f"rank {_rank}: {doing}: not run: the process groups were ended after an op failed on "
+        f"one rank ({shown}). {_GROUPS_ENDED}"
+    )
+
+
+_ENDED = object()  # the side group after _fail_everywhere: active, but ended
+
+
+def _op_text(op: object) -> str:
+    name = getattr(op, "__qualname__", None) or getattr(op, "__name__", None) or str(op)
+    module = getattr(op, "__module__", None)
+    if name == "__get__":  # a property's getter (``x.T``)
+        name = getattr(getattr(op, "__self__", None), "__name__", "") or name
+    name = name.replace("TensorBase.", "Tensor.")  # torch._C.TensorBase: the methods' home
+    return f"{module}.{name}" if module and module.startswith("torch") else str(name)
 
 
 # -- GT_CHECK_RANKS: before every redistribution -------------------------------------------------
@@ -522,7 +609,7 @@ def _install_excepthook() -> None:
         return
 
     def hook(kind, value, tb):
-        if isinstance(value, (RankDivergenceError, RankTimeoutError)):
+        if isinstance(value, _OURS):
             # the message says what each rank did and where: spmdgt's frames add nothing
             text = f"[rank {_rank}] spmdgt: {kind.__name__}: {value}\n"
             sys.stderr.write(text)

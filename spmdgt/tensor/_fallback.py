@@ -22,7 +22,6 @@ from __future__ import annotations
 import sys
 import types
 import warnings
-import weakref
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate
@@ -30,7 +29,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from spmdgt._core import debuglog as _debuglog
 from spmdgt.tensor._moves import gather, scatter, target_of
 
-__all__ = ["counts", "run_global", "run_inplace", "tag_views", "write_through"]
+__all__ = ["counts", "run_global", "run_inplace", "tag_views", "write_through", "written"]
 
 _DisableSubclass = torch._C.DisableTorchFunctionSubclass
 
@@ -129,6 +128,13 @@ def _layout_outputs(out, like):
     return _map(lay, out)
 
 
+# Outputs torch's kernels read on the host as sizes, which must stay plain CPU tensors as
+# torch gives them: a packed sequence's batch sizes (an RNN reads them: as a sharded wrapper
+# they hold no data, "data is not allocated yet") and the lengths pad_packed_sequence returns.
+# op name -> the output's index
+_HOST_OUTPUTS = {"_pack_padded_sequence": 1, "_pad_packed_sequence": 1}
+
+
 def in_layout_of(full: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     """``full`` laid out in memory as DTensor ``a``'s global strides say (a transposed value
     stays transposed), where those strides are a permutation of a dense layout; ``full``
@@ -162,7 +168,15 @@ def run_global(func, args, kwargs, why: str, strided: bool = False):
     )
     with _DisableSubclass():
         out = func(*full_args, **full_kwargs)
-    return _layout_outputs(out, like) if like is not None else out
+    if like is None:
+        return out
+    host = _HOST_OUTPUTS.get(op_name(func).split(".")[0])
+    if host is not None:
+        outs = list(out)
+        outs[:host] = _layout_outputs(outs[:host], like)
+        outs[host + 1 :] = _layout_outputs(outs[host + 1 :], like)
+        return type(out)(outs)
+    return _layout_outputs(out, like)
 
 
 def _check_leaf(t: torch.Tensor, name: str) -> None:
@@ -187,21 +201,73 @@ def _write_back(dst: DTensor, full: torch.Tensor, name: str) -> None:
         dst.copy_(new)
 
 
-def run_inplace(func, args, kwargs, why: str):
-    """A mutation (in-place op, ``__setitem__`` or ``out=``) computed on global values, then
-    written back into each rank's shard of every sharded tensor it mutates."""
-    name = op_name(func)
+_written_args: dict[str, tuple[tuple[int, str], ...]] = {}
+
+
+def _schema_writes(func) -> tuple[tuple[int, str], ...]:
+    """(position, name) of every argument aten's schema of ``func`` marks written
+    (``Tensor(a!)``, ``Tensor(a!)[]``), over all its overloads (``out`` excluded: ``run_inplace``
+    reads it itself); () when ``func`` is no aten op (``__setitem__``, the dunders)."""
+    schema = getattr(func, "_schema", None)
+    key = str(schema.name) + "." + schema.overload_name if schema is not None else op_name(func)
+    r = _written_args.get(key)
+    if r is None:
+        if schema is not None:
+            schemas = [schema]
+        else:
+            packet = getattr(torch.ops.aten, key, None)
+            schemas = [getattr(packet, o)._schema for o in packet.overloads()] if packet else []
+        found = {
+            (i, a.name)
+            for s in schemas
+            for i, a in enumerate(s.arguments)
+            if a.alias_info is not None and a.alias_info.is_write and a.name != "out"
+        }
+        r = _written_args[key] = tuple(sorted(found))
+    return r
+
+
+def written(func, args, kwargs) -> list:
+    """The tensors a mutation ``func(*args, **kwargs)`` writes into, lists flattened: those
+    passed as ``out=``, else every argument aten's schema marks written (all five lists of
+    ``_fused_adam_``: params, grads and states), else ``args[0]`` (``__setitem__``, the
+    in-place dunders, ``F.dropout(x, inplace=True)``), else the first DTensor keyword
+    (``nn.init.uniform_`` passes its tensor as ``tensor=``)."""
     out_arg = kwargs.get("out") if kwargs else None
     if out_arg is not None:
-        targets = list(out_arg) if isinstance(out_arg, (list, tuple)) else [out_arg]
-    else:  # self: nn.init's functions pass their tensor as a keyword (tensor=)
-        targets = [args[0] if args else _first_dtensor(args, kwargs)]
+        found = [out_arg]
+    else:
+        found = []
+        for i, name in _schema_writes(func):
+            if i < len(args):
+                found.append(args[i])
+            elif kwargs and name in kwargs:
+                found.append(kwargs[name])
+        if not found and args:
+            found = [args[0]]
+        if not found:
+            found = [_first_dtensor(args, kwargs)]
+    flat: list = []
+    for f in found:
+        for t in f if isinstance(f, (list, tuple)) else (f,):
+            if isinstance(t, torch.Tensor) and not any(t is g for g in flat):
+                flat.append(t)
+    return flat
+
+
+def run_inplace(func, args, kwargs, why: str):
+    """A mutation (in-place op, ``__setitem__``, ``out=``, a foreach or fused optimizer op
+    that writes lists) computed on global values, then written back into each rank's shard
+    of every sharded tensor it mutates (``written``). Plain tensors it mutates are written by
+    the op itself, alike on every rank."""
+    name = op_name(func)
+    targets = written(func, args, kwargs)
     # A Python function (nn.init.kaiming_uniform_) decides itself: its body may run under
     # no_grad, where writing into a leaf that requires grad is allowed. Its copy of such a
     # leaf is a leaf too, so torch raises in it exactly where it would raise in one process.
     composite = isinstance(func, types.FunctionType)
     for t in targets:
-        if isinstance(t, torch.Tensor) and not composite:
+        if not composite:
             _check_leaf(t, name)
     _note(func, why, args, kwargs)
     fulls: dict[int, torch.Tensor] = {}
@@ -246,7 +312,14 @@ def _root(t: torch.Tensor) -> torch.Tensor:
 def tag_views(func, args, kwargs, out, src) -> None:
     """After view op ``func`` on sharded ``src``: tag each output that does not share ``src``'s
     local memory (DTensor redistributed to make it, so it is a copy) with how to rebuild it
-    from the base, so an in-place op on it can write through, as on a torch view."""
+    from the base, so an in-place op on it can write through, as on a torch view.
+
+    The tag holds the base itself, not a weak reference: a torch view keeps its base's
+    storage alive, so writes to the base made before it died stay visible through the view,
+    and writes through the view keep reaching a base nobody else holds. With a weak reference
+    a copy went stale the moment Python collected its base, a result that depended on when
+    the collector ran. The view holds only the base (never the reverse), so both die with the
+    view's last reference, as a torch view and its storage do."""
     if any(isinstance(a, DTensor) for a in args[1:]) or any(
         isinstance(v, DTensor) for v in (kwargs or {}).values()
     ):
@@ -265,17 +338,15 @@ def tag_views(func, args, kwargs, out, src) -> None:
             v = func(full, *rest, **kw)
             return v[_i] if _many else v
 
-        if parent is not None:
-            base_ref, inner, _ = parent
+        base = src
+        if parent is not None:  # a view of a tagged view: replay both from the first base
+            base, inner, _ = parent
 
             def replay(full, _outer=replay, _inner=inner):
                 return _outer(_inner(full))
 
-            base = base_ref()
-        else:
-            base_ref, base = weakref.ref(src), src
         # the base's version now: a later write to the base makes this copy stale (refresh)
-        o._gt_view = (base_ref, replay, base._version if base is not None else -1)
+        o._gt_view = (base, replay, base._version)
 
 
 def write_through(func, args, kwargs, view: DTensor):
@@ -284,13 +355,7 @@ def write_through(func, args, kwargs, view: DTensor):
     when torch's own op would not be a view either (advanced indexing): then the op acts on
     the copy alone, as in torch."""
     name = op_name(func)
-    base_ref, replay, _ = view._gt_view
-    base = base_ref()
-    if base is None:
-        raise RuntimeError(
-            f"{name}: in-place write through a view of a sharded tensor whose base is gone; "
-            "write to the base tensor directly (base[index] = value)"
-        )
+    base, replay, _ = view._gt_view
     needs_grad = torch.is_grad_enabled() and (
         base.requires_grad
         or view.requires_grad
@@ -317,5 +382,5 @@ def write_through(func, args, kwargs, view: DTensor):
             new_view = replay(full_base)
         _write_back(base, full_base, name)
         _write_back(view, new_view.contiguous(), name)
-    view._gt_view = (base_ref, replay, base._version)
+    view._gt_view = (base, replay, base._version)
     return None if op_name(func) == "__setitem__" else view

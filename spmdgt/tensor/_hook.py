@@ -341,6 +341,86 @@ def _tracing(args) -> bool:
     return False
 
 
+# Matrix products -> (first operand's index in the specs, its contracted dim, the second
+# operand's contracted dim), dims counted from the end.
+_MATMULS = {
+    torch.ops.aten.mm.default: (0, -1, -2),
+    torch.ops.aten.bmm.default: (0, -1, -2),
+    torch.ops.aten.addmm.default: (1, -1, -2),
+    torch.ops.aten.baddbmm.default: (1, -1, -2),
+}
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+# Sums -> the index of their ``dim`` argument (None: over every dim).
+_SUMS = {
+    torch.ops.aten.sum.default: None,
+    torch.ops.aten.sum.dim_IntList: 1,
+    torch.ops.aten.mean.default: None,
+    torch.ops.aten.mean.dim: 1,
+    torch.ops.aten.linalg_vector_norm.default: 2,
+}
+
+
+def _check_low_precision_reduction(op_call, args, specs) -> None:
+    """As ``_check_low_precision_sum``, for a bfloat16/float16 sum, mean or norm over a
+    sharded dim: each rank rounds its partial result, torch rounds the whole once (Muon's
+    ``norm()`` of its bfloat16 gradient)."""
+    spec = specs[0] if specs else None
+    if not hasattr(spec, "placements") or spec.tensor_meta is None:
+        return
+    if spec.tensor_meta.dtype not in _LOW_PRECISION:
+        return
+    at = _SUMS[op_call]
+    dims = args[at] if at is not None and len(args) > at else None
+    ndim = len(spec.shape)
+    if dims is None or dims == []:
+        dims = range(ndim)
+    elif isinstance(dims, int):
+        dims = [dims]
+    reduced = {d % max(ndim, 1) for d in dims}
+    if any(p.is_partial() or any(p.is_shard(d) for d in reduced) for p in spec.placements):
+        raise RuntimeError(
+            f"{op_call}: {spec.tensor_meta.dtype} reduction over a sharded dim (the ranks "
+            "would combine partial results rounded to low precision)"
+        )
+
+
+def _check_low_precision_sum(op_call, specs) -> None:
+    """Raise (so the op takes the exact fallback) for a bfloat16/float16 matrix product
+    whose contracted dim is sharded: each rank's kernel rounds its partial sum to the low
+    precision and the ranks then add rounded values, where torch's kernel accumulates in
+    float32 and rounds once (Muon's Newton-Schulz iteration came out 4e-3 off)."""
+    where = _MATMULS.get(op_call)
+    if where is None:
+        return
+    first = where[0]
+    pair = [s for s in specs[first : first + 2] if hasattr(s, "placements")]
+    if len(pair) != 2 or pair[0].tensor_meta is None:
+        return
+    if pair[0].tensor_meta.dtype not in _LOW_PRECISION:
+        return
+    for spec, dim in zip(pair, where[1:]):
+        dim += len(spec.shape)
+        if any(p.is_shard(dim) or p.is_partial() for p in spec.placements):
+            raise RuntimeError(
+                f"{op_call}: {pair[0].tensor_meta.dtype} product over a sharded dim "
+                "(the ranks would add partial sums rounded to low precision)"
+            )
+
+
+# A 0-d DTensor read as a Python number: ``item()`` on a plain DTensor, and torch's argument
+# parser turning a tensor into a ``Scalar`` argument (``p.add_(d, alpha=t)``, LBFGS's step).
+_SCALAR_READS = frozenset({torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default})
+
+
+def _scalar(t):
+    """The global number a 0-d DTensor holds, on every rank: DTensor's own read gives a rank
+    outside the tensor's sub-mesh None ("Cannot cast None to number", raised there while
+    the mesh's ranks went on: a hang)."""
+    from spmdgt.tensor._moves import global_value
+
+    return global_value(t).item()
+
+
 _backward = [0]  # > 0 while spmdgt runs the autograd engine (``backward``/``autograd.grad``)
 
 
@@ -397,6 +477,8 @@ def install() -> None:
                 out = _attention.place_mask(op_call, args, kwargs)
                 if out is not None:
                     return out
+            if op_call in _SCALAR_READS:
+                return _scalar(args[0])
             decomp = _own_decomposition(op_call)
             if decomp is not None and _sharded(op_info.schema.args_spec):
                 try:
@@ -407,6 +489,10 @@ def install() -> None:
             if rewrite is not None and rewrite[0](args) and _sharded(op_info.schema.args_spec):
                 return rewrite[1](op_call, args, kwargs)
         try:
+            if ours and op_call in _MATMULS:
+                _check_low_precision_sum(op_call, op_info.schema.args_spec)
+            if ours and op_call in _SUMS:
+                _check_low_precision_reduction(op_call, args, op_info.schema.args_spec)
             if ours and op_call in _RESHAPES:
                 _check_reshape(op_call, op_info.schema.args_spec)
             result = original(op_call, args, kwargs, op_info, *rest, **kw)

@@ -122,10 +122,13 @@ class _Move(torch.autograd.Function):
 
         if grad is None:
             return None, None
-        full = global_value(grad)
-        if ctx.source is None:
-            return full, None
-        return place(full, Target(*ctx.source)), None
+        target = None if ctx.source is None else Target(*ctx.source)
+        if torch.is_grad_enabled():
+            # create_graph (a gradient penalty, MAML): the way back is a move too, recorded,
+            # so the gradient can be differentiated again
+            with _DisableSubclass():
+                return _Move.apply(grad, target), None
+        return place(global_value(grad), target), None
 
 
 class _Gather(_Move):
@@ -138,7 +141,12 @@ class _Gather(_Move):
     @staticmethod
     def forward(ctx, x, target):
         ctx.set_materialize_grads(False)
-        return _Move.forward(ctx, x, target)
+        # detached: a replicated value's global value is its own memory, a view of it, and a
+        # custom Function's output that is a view may not be used once its base was written
+        # in place (autograd's view+inplace rule). A plain parameter lifted into the op
+        # (``embedding(max_norm=)`` renormalises its weight in place, then reads it) stays
+        # the same memory, so the write still reaches it, as in one process
+        return _Move.forward(ctx, x, target).detach()
 
 
 def move(x: torch.Tensor, target) -> torch.Tensor:
@@ -221,9 +229,12 @@ def align_meshes(args, kwargs, writes_self: bool = False):
 class _Lift(torch.autograd.Function):
     """A plain (world-replicated) tensor entering an op as Replicate on ``mesh``; its gradient
     is gathered to every rank, so the plain tensor's ``.grad`` is the same full value
-    everywhere: on a sub-mesh (ranks outside it hold no part of it), and for 0-d tensors,
-    whose gradient a backward formula may hand back plain (``from_local``'s backward
-    expects a DTensor there)."""
+    everywhere: partial gradients summed, on a sub-mesh too (ranks outside it hold no part of
+    it), and for 0-d tensors, whose gradient a backward formula may hand back plain.
+
+    Not ``DTensor.from_local``: its backward sums a partial gradient outside autograd, so a
+    gradient w.r.t. a plain parameter taken with ``create_graph`` (a gradient penalty, a MAML
+    inner step) had no graph. Here, under ``create_graph``, the gather is a recorded move."""
 
     @staticmethod
     def forward(ctx, a, mesh):
@@ -231,20 +242,19 @@ class _Lift(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        if torch.is_grad_enabled() and isinstance(grad, DTensor):  # create_graph
+            return gather(grad), None
         return global_value(grad), None
 
 
 def lift_grad_plain(mesh, args, kwargs):
-    """Plain tensors that need gradients enter as Replicate DTensors through ``from_local``,
-    whose backward all-reduces partial gradients, so they get plain, correct ``.grad``."""
-    world = mesh.size() == get_runtime().world_size
+    """Plain tensors that need gradients enter as Replicate DTensors (``_Lift``), whose
+    backward sums partial gradients, so they get plain, correct ``.grad``."""
 
     def lift(a):
         if not isinstance(a, torch.Tensor) or isinstance(a, DTensor) or not a.requires_grad:
             return a
         # A plain DTensor: it lives for this one call (outputs are re-tagged).
-        if world and a.dim():
-            return DTensor.from_local(a, mesh, [Replicate()] * mesh.ndim, run_check=False)
         with _DisableSubclass():
             return _Lift.apply(a, mesh)
 
@@ -286,12 +296,17 @@ def scatter(full: torch.Tensor, target):
 
 def refresh(view: DTensor) -> None:
     """Bring a tagged view up to date if its base was written since (a torch view would show
-    the write at once). Versions advance alike on every rank, so all refresh together."""
-    base_ref, replay, version = view._gt_view
-    base = base_ref()
-    if base is None or base._version == version:
+    the write at once). Versions advance alike on every rank, so all refresh together.
+
+    Where autograd records and the base needs a gradient, the new value is copied in through
+    autograd (``copy_``), so the view's gradient reaches the base as it is now, as a torch
+    view's does after its base was written; a copy behind autograd's back left the view's
+    history at the old base (a silently wrong gradient)."""
+    base, replay, version = view._gt_view
+    if base._version == version:
         return
-    with torch.no_grad():
+    grad = torch.is_grad_enabled() and base.requires_grad
+    with torch.set_grad_enabled(grad):
         full = gather(base)
         with _DisableSubclass():
             new_view = replay(full)
@@ -299,5 +314,9 @@ def refresh(view: DTensor) -> None:
             new = scatter(
                 new_view.contiguous().to(view.dtype), target_of(view.device_mesh, view.placements)
             )
-            view._local_tensor.copy_(new._local_tensor)
-    view._gt_view = (base_ref, replay, base._version)
+            if grad:
+                with _DisableSubclass():
+                    view.copy_(new)
+            else:
+                view._local_tensor.copy_(new._local_tensor)
+    view._gt_view = (base, replay, base._version)

@@ -73,7 +73,7 @@ import math
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from spmdgt.tensor import _attention, _fallback, _random
+from spmdgt.tensor import _attention, _fallback, _overlap, _random
 from spmdgt.tensor._assign import assign
 from spmdgt.tensor._fallback import op_name
 from spmdgt.tensor._hook import NoRule, running_backward
@@ -133,6 +133,10 @@ _DATA_DEPENDENT = frozenset(
         "histc",
         "histogram",
         "repeat_interleave",
+        # a packed sequence's sizes come from the lengths' values; its batch sizes stay a
+        # plain CPU tensor, which RNN kernels read on the host (_fallback._HOST_OUTPUTS)
+        "_pack_padded_sequence",
+        "_pad_packed_sequence",
         "quantile",  # DTensor gives a scalar q's result shape (1,) instead of ()
         "nanquantile",
         # host reads through torch.Tensor.item(x): the global value, never a rank's shard
@@ -563,6 +567,9 @@ def _on_view(func, args, kwargs):
 def _on_inplace(func, args, kwargs):
     self = args[0] if args else None
     if isinstance(self, DTensor):
+        out = _overlap.through_model(func, args, kwargs)  # an operand aliases self: torch's way
+        if out is not NotImplemented:
+            return out
         if getattr(self, "_gt_view", None) is not None:
             out = _fallback.write_through(func, args, kwargs, self)
             if out is not NotImplemented:
@@ -683,5 +690,8 @@ def run(func, args, kwargs, r: int):
     """Run ``func`` the way its route ``r`` (``route``) says: ``HANDLERS[r]``. An ``out=``
     on a sharded operand is a mutation of it, whatever the op: the in-place fallback."""
     if r != AUTOGRAD and kwargs.get("out") is not None:
+        out = _overlap.through_model(func, args, kwargs)  # an input aliases out=: torch's way
+        if out is not NotImplemented:
+            return out
         return _fallback.run_inplace(func, args, kwargs, "out= on a sharded operand")
     return HANDLERS[r](func, args, kwargs)

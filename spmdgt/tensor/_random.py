@@ -41,7 +41,14 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from spmdgt.tensor._fallback import _layout_outputs, _note, _write_back, in_layout_of, op_name
+from spmdgt.tensor._fallback import (
+    _layout_outputs,
+    _note,
+    _write_back,
+    in_layout_of,
+    op_name,
+    written,
+)
 from spmdgt.tensor._moves import global_value
 
 __all__ = ["always_draws", "draws", "drew", "forget", "note_outside", "run", "settle", "state"]
@@ -142,27 +149,18 @@ def settle() -> None:
     torch._C._clear_DTensor_sharding_propagator_cache()
 
 
-def _written(op_call) -> list[tuple[int, str]]:
-    """(index, name) of the arguments ``op_call`` writes into (``self`` of an in-place op, the
-    noise buffer of ``rrelu_with_noise``, ``out=``)."""
-    return [
-        (i, a.name)
-        for i, a in enumerate(op_call._schema.arguments)
-        if a.alias_info is not None and a.alias_info.is_write
-    ]
-
-
 def run(op_call, args, kwargs, why: str = "random op inside a composite"):
     """Aten op ``op_call`` on the global values of its DTensor arguments, on every rank: one
     process's numbers and generator states. Each DTensor it writes into gets its own part of
     the new value back; other outputs are laid out like the first DTensor argument (as the
     exact fallback does) and handed back as plain DTensors, as DTensor's own op would."""
     state[0] = True
-    targets: list[DTensor] = []
-    for i, name in _written(op_call):
-        t = kwargs.get(name, args[i] if i < len(args) else None)
-        if isinstance(t, DTensor):
-            targets.append(t)
+    # self of an in-place op, the noise buffer of rrelu_with_noise, out= (``written`` takes
+    # args[0] for a schema that writes nothing: asked of mutating ops only)
+    mutates = op_call._schema.is_mutable
+    targets = (
+        [t for t in written(op_call, args, kwargs) if isinstance(t, DTensor)] if mutates else []
+    )
     fulls: dict[int, torch.Tensor] = {}
     like = None
 

@@ -15,12 +15,22 @@ tensors are never ``gt.Tensor``: they are plain torch tensors, the cheapest form
 from __future__ import annotations
 
 import torch
+import torch.autograd.forward_ad as _fwad
 from torch.distributed.tensor import DTensor
 
 from spmdgt._core import scope as _scope
 from spmdgt.runtime import _agree
 from spmdgt.runtime._state import get_runtime
-from spmdgt.tensor import _assign, _dynamo, _fallback, _hook, _moves, _optable, _random
+from spmdgt.tensor import (
+    _assign,
+    _dynamo,
+    _fallback,
+    _hook,
+    _moves,
+    _optable,
+    _random,
+    _transforms,
+)
 from spmdgt.tensor._hook import NoRule
 from spmdgt.tensor._meshes import describe_mesh, mesh_ranks
 from spmdgt.tensor._moves import global_value, move, place, place_local
@@ -28,6 +38,7 @@ from spmdgt.tensor._moves import global_value, move, place, place_local
 __all__ = ["Tensor", "global_value", "move", "place", "place_local"]
 
 _DisableSubclass = torch._C.DisableTorchFunctionSubclass
+_functorch_active = torch._C._are_functorch_transforms_active
 _get_implicit = torch._C._get_dtensor_allow_implicit_replication
 _set_implicit = torch._C._set_dtensor_allow_implicit_replication
 
@@ -35,7 +46,7 @@ _set_implicit = torch._C._set_dtensor_allow_implicit_replication
 class Tensor(DTensor):
     """A sharded spmdgt tensor (a ``DTensor`` subclass); see the module docstring."""
 
-    # (base weakref, replay, base version) on a view DTensor had to copy (see _fallback)
+    # (base, replay, base version) on a view DTensor had to copy (see _fallback.tag_views)
     _gt_view = None
 
     @classmethod
@@ -82,8 +93,14 @@ class Tensor(DTensor):
                     if type(a) is Tensor:
                         a.__class__ = DTensor
                         swapped.append(a)
-                elif isinstance(a, torch.Tensor) and (a.dim() or a.requires_grad):
-                    plain = True
+                elif isinstance(a, torch.Tensor):
+                    if a.dim() or a.requires_grad:
+                        plain = True
+                elif type(a) is list or type(a) is tuple:  # backward(inputs=[...])
+                    for b in a:
+                        if type(b) is Tensor:
+                            b.__class__ = DTensor
+                            swapped.append(b)
         else:
             kwargs = {}
         route = _routes.get(func)
@@ -97,12 +114,16 @@ class Tensor(DTensor):
             if _rng[1]:  # DTensor drew outside our calls: its cached sharding goes (_random)
                 _random.settle()
         try:
+            if _fwad._current_level >= 0 or _functorch_active():  # two cheap reads
+                _transforms.check(func, args, kwargs)  # torch.func / dual tensors: refused
             if views is not None:
                 for v in views:
                     _moves.refresh(v)
-            if mesh is not None and (many or _scope.stack):
+            # backward()/autograd.grad take their tensors as they are: a moved or lifted copy
+            # of an input is not the tensor asked about (grad w.r.t. a plain parameter)
+            if mesh is not None and (many or _scope.stack) and route != _AUTOGRAD:
                 args, kwargs = _moves.align_meshes(args, kwargs, route == _optable.INPLACE)
-            if plain and mesh is not None and torch.is_grad_enabled():
+            if plain and mesh is not None and torch.is_grad_enabled() and route != _AUTOGRAD:
                 args, kwargs = _moves.lift_grad_plain(mesh, args, kwargs)
             if route == 0 and "out" not in kwargs:  # DTENSOR, the common case: inlined
                 try:
@@ -180,8 +201,14 @@ class Tensor(DTensor):
     # tensor and the call site before any data moves, so a rank that reads another tensor,
     # or none, is an error on every rank instead of a wrong value or a hang.
     def numpy(self, *, force: bool = False):
-        """The global value as a numpy array (a collective: every rank must call it)."""
-        return _read(self, "numpy()").cpu().numpy(force=force)
+        """The global value as a read-only numpy array (a collective: every rank must call it).
+
+        torch's ``.numpy()`` shares the tensor's memory, so writing into the array changes the
+        tensor. No rank holds a sharded tensor's memory whole: the array is a copy, and a
+        write into it could not reach the tensor. It is read-only, so such a write raises
+        (numpy's "assignment destination is read-only") instead of silently differing from
+        one process; ``.numpy().copy()`` gives an array to write to."""
+        return _read_only(_read(self, "numpy()").cpu().numpy(force=force))
 
     def item(self):
         """The global scalar value (a collective)."""
@@ -192,8 +219,11 @@ class Tensor(DTensor):
         return _read(self, "tolist()").tolist()
 
     def __array__(self, dtype=None, copy=None):
-        arr = _read(self, "numpy.asarray()").cpu().numpy()
-        return arr.astype(dtype) if dtype is not None else arr
+        # read-only as .numpy() is; a copy numpy asks for (np.array) is the caller's to write
+        arr = _read_only(_read(self, "numpy.asarray()").cpu().numpy())
+        if dtype is not None:
+            arr = arr.astype(dtype, copy=False)
+        return arr.copy() if copy else arr
 
     def __repr__(self, *, tensor_contents=None) -> str:
         value = repr(_read(self, "print()/repr()"))
@@ -242,6 +272,12 @@ def _read(t: DTensor, what: str) -> torch.Tensor:
         raise _agree.translate(e, what)  # noqa: B904 (e, or a timeout error caused by e)
 
 
+def _read_only(arr):
+    """``arr`` made read-only: see ``Tensor.numpy``."""
+    arr.flags.writeable = False
+    return arr
+
+
 def _swap_to_base(args, kwargs) -> list:
     """Make our arguments plain ``DTensor`` for the length of one call, and list them.
 
@@ -278,9 +314,11 @@ def _retag(out):
 
 
 _routes = _optable._routes  # read on every op: one dict lookup
+_AUTOGRAD = _optable.AUTOGRAD
 _rng = _random.state  # [drew in this call, DTensor drew outside our calls]: read per call
 assert _optable.DTENSOR == 0
 _moves.set_tensor_class(Tensor)
 _hook.install()
 _dynamo.install(Tensor)
+_transforms.install(Tensor)
 _assign.install_data_setter()

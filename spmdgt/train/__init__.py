@@ -15,7 +15,10 @@ The full guide is docs/trainer.md. Machinery: ``_strategies`` (wrapping: ``apply
 ``_checkpoint`` (atomic DCP checkpoints), ``_comm`` (collective algebra and logging),
 ``_units`` (the blocks: FSDP's units and compile's), ``_compile``, ``_dryrun`` (a step for a
 world that is not there), ``_throughput`` (FLOPs, MFU), ``_profilers``, ``_summary``,
-``_data``, ``_batches`` (a batch into the model, its loss out), ``_schedule``, ``_config``,
+``_data``, ``_batches`` (a batch into the model, its loss out), ``_hf_ce`` (HF heads' own
+cross-entropy, recomputed as the global token mean), ``_tp_plan`` (``placements: auto`` and
+the checks that refuse an inexact table), ``_tp_styles`` (the packed and experts styles),
+``_schedule``, ``_config``,
 ``_cli`` (the flags every training script shares).
 """
 
@@ -37,6 +40,7 @@ from spmdgt.train._data import OptimizedDataLoader, ResumableDistributedSampler
 from spmdgt.train._dryrun import DryRunError, DryRunReport, dry_run, dry_run_call
 from spmdgt.train._profilers import PerformanceProfiler
 from spmdgt.train._schedule import build_scheduler
+from spmdgt.train._tp_plan import derive_placements, table_yaml
 from spmdgt.train._trainer import DistributedTrainer
 
 __all__ = [
@@ -59,9 +63,11 @@ __all__ = [
     "add_dry_run_args",
     "add_parallelism_args",
     "build_scheduler",
+    "derive_placements",
     "dry_run",
     "dry_run_call",
     "load_train_config",
     "measure_bandwidth",
     "override",
+    "table_yaml",
 ]

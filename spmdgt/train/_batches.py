@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from spmdgt.runtime import Runtime
+from spmdgt.train import _hf_ce
 
 __all__ = [
     "agree_on_group",
@@ -185,23 +186,32 @@ def loss_from_output(out: object, with_loss_fn: bool) -> object:
 
 
 def loss_token_rule(model: torch.nn.Module) -> str | None:
-    """How ``model``'s own loss counts its items, when it divides by HF's
-    ``num_items_in_batch`` (``"shifted"``: a causal LM, ``labels[..., 1:] != -100``;
-    ``"unshifted"``: masked LM and token classification, ``labels != -100``), else ``None``.
+    """How ``model``'s loss counts its items when the trainer can make it the step's global
+    token mean, else ``None`` (the model keeps its own per-micro-batch mean):
 
-    Decided from the model alone (its class and forward signature: the same on every rank,
-    read before wrapping), the way HF's ``Trainer`` decides: the model's ``accepts_loss_kwargs``
-    when it sets one, else a forward taking ``num_items_in_batch`` or ``**kwargs``; and,
-    stricter than HF, the forward must hand them to ``self.loss_function``, one of HF's token
-    cross-entropies, which sum and divide by that count. Any
-    other loss (a regression's MSE, a user's model) would ignore the count, and passing it
-    would silently scale the loss: those keep the per-rank mean. ``transformers`` is read only
-    when the model's code already imported it (the core never imports it)."""
+    * ``"shifted"`` (a causal LM, ``labels[..., 1:] != -100``) and ``"unshifted"`` (masked LM,
+      token classification: ``labels != -100``): the model divides by HF's
+      ``num_items_in_batch``, which the trainer passes;
+    * ``"logits"`` (``_hf_ce.RULE``: ``labels != -100``): a head that computes
+      ``CrossEntropyLoss()`` itself (T5, BERT's masked-LM and token-classification heads);
+      the trainer recomputes its loss from the output's logits (``_hf_ce``).
+
+    Decided from the model alone (its class, forward signature and source: the same on every
+    rank, read before wrapping). For ``num_items_in_batch`` the way HF's ``Trainer`` decides:
+    the model's ``accepts_loss_kwargs`` when it sets one, else a forward taking
+    ``num_items_in_batch`` or ``**kwargs``; and, stricter than HF, the forward must hand them
+    to ``self.loss_function``, one of HF's token cross-entropies, which sum and divide by
+    that count. ``accepts_loss_kwargs = False`` opts a model out of both. Any other loss (a
+    regression's MSE, a user's model) would ignore the count, and passing it would silently
+    scale the loss: those keep the per-rank mean. ``transformers`` is read only when the
+    model's code already imported it (the core never imports it)."""
     if getattr(model, "accepts_loss_kwargs", True) is False:
         return None
     loss_utils = sys.modules.get("transformers.loss.loss_utils")
     if loss_utils is None:
         return None
+    if not _forward_calls_loss_function(model):
+        return _hf_ce.RULE if _hf_ce.computes_token_ce(model) else None
     try:
         params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
@@ -209,8 +219,6 @@ def loss_token_rule(model: torch.nn.Module) -> str | None:
     if "num_items_in_batch" not in params and not any(
         p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()
     ):
-        return None
-    if not _forward_calls_loss_function(model):
         return None
     fn = getattr(model, "loss_function", None)  # HF's property: LOSS_MAPPING[loss_type]
     config = getattr(model, "config", None)
@@ -225,8 +233,8 @@ def _forward_calls_loss_function(model: torch.nn.Module) -> bool:
     """Whether the model's forward computes its loss through HF's ``self.loss_function``
     with the keywords it was given. Some HF heads (``BertForMaskedLM``) take ``**kwargs`` but
     compute ``CrossEntropyLoss()`` themselves: a count passed to them would be ignored, and
-    the trainer's scaling would silently multiply their loss. Read from the class's source
-    (no source: not counted)."""
+    the trainer's scaling would silently multiply their loss (``_hf_ce`` recomputes theirs).
+    Read from the class's source (no source: not counted)."""
     try:
         src = inspect.getsource(inspect.unwrap(type(model).forward))
     except (OSError, TypeError):
@@ -237,9 +245,12 @@ def _forward_calls_loss_function(model: torch.nn.Module) -> bool:
 def label_tokens(inputs: object, rule: str) -> torch.Tensor | None:
     """This micro-batch's items as HF's loss counts them (a 0-dim int64 tensor on the labels'
     device, no host sync), or ``None`` when it is not a dict batch with ``labels``. A batch's
-    own ``shift_labels`` (a padding-free collator's) are counted as they are, as HF does."""
+    own ``shift_labels`` (a padding-free collator's) are counted as they are, as HF does; a
+    recomputed head's (``"logits"``) loss reads ``labels`` only, ignoring -100."""
     if not isinstance(inputs, Mapping) or "labels" not in inputs:
         return None
+    if rule == _hf_ce.RULE:
+        return (inputs["labels"] != _hf_ce.IGNORE).sum(dtype=torch.int64)
     ignore = inputs.get("ignore_index", -100)
     if "shift_labels" in inputs:
         labels = inputs["shift_labels"]

@@ -13,9 +13,9 @@ YAML (every section optional; unknown keys are errors naming file and key)::
       use_amp: false
       max_steps: null              # stop after this many optimizer steps (null: all epochs)
       scheduler: {type: linear_warmup, warmup_steps: 100, total_steps: 1000}
-    placements:        # module-name glob -> colwise | rowwise | replicate | sharded_input
-      "layers.*.mlp.up": colwise
-      "layers.*.mlp.down": rowwise
+    placements:        # module-name glob -> colwise | rowwise | replicate | sharded_input |
+      "layers.*.mlp.up": colwise   # colwise_gather | rowwise_split | packed_colwise | experts;
+      "layers.*.mlp.down": rowwise # or `placements: auto` (derived from the model)
     checkpoint: {dir: ckpt, every_steps: 50}
     profile: false
     logdir: runs/exp1
@@ -51,7 +51,16 @@ __all__ = [
 ]
 
 STRATEGIES = ("ddp", "fsdp", "placements")
-PLACEMENT_STYLES = ("colwise", "rowwise", "replicate", "sharded_input")
+PLACEMENT_STYLES = (
+    "colwise",
+    "rowwise",
+    "replicate",
+    "sharded_input",
+    "colwise_gather",
+    "rowwise_split",
+    "packed_colwise",
+    "experts",
+)
 
 
 def _bool(value: object, key: str) -> None:
@@ -255,8 +264,10 @@ class TrainConfig:
     """DDP settings (strategy ``ddp``)."""
     training: TrainingConfig = field(default_factory=TrainingConfig)
     """Loop settings."""
-    placements: dict[str, str] = field(default_factory=dict)
-    """Module-name glob -> ``colwise`` | ``rowwise`` | ``replicate``; first match wins."""
+    placements: dict[str, str] | str = field(default_factory=dict)
+    """Module-name glob -> one of ``PLACEMENT_STYLES``; first match wins. ``"auto"``: derived
+    from the model when it is wrapped (HF's ``base_model_tp_plan``, else its module tree;
+    ``_tp_plan.derive_placements``), printed on rank 0."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoint directory and frequency."""
     profile: bool = False
@@ -289,7 +300,15 @@ class TrainConfig:
                 key="strategy",
                 value=self.strategy,
             )
-        for pattern, style in self.placements.items():
+        if isinstance(self.placements, str) and self.placements != "auto":
+            raise ConfigError(
+                f"placements must be a table (module-name glob -> style) or 'auto', got "
+                f"{self.placements!r}",
+                key="placements",
+                value=self.placements,
+            )
+        table = self.placements if isinstance(self.placements, dict) else {}
+        for pattern, style in table.items():
             if style not in PLACEMENT_STYLES:
                 raise ConfigError(
                     f"unknown placement {style!r} for {pattern!r}; expected one of "
@@ -335,7 +354,8 @@ class TrainConfig:
         if self.strategy == "placements" and not self.placements:
             raise ConfigError(
                 "strategy 'placements' needs a non-empty 'placements' table "
-                "(module-name pattern -> colwise | rowwise | replicate | sharded_input)",
+                "(module-name pattern -> colwise | rowwise | replicate | sharded_input | ...) "
+                "or 'auto' (derived from the model)",
                 key="placements",
             )
 

@@ -7,9 +7,11 @@
   ``set_requires_gradient_sync(False)``. On gloo, reductions are forced to SUM-then-divide
   (``set_force_sum_reduction_for_comms``) rather than trusting an AVG reduce-scatter.
 * ``placements``: tensor parallelism from a YAML table of module-name globs through
-  ``parallelize_module`` with ``ColwiseParallel`` / ``RowwiseParallel`` on the world mesh. Every
-  rank must see the same batch (no data parallelism); ``replicate`` keeps a full copy on each
-  rank (plain tensors that stay identical because their inputs are identical).
+  ``parallelize_module`` with ``ColwiseParallel`` / ``RowwiseParallel`` (gathered and split
+  variants too) and ``_tp_styles``' packed and experts styles on the world mesh; ``auto``
+  derives the table from the model (``_tp_plan``), which also refuses tables that cannot be
+  exact. Every rank must see the same batch (no data parallelism); ``replicate`` keeps a full
+  copy on each rank (plain tensors that stay identical because their inputs are identical).
 
 ``wrap_model`` is the one place that applies these, in torchtitan's order (its
 ``parallelize_llama``), each step a small function of its own: ``apply_tp`` (tensor
@@ -49,6 +51,7 @@ from spmdgt.train._compile import (
     find_blocks,
 )
 from spmdgt.train._config import STRATEGIES, DDPConfig, FSDPConfig
+from spmdgt.train._tp_plan import SPLIT_COLWISE, _style_of, check_table, resolve_placements
 from spmdgt.train._units import fsdp_blocks
 
 __all__ = [
@@ -86,6 +89,8 @@ class Wrapped:
     by ``sum_partial_grads`` once per optimizer step (FSDP2 replaces the parameters, so a
     hook on the originals would never fire)."""
     partial_group: object = None
+    placements: dict[str, str] | None = None
+    """The table applied (``placements: auto``: the derived one), ``None`` without TP."""
 
     def sum_partial_grads(self) -> None:
         """Sum the ``partial_grads`` over the tensor-parallel group (collective on that group;
@@ -134,8 +139,10 @@ class Wrapped:
 def _placement_plan(
     model: nn.Module, table: dict[str, str], world_size: int = 1
 ) -> dict[str, object]:
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
+    """The ``parallelize_module`` plan of ``table`` (module-name glob -> style, first match
+    wins), refused before any shard is made when it cannot be exact (``check_table``, then
+    the unnamed-beside-colwise rule) or names modules it cannot split."""
+    check_table(model, table)
     plan: dict[str, object] = {}
     used = dict.fromkeys(table, False)
     for name, module in model.named_modules():
@@ -145,17 +152,9 @@ def _placement_plan(
             if fnmatch.fnmatchcase(name, pattern):
                 used[pattern] = True
                 if style not in ("replicate", "sharded_input"):
-                    if not isinstance(module, (nn.Linear, nn.Embedding)):
-                        raise ConfigError(
-                            f"{style} placement needs an nn.Linear or nn.Embedding, but "
-                            f"{name!r} is a {type(module).__name__}",
-                            key=f"placements.{pattern}",
-                            value=style,
-                        )
-                    _check_divisible(module, name, pattern, style, world_size)
-                    plan[name] = ColwiseParallel() if style == "colwise" else RowwiseParallel()
+                    plan[name] = _style(module, name, pattern, style, world_size)
                 break  # first matching pattern wins
-    _refuse_unplaced_beside_colwise(model, plan, table)
+    _refuse_unplaced_beside_colwise(model, table)
     unused = [p for p, hit in used.items() if not hit]
     if unused:
         names = [n for n, _ in model.named_modules() if n][:12]
@@ -167,9 +166,68 @@ def _placement_plan(
     return plan
 
 
-def _refuse_unplaced_beside_colwise(
-    model: nn.Module, plan: dict[str, object], table: dict[str, str]
-) -> None:
+def _style(module: nn.Module, name: str, pattern: str, style: str, world_size: int) -> object:
+    """One module's DTensor ``ParallelStyle`` for the table's ``style`` (checked first)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from spmdgt.train._tp_styles import ExpertsParallel, PackedColwise
+
+    if style == "experts":
+        _check_experts(module, name, pattern, world_size)
+        return ExpertsParallel()
+    linear_only = style in ("packed_colwise", "rowwise_split")
+    kinds = (nn.Linear,) if linear_only else (nn.Linear, nn.Embedding)
+    if not isinstance(module, kinds):
+        raise ConfigError(
+            f"{style} placement needs an {' or '.join('nn.' + k.__name__ for k in kinds)}, "
+            f"but {name!r} is a {type(module).__name__}",
+            key=f"placements.{pattern}",
+            value=style,
+        )
+    _check_divisible(module, name, pattern, style, world_size)
+    if style == "colwise":
+        return ColwiseParallel()
+    if style == "colwise_gather":
+        return ColwiseParallel(output_layouts=Replicate())
+    if style == "packed_colwise":
+        return PackedColwise(parts=2)
+    # rowwise: an embedding's token ids are whole on every rank (vocab-parallel lookup);
+    # rowwise_split: a whole input, each rank takes its slice
+    whole = style == "rowwise_split" or isinstance(module, nn.Embedding)
+    return RowwiseParallel(input_layouts=Replicate()) if whole else RowwiseParallel()
+
+
+def _check_experts(module: nn.Module, name: str, pattern: str, world_size: int) -> None:
+    """``experts`` takes HF's fused experts: ``gate_up_proj [E, 2I, H]``, ``down_proj
+    [E, H, I]``, no other parameters, ``I`` divisible by the ranks."""
+    params = dict(module.named_parameters(recurse=False))
+    gu, down = params.get("gate_up_proj"), params.get("down_proj")
+    ok = (
+        set(params) == {"gate_up_proj", "down_proj"}
+        and gu.ndim == 3
+        and down.ndim == 3
+        and gu.shape[1] == 2 * down.shape[2]
+        and gu.shape[2] == down.shape[1]
+    )
+    if not ok:
+        shapes = {k: tuple(v.shape) for k, v in params.items()}
+        raise ConfigError(
+            f"experts placement needs HF's fused experts (gate_up_proj [E, 2I, H] and "
+            f"down_proj [E, H, I], nothing else), but {name!r} has {shapes}",
+            key=f"placements.{pattern}",
+            value="experts",
+        )
+    if down.shape[2] % world_size:
+        raise ConfigError(
+            f"experts placement of {name!r} splits its intermediate size {down.shape[2]} over "
+            f"{world_size} ranks; it must divide by the ranks",
+            key=f"placements.{pattern}",
+            value="experts",
+        )
+
+
+def _refuse_unplaced_beside_colwise(model: nn.Module, table: dict[str, str]) -> None:
     """Refuse a table that leaves a module with parameters beside a colwise one unnamed.
 
     Such a module (Qwen3's per-head ``q_norm``/``k_norm`` beside ``q_proj``/``k_proj``) most
@@ -177,9 +235,7 @@ def _refuse_unplaced_beside_colwise(
     gradients would then cover those heads alone and the ranks' "replicated" weights drift
     apart, silently. A pre-norm beside them sees the full input instead and is right as a
     plain module, so naming it ``replicate`` in the table says so and is accepted."""
-    from torch.distributed.tensor.parallel import ColwiseParallel
-
-    colwise = {name for name, style in plan.items() if isinstance(style, ColwiseParallel)}
+    colwise = {name for name, _ in model.named_modules() if _style_of(name, table) in SPLIT_COLWISE}
     named = {
         name
         for name, _ in model.named_modules()
@@ -228,12 +284,17 @@ def _sum_gradients_over_ranks(
             param.register_hook(summed)
 
 
-# (is an Embedding, style) -> the attribute holding the dim that style splits
+# (is an Embedding, style) -> the attribute holding the dim that style splits, and the
+# parts it must split into (packed: each of its 2 parts over the ranks)
 _SHARDED_DIM = {
-    (True, "colwise"): "embedding_dim",
-    (True, "rowwise"): "num_embeddings",
-    (False, "colwise"): "out_features",
-    (False, "rowwise"): "in_features",
+    (True, "colwise"): ("embedding_dim", 1),
+    (True, "colwise_gather"): ("embedding_dim", 1),
+    (True, "rowwise"): ("num_embeddings", 1),
+    (False, "colwise"): ("out_features", 1),
+    (False, "colwise_gather"): ("out_features", 1),
+    (False, "packed_colwise"): ("out_features", 2),
+    (False, "rowwise"): ("in_features", 1),
+    (False, "rowwise_split"): ("in_features", 1),
 }
 
 
@@ -241,13 +302,13 @@ def _check_divisible(
     module: nn.Module, name: str, pattern: str, style: str, world_size: int
 ) -> None:
     """torch hands colwise output to rowwise input as even local shards: demand divisibility."""
-    what = _SHARDED_DIM[(isinstance(module, nn.Embedding), style)]
+    what, parts = _SHARDED_DIM[(isinstance(module, nn.Embedding), style)]
     size = getattr(module, what)
-    if size % world_size:
+    if size % (world_size * parts):
         raise ConfigError(
-            f"{style} placement of {name!r} splits its {what}={size} over {world_size} ranks; "
-            f"tensor parallelism needs it divisible by the world size (pad the layer or "
-            f"replicate it)",
+            f"{style} placement of {name!r} splits its {what}={size} over {world_size} ranks"
+            f"{f' in each of its {parts} parts' if parts > 1 else ''}; tensor parallelism needs "
+            f"it divisible by the world size (pad the layer or replicate it)",
             key=f"placements.{pattern}",
             value=style,
         )
@@ -265,7 +326,7 @@ def wrap_model(
     find_unused_parameters: bool = False,
     ddp: DDPConfig | None = None,
     fsdp: FSDPConfig | None = None,
-    placements: dict[str, str] | None = None,
+    placements: dict[str, str] | str | None = None,
     mesh: object = None,
     compile: bool = False,
     compile_backend: str = "inductor",
@@ -304,6 +365,8 @@ def wrap_model(
     sharded_input: list[nn.Module] = []
     if strategy == "placements" or (two_d and tp_mesh is not None):
         assert placements, "TrainConfig requires a placements table for tensor parallelism"
+        placements = resolve_placements(model, placements)
+        wrapped.placements = placements
         plan = _placement_plan(model, placements, tp_size)  # checked in a world of 1 too
         if tp_mesh is not None:
             group = tp_mesh.get_group() if two_d else None  # None: the world, as before

@@ -31,6 +31,7 @@ from torch import nn
 from spmdgt import compile as gt_compile
 from spmdgt import runtime
 from spmdgt.config import ConfigError
+from spmdgt.train import _hf_ce
 from spmdgt.train._batches import (
     agree_on_group,
     batch_size_of,
@@ -172,6 +173,8 @@ class DistributedTrainer:
         )
         # HF's num_items_in_batch: read from the model before wrapping (FSDP2 swaps its class)
         self._loss_tokens = loss_token_rule(model) if loss_fn is None else None
+        # _hf_ce's recomputed heads: named in errors (FSDP2 renames the class), checked once
+        self._model_name, self._checked_ce = type(model).__name__, False
         self._warn_mean_of_means(model)
         self.wrapped: Wrapped = self._wrap(model)
         self.model = self.wrapped.module
@@ -237,15 +240,19 @@ class DistributedTrainer:
 
     def _warn_mean_of_means(self, model: nn.Module) -> None:
         """Say once, on every rank, that a Hugging Face model whose loss takes no
-        ``num_items_in_batch`` keeps the mean of per-micro-batch means when there is more than
-        one micro-batch per step (data parallelism or accumulation): decided from the config
-        and the model's class, never from data."""
+        ``num_items_in_batch`` and is not recomputed (``_hf_ce``; e.g.
+        ``BertForSequenceClassification``, three losses by problem type) keeps the mean of
+        per-micro-batch means when there is more than one micro-batch per step (data
+        parallelism or accumulation): decided from the config and the model's class, never
+        from data."""
         hf = type(model).__module__.startswith("transformers.")
         spread = self.data_parallel_size > 1 or self.accum > 1
         if self.loss_fn is None and self._loss_tokens is None and hf and spread:
             warnings.warn(
-                f"rank {self.rt.rank}: {type(model).__name__}'s loss is not one of HF's token "
-                "cross-entropies taking num_items_in_batch, so each micro-batch's loss is its "
+                f"rank {self.rt.rank}: {type(model).__name__}'s loss is neither one of HF's "
+                "token cross-entropies taking num_items_in_batch nor a CrossEntropyLoss() of "
+                "its logits against labels the trainer can recompute (docs/trainer.md, Hugging "
+                "Face models), so each micro-batch's loss is its "
                 f"own mean and the trainer averages {self.data_parallel_size} data-parallel "
                 f"rank(s) x {self.accum} micro-step(s) of them: one process's global mean only "
                 "when every micro-batch holds as many of the loss's items (no uneven -100 "
@@ -284,6 +291,9 @@ class DistributedTrainer:
             **meshes,
         )
         self._rebind_optimizer(old_params, list(model.parameters()))
+        if wrapped.placements is not None and cfg.placements == "auto":
+            # the derived table from here on (the same on every rank: read from the model)
+            self.config = override(self.config, placements=wrapped.placements)
         return wrapped
 
     def _build_mesh(self) -> dict[str, object]:
@@ -352,6 +362,8 @@ class DistributedTrainer:
     def _loss(
         self, inputs: object, targets: object, num_items: torch.Tensor | None = None
     ) -> torch.Tensor:
+        if num_items is not None and self._loss_tokens == _hf_ce.RULE:
+            return self._recomputed_loss(inputs, num_items)
         if num_items is not None:  # HF's keyword: the model's loss is sum / num_items
             inputs = {**inputs, "num_items_in_batch": num_items}
         out = loss_from_output(call_model(self.model, inputs), self.loss_fn is not None)
@@ -369,6 +381,27 @@ class DistributedTrainer:
         if hasattr(loss, "full_tensor"):  # a DTensor loss (tensor parallel) -> plain
             loss = loss.full_tensor()
         return loss
+
+    def _recomputed_loss(self, inputs: dict, num_items: torch.Tensor) -> torch.Tensor:
+        """A head that computes ``CrossEntropyLoss()`` itself (``_hf_ce``): its token sum
+        recomputed from the output's logits over the step's global label tokens. The first
+        time, every rank checks that the model's own loss is that sum's local mean (one
+        all-reduce, on every rank at the first counted micro-step: the schedule's, never the
+        data's)."""
+        out = call_model(self.model, inputs)
+        name = self._model_name
+        total = _hf_ce.token_ce_sum(out, inputs["labels"], name)
+        if not self._checked_ce:
+            self._checked_ce = True
+            _hf_ce.check_token_ce(
+                loss_from_output(out, False),
+                total,
+                inputs["labels"],
+                model=name,
+                world_size=self.rt.world_size,
+                comm_device=self._comm_device(),
+            )
+        return total / num_items
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         dtype = self.wrapped.autocast_dtype

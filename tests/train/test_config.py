@@ -59,6 +59,13 @@ def test_golden(tmp_path):
     assert t.max_steps == 40
 
 
+def test_placements_auto_is_accepted_with_tp(tmp_path):
+    cfg = load_train_config(_write(tmp_path, "strategy: placements\nplacements: auto\n"))
+    assert cfg.placements == "auto"
+    text = "strategy: fsdp\nplacements: auto\nparallelism: {tp: 2}\n"
+    assert load_train_config(_write(tmp_path, text)).parallelism.tp == 2
+
+
 def test_empty_file_gives_defaults(tmp_path):
     assert load_train_config(_write(tmp_path, "")) == TrainConfig()
 
@@ -72,6 +79,7 @@ def test_empty_file_gives_defaults(tmp_path):
         ("training: {gradient_accumulation_steps: 0}\n", ["gradient_accumulation_steps", ">= 1"]),
         ("placements: {up: diagonal}\n", ["placements.up", "diagonal", "colwise"]),
         ("strategy: placements\n", ["placements", "non-empty"]),
+        ("placements: automatic\n", ["placements", "'automatic'", "or 'auto'"]),
         (
             "training: {scheduler: {type: cosine, warmup_steps: 5}}\n",
             ["training.scheduler", "total_steps"],

@@ -22,15 +22,26 @@ from spmdgt.train import DistributedTrainer, TrainConfig
 from spmdgt.train._batches import loss_token_rule
 from spmdgt.train._config import ParallelismConfig
 from tests._dist import run_ranks
-from tests._hf import tiny_llama
+from tests._hf import tiny_bert, tiny_llama, tiny_t5
 from tests.train.test_hf_dist import EX
 
 ROWS, SEQ, STEPS, LR, VOCAB = 2, 12, 3, 0.5, 128  # rows per micro-batch, tokens per row
 
 
+# heads that compute CrossEntropyLoss() themselves (the trainer recomputes their loss):
+# tests/train/test_hf_own_loss_dist.py; a class per vocabulary id, so the batches' labels fit
+OWN_CE = {
+    "t5": lambda: tiny_t5(seed=0),
+    "bert-mlm": lambda: tiny_bert("BertForMaskedLM"),
+    "bert-tok": lambda: tiny_bert("BertForTokenClassification", num_labels=VOCAB),
+}
+
+
 def _model(kind: str) -> torch.nn.Module:
     if kind == "llama":
         return tiny_llama(seed=0)
+    if kind in OWN_CE:
+        return OWN_CE[kind]()
     return EX.build_model(EX.parse_args(["--model", kind, "--seq-len", str(SEQ)]))
 
 
@@ -225,9 +236,12 @@ def test_which_models_get_the_count():
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
         intermediate_size=64,
     )  # fmt: skip
-    # BertForMaskedLM takes **kwargs but computes CrossEntropyLoss() itself: a count would
-    # be ignored and the trainer's scaling would multiply its loss; it keeps its own mean
-    assert loss_token_rule(T.BertForMaskedLM(cfg)) is None
-    assert loss_token_rule(T.BertForTokenClassification(cfg)) is None  # the same
-    assert loss_token_rule(T.BertForSequenceClassification(cfg)) is None  # not a token mean
+    # BertForMaskedLM takes **kwargs but computes CrossEntropyLoss() itself: a count passed
+    # would be ignored, so the trainer recomputes its loss from the logits instead
+    assert loss_token_rule(T.BertForMaskedLM(cfg)) == "logits"
+    assert loss_token_rule(T.BertForTokenClassification(cfg)) == "logits"  # the same
+    assert loss_token_rule(tiny_t5()) == "logits"  # CE of lm_logits vs labels, unshifted
+    # three losses by problem type, or two terms added: not one token mean, kept as they are
+    assert loss_token_rule(T.BertForSequenceClassification(cfg)) is None
+    assert loss_token_rule(T.BertForPreTraining(cfg)) is None
     assert loss_token_rule(torch.nn.Linear(2, 2)) is None

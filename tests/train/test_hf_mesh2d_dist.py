@@ -11,12 +11,16 @@ differences are sum-order rounding (~1e-7). The helpers are test_hf_dist.py's.
 
 from __future__ import annotations
 
+import fnmatch
+
 import pytest
 import torch
 
 from spmdgt.config import ConfigError
+from spmdgt.train import derive_placements
+from spmdgt.train._tp_plan import _style_of
 from tests._dist import run_ranks
-from tests.train.test_hf_dist import EX, SMALL
+from tests.train.test_hf_dist import EX, SMALL, documented_table
 
 MESH2D = ["--tp", "2", "--global-batch", "6"]
 HSDP = ["--strategy", "fsdp", "--dp-replicate", "2", "--dp-shard", "2", "--global-batch", "12"]
@@ -64,18 +68,29 @@ def test_hf_models_on_fsdp_x_tp_equal_one_process(tmp_path, capfd):
 
 
 def test_tp_flag_builds_the_2d_config():
-    # --tp alone: fsdp over the data dims, the table kept for Qwen3 and cut for Llama;
-    # --dp-replicate/--dp-shard reach parallelism (HSDP x TP on 8 ranks)
+    # --tp alone: fsdp over the data dims, the table derived from the model (placements:
+    # auto); --dp-replicate/--dp-shard reach parallelism (HSDP x TP on 8 ranks)
     cfg = EX._train_config(EX.parse_args(CASES["qwen3"]))
-    assert cfg.strategy == "fsdp" and cfg.parallelism.tp == 2
-    assert any("q_norm" in p or "[qk]_norm" in p for p in cfg.placements)
-    cfg = EX._train_config(EX.parse_args(CASES["llama"]))
-    assert not any("norm" in p for p in cfg.placements) and cfg.placements
+    assert cfg.strategy == "fsdp" and cfg.parallelism.tp == 2 and cfg.placements == "auto"
     args = EX.parse_args([*SMALL, "--tp", "2", "--dp-replicate", "2", "--dp-shard", "2"])
     cfg = EX._train_config(args)
     assert cfg.parallelism.resolve(8) == (2, 2, 2)
     with pytest.raises(ConfigError, match="parallelism"):
         EX._train_config(EX.parse_args([*SMALL, "--tp", "0"]))
     # GPT-2's Conv1D layers match no row: the example says so, before any rank builds a mesh
-    with pytest.raises(ConfigError, match=r"--tp 2: no row .* --model gpt2 \(GPT-2's Conv1D"):
+    with pytest.raises(ConfigError, match=r"--tp 2: placements: auto finds no .* --model gpt2 \("):
         EX._train_config(EX.parse_args([*SMALL, "--tp", "2", "--model", "gpt2"]))
+
+
+@pytest.mark.parametrize("model", ["qwen3", "llama"])
+def test_the_yaml_documented_table_is_what_auto_derives(model):
+    # train_hf.yaml keeps the hand table as a comment: every module of Qwen3 (Llama: its rows
+    # that match a module) gets the same style from it as from the derived table
+    model = EX.build_model(EX.parse_args(["--model", model]))
+    derived, where = derive_placements(model)
+    assert "base_model_tp_plan" in where
+    names = [n for n, _ in model.named_modules() if n]
+    documented = {p: s for p, s in documented_table().items() if fnmatch.filter(names, p)}
+    styles = [(n, _style_of(n, documented), _style_of(n, derived)) for n in names]
+    assert [row for row in styles if row[1] != row[2]] == []
+    assert sum(1 for _, s, _ in styles if s) >= 10  # the table splits something

@@ -1,0 +1,185 @@
+"""Mutations whose operands share memory with the tensor they write: torch's verdict, exactly.
+
+torch checks, before an in-place op or an ``out=`` writes, whether an input and the written
+tensor overlap in memory: ``q.add_(q.T)``, ``x[1:].add_(x[:-1])`` and ``x[1:] = x[:-1]`` raise
+"unsupported operation: some elements of the input tensor and the written-to tensor refer to
+a single memory location", while ``x.add_(x)`` (the same elements) or ``x[:3].add_(x[4:])``
+(disjoint ones) compute in place. A sharded operand is laid out for the op on its own (DTensor
+redistributes ``q.T`` into a copy, a view DTensor had to copy is one already), so the overlap
+vanished and the op computed ``Q + Q.T``.
+
+``through_model`` tells, from wrapper metadata alone (alike on every rank), whether an operand
+shares memory with the written tensor: DTensor gives a view's wrapper its base's storage and
+the view's global strides and offset, and a view spmdgt's fallback made (``_gt_view``) aliases
+its base. ``run_aliased`` then runs the op as one process would, on a model of that memory:
+one plain tensor holding the global values, every aliased operand a view of it with its own
+strides and offset (a fallback view replayed from its base's). torch's own checks run on it
+and raise its own error on every rank, or the op computes torch's own values, overlap
+included, which are written back into the sharded tensors holding the memory. With autograd
+recording (the model is plain), the model only checks: the op then takes its usual path.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+__all__ = ["run_aliased", "through_model", "written_of"]
+
+_DisableSubclass = torch._C.DisableTorchFunctionSubclass
+
+
+def _tensors(args, kwargs) -> list:
+    """The DTensor operands, one list level deep (``torch.cat``'s list, ``out=`` tuples)."""
+    found = []
+    for a in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(a, DTensor):
+            found.append(a)
+        elif type(a) is list or type(a) is tuple:
+            found += [b for b in a if isinstance(b, DTensor)]
+    return found
+
+
+def _storage(t: DTensor) -> int:
+    """The identity of ``t``'s wrapper storage. Callers hold ``DisableTorchFunctionSubclass``:
+    through a ``gt.Tensor``'s own ``__torch_function__`` the call costs ~50 us."""
+    return t.untyped_storage()._cdata
+
+
+def _fallback_base(t: DTensor):
+    """The base of a view spmdgt's fallback made (its wrapper storage is its own), else None."""
+    tag = getattr(t, "_gt_view", None)
+    if tag is not None and _storage(tag[0]) != _storage(t):
+        return tag[0]
+    return None
+
+
+def _key(t: DTensor) -> int:
+    """Which memory ``t`` is a window of: its wrapper's storage, or its base's."""
+    base = _fallback_base(t)
+    return _key(base) if base is not None else _storage(t)
+
+
+def written_of(args, kwargs) -> list:
+    """The DTensors an op writes: ``out=`` if given, else ``self`` of an in-place op."""
+    out = (kwargs or {}).get("out")
+    if out is not None:
+        outs = out if isinstance(out, (list, tuple)) else (out,)
+        return [o for o in outs if isinstance(o, DTensor)]
+    return [args[0]] if args and isinstance(args[0], DTensor) else []
+
+
+def _extent(t: DTensor) -> int:
+    if t.numel() == 0:
+        return t.storage_offset()
+    return t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
+
+
+def _members(args, kwargs, keys) -> dict[int, DTensor]:
+    """id -> each operand on the memory ``keys`` name, and the bases of its tagged views."""
+    members: dict[int, DTensor] = {}
+
+    def add(t: DTensor) -> None:
+        if id(t) not in members:
+            members[id(t)] = t
+            tag = getattr(t, "_gt_view", None)
+            if tag is not None:
+                add(tag[0])
+
+    for a in _tensors(args, kwargs):
+        if _key(a) in keys:
+            add(a)
+    return members
+
+
+def run_aliased(func, args, kwargs, name: str):
+    """Run mutation ``func`` on a plain model of the memory its aliased operands share (see
+    the module docstring). Returns the op's result with the model's tensors mapped back to
+    the sharded ones, or NotImplemented when the op must take its usual path (autograd is
+    recording, or the operands view the memory as different dtypes)."""
+    from spmdgt.tensor._fallback import _check_leaf, _map, _note, _write_back, gather
+
+    written = written_of(args, kwargs)
+    for w in written:
+        _check_leaf(w, name)  # torch's autograd check comes before its overlap check
+    with _DisableSubclass():
+        keys = {_key(w) for w in written}
+        members = _members(args, kwargs, keys)
+        bases = {i: _fallback_base(t) for i, t in members.items()}
+        keys_of = {i: _key(t) for i, t in members.items()}
+    held = [t for i, t in members.items() if bases[i] is None]
+    if len({t.dtype for t in members.values()}) > 1:
+        return NotImplemented  # views of one memory as other dtypes: no one model tensor
+    needs = []
+    _map(lambda a: needs.append(a.requires_grad) if isinstance(a, torch.Tensor) else a, args)
+    _map(lambda a: needs.append(a.requires_grad) if isinstance(a, torch.Tensor) else a, kwargs)
+    grad = torch.is_grad_enabled() and any(needs + [t.requires_grad for t in held])
+    like = held[0]
+    size = max(_extent(t) for t in held)
+    memory = {
+        k: torch.empty(size, dtype=like.dtype, device=like._local_tensor.device) for k in keys
+    }
+    models: dict[int, torch.Tensor] = {}
+
+    def model(t: DTensor) -> torch.Tensor:
+        m = models.get(id(t))
+        if m is None:
+            base = bases[id(t)]
+            if base is not None:
+                with _DisableSubclass():
+                    m = t._gt_view[1](model(base))  # replayed from the base's model
+            else:
+                m = memory[keys_of[id(t)]].as_strided(t.shape, t.stride(), t.storage_offset())
+            models[id(t)] = m
+        return m
+
+    with torch.no_grad():
+        for t in held:  # the global values, each at its place in the shared memory
+            model(t).copy_(gather(t))
+        for t in members.values():  # views the fallback made: replayed once the base is in
+            model(t)
+        full_args, full_kwargs = _map(
+            lambda a: (
+                models[id(a)] if id(a) in models else gather(a) if isinstance(a, DTensor) else a
+            ),
+            (args, kwargs),
+        )
+        with _DisableSubclass():
+            res = func(*full_args, **full_kwargs)  # torch's overlap checks, on every rank alike
+    if grad:
+        return NotImplemented  # allowed: the usual path computes it and records its gradient
+    _note(func, "an operand shares memory with the tensor written", args, kwargs)
+    with torch.no_grad():
+        # the tensors holding the memory take its new values; views DTensor had to copy are
+        # rebuilt from them at their next use (their base's version moved)
+        for t in held:
+            if getattr(t, "_gt_view", None) is None:
+                _write_back(t, model(t).contiguous(), name)
+        for t in written:  # a written copy torch would not have made a view of the memory
+            m = model(t)
+            if bases[id(t)] is not None and m.untyped_storage().data_ptr() != (
+                memory[keys_of[id(t)]].untyped_storage().data_ptr()
+            ):
+                _write_back(t, m.contiguous(), name)
+    back = {id(m): members[i] for i, m in models.items()}
+    return _map(lambda r: back.get(id(r), r), res)
+
+
+def through_model(func, args, kwargs):
+    """``func`` run by ``run_aliased`` when an operand aliases the tensor it writes; else (or
+    where the model only checks) NotImplemented: the op takes its usual path. On every
+    in-place op: the common case (no operand but tensors of their own memory) costs one
+    storage lookup an operand."""
+    written = written_of(args, kwargs)
+    if not written:
+        return NotImplemented
+    others = [a for a in _tensors(args, kwargs) if not any(a is w for w in written)]
+    if not others:
+        return NotImplemented
+    with _DisableSubclass():
+        keys = {_key(w) for w in written}
+        if not any(_key(a) in keys for a in others):
+            return NotImplemented
+    from spmdgt.tensor._fallback import op_name
+
+    return run_aliased(func, args, kwargs, op_name(func))

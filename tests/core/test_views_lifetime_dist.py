@@ -1,0 +1,289 @@
+"""Views that are copies, overlapping operands and host arrays: one process's behaviour.
+
+Each case runs on a 7-row tensor sharded on its rows (4/3 over 2 ranks, 3/3/1 over 3) and on a
+plain tensor in the same process; the ranks must give torch's values, or raise torch's error,
+on every rank alike.
+
+- A view DTensor had to copy keeps its base alive, as a torch view keeps its storage: a write
+  to the base before the base's last name went away still shows through the view, and a
+  write through the view still reaches the memory other views see (``tag_views``). No
+  tensor is left behind per step of a loop that makes such views.
+- An in-place op or ``out=`` whose other operand shares memory with the tensor written
+  raises torch's overlap error where torch does, and is exact where torch allows it
+  (``_overlap``).
+- A sharded tensor's ``.numpy()`` is a read-only copy: a write into it raises instead of
+  silently not reaching the tensor, as it would in one process.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import numpy as np
+import pytest
+import torch
+
+from tests._dist import run_ranks
+
+ROWS = 7
+
+
+def _start(gt) -> None:
+    gt.register_config("data", gt.SignalConfig(shard=gt.ShardConfig(axis=0)))
+
+
+def _value(t) -> np.ndarray:
+    return t.detach().numpy().copy() if isinstance(t, torch.Tensor) else np.asarray(t)
+
+
+def _outcome(fn, *inputs):
+    """``fn(*inputs)``'s returned tensors' values, or the error it raised (type, message)."""
+    try:
+        out = fn(*inputs)
+    except Exception as e:  # the message is compared with one process's
+        return ("error", type(e).__name__, str(e).splitlines()[0])
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    return ("ok", [_value(o) for o in outs])
+
+
+# -- 1. a view DTensor had to copy, and its base's lifetime ---------------------------------
+
+
+def _stale_after_return(b):
+    def inner():
+        bb = b * 1
+        o = bb.view(-1)  # 7x3 over the row shards: a copy DTensor had to make
+        bb.add_(2)
+        return o
+
+    o = inner()
+    gc.collect()  # the base is garbage now in either case
+    return o
+
+
+def _write_after_return(b):
+    def inner():
+        bb = b * 1
+        return bb.view(-1), bb.T  # two windows on one memory; the base's name dies
+
+    o, t = inner()
+    gc.collect()
+    o.add_(3)  # reaches the memory t shows
+    return o, t
+
+
+def _chain(b):
+    def inner():
+        bb = b + 1
+        o = bb.view(-1).view(ROWS, 3)[2:].T  # a chain of views, copies on the way
+        bb.mul_(4)
+        return o
+
+    o = inner()
+    gc.collect()
+    o.sub_(1)
+    return o
+
+
+LIFETIME = {"stale": _stale_after_return, "write": _write_after_return, "chain": _chain}
+
+
+def _lifetime(rank, world):
+    import spmdgt as gt
+
+    _start(gt)
+    base = torch.arange(ROWS * 3.0).reshape(ROWS, 3)
+    results = {}
+    with gt.signal.context("data"):
+        b = gt.tensor(base)
+        for name, fn in LIFETIME.items():
+            results[name] = (_outcome(fn, b), _outcome(fn, base.clone()))
+
+        # the base lives exactly as long as its views, with no collection needed
+        bb = b * 1
+        o = bb.view(-1)
+        ref = weakref.ref(bb)
+        del bb
+        alive = ref() is not None
+        del o
+        results["lifetime"] = (alive, ref() is None)
+
+        # a training loop making such views holds no tensor more after 20 steps than after 1
+        w = torch.nn.Parameter(torch.ones(3))
+        opt = torch.optim.SGD([w], lr=1e-4)
+
+        def step():
+            h = b * w
+            flat = h.view(-1)  # a copy tagged with its base h
+            h.mul_(0.5)  # the tagged copy is rebuilt from h before it is read
+            loss = (flat * flat).sum() + h.T.sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+        def live() -> int:
+            gc.collect()
+            return sum(isinstance(x, torch.Tensor) for x in gc.get_objects())
+
+        step()
+        before = live()
+        for _ in range(20):
+            step()
+        results["loop"] = (before, live(), w.grad.clone(), w.detach().clone())
+    return results
+
+
+def _reference_loop() -> tuple[torch.Tensor, torch.Tensor]:
+    base = torch.arange(ROWS * 3.0).reshape(ROWS, 3)
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([w], lr=1e-4)
+    for _ in range(21):
+        h = base * w
+        flat = h.view(-1)
+        h.mul_(0.5)
+        loss = (flat * flat).sum() + h.T.sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return w.grad, w.detach()
+
+
+def _same(ours, ref) -> None:
+    assert ours[0] == ref[0], (ours, ref)
+    if ref[0] == "error":
+        assert ours == ref
+        return
+    assert len(ours[1]) == len(ref[1])
+    for a, r in zip(ours[1], ref[1]):
+        np.testing.assert_allclose(a, r, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_views_that_are_copies_live_as_torch_views(world, tmp_path):
+    out = run_ranks(_lifetime, world, tmp_path)
+    reference = _reference_loop()
+    for rank, results in enumerate(out):
+        for name in LIFETIME:
+            ours, ref = results[name]
+            _same(ours, ref)
+        alive, dead = results["lifetime"]
+        assert alive and dead, f"rank {rank}: the base outlived its view or died before it"
+        before, after, grad, w = results["loop"]
+        assert after <= before, f"rank {rank}: {after - before} tensors more after 20 steps"
+        torch.testing.assert_close(grad, reference[0])
+        torch.testing.assert_close(w, reference[1])
+
+
+# -- 2. operands that share memory with the tensor written ----------------------------------
+
+SQUARE = {
+    "add_T": lambda q: q.add_(q.T),
+    "copy_T": lambda q: q.copy_(q.T),
+    "out_T": lambda q: torch.add(q, 1, out=q.T),
+    "mul_detach_T": lambda q: q.mul_(q.detach().T),
+    "add_self": lambda q: q.add_(q),
+    "mm_out_T": lambda q: torch.mm(q, q, out=q.T),
+}
+TALL = {
+    "shift_add": lambda x: x[1:].add_(x[:-1]),
+    "shift_set": lambda x: x.__setitem__(slice(1, None), x[:-1]),
+    "disjoint_add": lambda x: (x[:3].add_(x[4:]), x)[1],
+    "disjoint_set": lambda x: (x.__setitem__(slice(0, 3), x[4:]), x)[1],
+    "full_detach": lambda x: x.mul_(x.detach()),
+    "out_detach": lambda x: torch.mul(x.detach(), 2, out=x),
+    "flat_full": lambda x: x.add_(x.view(-1).view(ROWS, 3)),
+    "flat_shift": lambda x: x[1:].add_(x.view(-1).view(ROWS, 3)[:-1]),
+    "index_add_": lambda x: x.index_add_(0, torch.tensor([0, 5]), x[:2]),
+    "col_into_col": lambda x: (x[:, 0].add_(x[:, 1]), x)[1],
+}
+
+
+def _overlap(rank, world):
+    import spmdgt as gt
+
+    _start(gt)
+    square = torch.arange(ROWS * ROWS, dtype=torch.float64).reshape(ROWS, ROWS)
+    tall = torch.arange(ROWS * 3, dtype=torch.float64).reshape(ROWS, 3) - 5
+    results = {}
+    with gt.signal.context("data"):
+        for cases, base in ((SQUARE, square), (TALL, tall)):
+            for name, fn in cases.items():
+                x = gt.tensor(base)
+                ours = _outcome(fn, x)
+                if ours[0] == "ok":  # the tensor written, read back too
+                    ours = ("ok", [*ours[1], _value(x)])
+                plain = base.clone()
+                ref = _outcome(fn, plain)
+                if ref[0] == "ok":
+                    ref = ("ok", [*ref[1], _value(plain)])
+                results[name] = (ours, ref)
+
+        # with autograd recording: torch's error, or its values and gradients
+        w = torch.nn.Parameter(torch.linspace(0.5, 2.0, ROWS, dtype=torch.float64))
+        q = gt.tensor(square)
+        for name, fn in {
+            "grad_T": lambda y: y.add_(y.T),
+            "grad_full": lambda y: y.add_(y.detach()),
+        }.items():
+            w.grad = None
+            y = q * w
+            ours = _outcome(fn, y)
+            if ours[0] == "ok":
+                (y * y).sum().backward()
+                ours = ("ok", [_value(y), w.grad.clone()])
+            wp = torch.nn.Parameter(w.detach().clone())
+            yp = square * wp
+            ref = _outcome(fn, yp)
+            if ref[0] == "ok":
+                (yp * yp).sum().backward()
+                ref = ("ok", [_value(yp), wp.grad.clone()])
+            results[name] = (ours, ref)
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_overlapping_operands_as_torch(world, tmp_path):
+    out = run_ranks(_overlap, world, tmp_path)
+    for results in out:
+        assert set(results) == {*SQUARE, *TALL, "grad_T", "grad_full"}
+        for name, (ours, ref) in results.items():
+            try:
+                _same(ours, ref)
+            except AssertionError as e:
+                raise AssertionError(f"{name}: {e}") from None
+    # torch raises for some of them, so the cases check both ways
+    kinds = {name: ref[0] for name, (_, ref) in out[0].items()}
+    assert "error" in kinds.values() and "ok" in kinds.values()
+
+
+# -- 3. host arrays --------------------------------------------------------------------------
+
+
+def _host_arrays(rank, world):
+    import spmdgt as gt
+
+    _start(gt)
+    base = torch.arange(ROWS * 3.0).reshape(ROWS, 3)
+    with gt.signal.context("data"):
+        x = gt.tensor(base)
+        a = x.numpy()
+        try:
+            a[0, 0] = 9.0
+            wrote = "wrote"
+        except ValueError as e:
+            wrote = str(e)
+        b = np.asarray(x)
+        c = np.array(x)  # numpy's own copy: the caller's to write
+        c[0, 0] = 9.0
+        return wrote, a.flags.writeable, b.flags.writeable, x.numpy().copy(), c
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_numpy_of_a_sharded_tensor_is_read_only(world, tmp_path):
+    base = torch.arange(ROWS * 3.0).reshape(ROWS, 3)
+    for wrote, a_w, b_w, value, c in run_ranks(_host_arrays, world, tmp_path):
+        assert wrote == "assignment destination is read-only"
+        assert not a_w and not b_w
+        np.testing.assert_array_equal(value, base.numpy())  # unchanged, on every rank
+        assert c[0, 0] == 9.0
