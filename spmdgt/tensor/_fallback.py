@@ -20,6 +20,7 @@ when one moves a whole tensor (``GT_DEBUG_DISPATCHER=1`` prints every one).
 from __future__ import annotations
 
 import sys
+import types
 import warnings
 
 import torch
@@ -134,12 +135,36 @@ def _layout_outputs(out, like):
 _HOST_OUTPUTS = {"_pack_padded_sequence": 1, "_pad_packed_sequence": 1}
 
 
-def run_global(func, args, kwargs, why: str):
-    """``func`` on the global values of its arguments; outputs laid out again."""
+def in_layout_of(full: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """``full`` laid out in memory as DTensor ``a``'s global strides say (a transposed value
+    stays transposed), where those strides are a permutation of a dense layout; ``full``
+    itself otherwise. A random op fills memory in order (``x.t().uniform_()``, and dropout's
+    ``empty_like(x).bernoulli_()``), so one process's numbers land where ``x``'s layout puts
+    them; a gathered value is contiguous. A copy (differentiable) when the layouts differ."""
+    stride = tuple(a.stride())
+    if tuple(full.stride()) == stride or full.dim() < 2:
+        return full
+    expected = 1  # a permutation of a dense layout: sorted by stride, each the inner size
+    for size, st in sorted(zip(a.shape, stride), key=lambda p: p[1]):
+        if size != 1:
+            if st != expected:
+                return full
+            expected *= size
+    out = torch.empty_strided(a.shape, stride, dtype=full.dtype, device=full.device)
+    return out.copy_(full)
+
+
+def run_global(func, args, kwargs, why: str, strided: bool = False):
+    """``func`` on the global values of its arguments; outputs laid out again. ``strided``
+    (random ops): each global value in its DTensor's memory layout (``in_layout_of``)."""
     like = _first_dtensor(args, kwargs)
     _note(func, why, args, kwargs)
+
+    def full_of(a):
+        return in_layout_of(gather(a), a) if strided else gather(a)
+
     full_args, full_kwargs = _map(
-        lambda a: gather(a) if isinstance(a, DTensor) else a, (args, kwargs)
+        lambda a: full_of(a) if isinstance(a, DTensor) else a, (args, kwargs)
     )
     with _DisableSubclass():
         out = func(*full_args, **full_kwargs)
@@ -206,7 +231,8 @@ def written(func, args, kwargs) -> list:
     """The tensors a mutation ``func(*args, **kwargs)`` writes into, lists flattened: those
     passed as ``out=``, else every argument aten's schema marks written (all five lists of
     ``_fused_adam_``: params, grads and states), else ``args[0]`` (``__setitem__``, the
-    in-place dunders, ``F.dropout(x, inplace=True)``)."""
+    in-place dunders, ``F.dropout(x, inplace=True)``), else the first DTensor keyword
+    (``nn.init.uniform_`` passes its tensor as ``tensor=``)."""
     out_arg = kwargs.get("out") if kwargs else None
     if out_arg is not None:
         found = [out_arg]
@@ -219,6 +245,8 @@ def written(func, args, kwargs) -> list:
                 found.append(kwargs[name])
         if not found and args:
             found = [args[0]]
+        if not found:
+            found = [_first_dtensor(args, kwargs)]
     flat: list = []
     for f in found:
         for t in f if isinstance(f, (list, tuple)) else (f,):
@@ -234,8 +262,13 @@ def run_inplace(func, args, kwargs, why: str):
     the op itself, alike on every rank."""
     name = op_name(func)
     targets = written(func, args, kwargs)
+    # A Python function (nn.init.kaiming_uniform_) decides itself: its body may run under
+    # no_grad, where writing into a leaf that requires grad is allowed. Its copy of such a
+    # leaf is a leaf too, so torch raises in it exactly where it would raise in one process.
+    composite = isinstance(func, types.FunctionType)
     for t in targets:
-        _check_leaf(t, name)
+        if not composite:
+            _check_leaf(t, name)
     _note(func, why, args, kwargs)
     fulls: dict[int, torch.Tensor] = {}
 
@@ -246,8 +279,12 @@ def run_inplace(func, args, kwargs, why: str):
         if f is None:
             f = gather(a)
             if any(a is t for t in targets):
-                # the op mutates it: a copy, so the gathered value saved for backward stays
-                f = f.clone()
+                # the op mutates it: a copy, so the gathered value saved for backward stays,
+                # in the target's memory layout (a random fill follows it: in_layout_of)
+                g = in_layout_of(f, a)
+                f = g if g is not f else f.clone()
+                if composite and a.is_leaf and a.requires_grad:
+                    f = f.detach().requires_grad_()
             fulls[id(a)] = f
         return f
 
@@ -256,7 +293,11 @@ def run_inplace(func, args, kwargs, why: str):
         res = func(*full_args, **full_kwargs)
     for t in targets:
         if isinstance(t, DTensor):
-            _write_back(t, fulls[id(t)], name)
+            if t.is_leaf and t.requires_grad:  # allowed above: written as under no_grad
+                with torch.no_grad():
+                    _write_back(t, fulls[id(t)].detach(), name)
+            else:
+                _write_back(t, fulls[id(t)], name)
     back = {id(fulls[id(t)]): t for t in targets if isinstance(t, DTensor)}
     return _map(lambda r: back.get(id(r), r), res)
 

@@ -10,10 +10,12 @@ whose registered rule is wrong for some arguments (``nll_loss``'s weighted mean)
 "no rule for this layout" into ``NoRule``, on which the op takes the exact fallback; (4) slices
 a replicated attention mask to match batch- or head-sharded inputs for the CPU attention
 kernels, which take the mask as a keyword argument DTensor never redistributes
-(``_attention.place_mask``). ``install()`` also registers the attention strategies DTensor
-lacks (``_attention.install``) and bounds DTensor's decomposition-based strategy search inside
-spmdgt's calls (``MAX_DECOMP_CANDIDATES``); ``uninstall()`` undoes all of it. ``check_torch()``
-runs at import and names torch's version if the private entry moved.
+(``_attention.place_mask``); (5) runs an op that draws random numbers on global values, so a
+composite draws one process's numbers (``_random``). ``install()`` also registers the
+attention strategies DTensor lacks (``_attention.install``) and bounds DTensor's
+decomposition-based strategy search inside spmdgt's calls (``MAX_DECOMP_CANDIDATES``);
+``uninstall()`` undoes all of it. ``check_torch()`` runs at import and names torch's version if
+the private entry moved.
 """
 
 from __future__ import annotations
@@ -328,6 +330,17 @@ def _check_mask_partial(op_call, result) -> None:
             )
 
 
+def _tracing(args) -> bool:
+    """Is torch.compile tracing this op (fake or meta tensors: no data, no collective)?"""
+    if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
+        return True
+    for a in args:
+        if isinstance(a, DTensor):
+            local = a._local_tensor
+            return local.is_meta or type(local) is not torch.Tensor
+    return False
+
+
 # Matrix products -> (first operand's index in the specs, its contracted dim, the second
 # operand's contracted dim), dims counted from the end.
 _MATMULS = {
@@ -446,7 +459,7 @@ def install() -> None:
     ``uninstall()`` puts torch's entry back."""
     if _original:
         return
-    from spmdgt.tensor import _attention
+    from spmdgt.tensor import _attention, _random
     from spmdgt.tensor._fallback import run_global
 
     dispatcher = DTensor._op_dispatcher
@@ -455,6 +468,10 @@ def install() -> None:
 
     def propagate(op_call, args, kwargs, op_info, *rest, **kw):
         ours = torch._C._get_dtensor_allow_implicit_replication()
+        if _random.draws(op_call, args, kwargs) and not _tracing(args):
+            if ours:  # one process's numbers and generator states (see _random)
+                return _random.run(op_call, args, kwargs)
+            _random.note_outside()
         if ours:
             if op_call in masked:
                 out = _attention.place_mask(op_call, args, kwargs)
@@ -488,6 +505,10 @@ def install() -> None:
         except Exception as e:
             if not ours:
                 raise
+            if _random.drew():
+                # a composite drew already in this call: running it again from the start on
+                # global values would draw twice; this op alone on global values instead
+                return _random.run(op_call, args, kwargs, NoRule(op_call, e).reason())
             if _backward[0] and not op_call._schema.is_mutable:
                 # a backward op on an intermediate DTensor (not a gt.Tensor: no
                 # __torch_dispatch__ of ours to catch NoRule): the exact fallback here, at the

@@ -22,11 +22,15 @@ route              why
                    memory (as ``.data =`` does); DTensor has no rule, and the in-place
                    fallback cannot change a shape. A plain self: the in-place fallback.
 ``GLOBAL``         output shape depends on data (``nonzero``, ``unique``, boolean-mask reads)
-                   or the op draws random numbers (``dropout``, ``bernoulli``...): run on the
+                   or the op draws random numbers (``dropout``, and every op whose aten
+                   schema takes a ``Generator``: ``bernoulli``, ``normal``...): run on the
                    global values on every rank, which is exactly one process's computation
-                   (the ranks' generators agree, see ``runtime/_seed``). A dropout that draws
-                   nothing (``p=0``, or not training; ``is_identity_dropout``) returns its
-                   input as torch does: DTensor's path, no gather.
+                   (the ranks' generators agree, see ``runtime/_seed``), each in its own
+                   memory layout (a fill follows it). A composite that draws inside
+                   (``F.gumbel_softmax``) is caught at the aten level (``_random``). A
+                   dropout that draws nothing (``p=0``, or not training;
+                   ``is_identity_dropout``) returns its input as torch does: DTensor's
+                   path, no gather.
 ``GUARDED``        DTensor's rule is wrong for some inputs, told apart by dtype, dim and layout
                    (``guard``): ``argmax/argmin`` on a bool input (torch rejects it; DTensor
                    computes through ``max`` and answers), without a dim where the shards
@@ -69,7 +73,7 @@ import math
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from spmdgt.tensor import _attention, _fallback, _overlap
+from spmdgt.tensor import _attention, _fallback, _overlap, _random
 from spmdgt.tensor._assign import assign
 from spmdgt.tensor._fallback import op_name
 from spmdgt.tensor._hook import NoRule, running_backward
@@ -146,7 +150,12 @@ _DATA_DEPENDENT = frozenset(
     }
 )
 
-# Draw random numbers: DTensor's sharded RNG draws other numbers than one process would.
+# Draw random numbers: DTensor's sharded RNG draws other numbers than one process would. An
+# op whose aten schema takes a Generator (bernoulli, normal, multinomial, poisson, rand_like,
+# rrelu, uniform_...) is found by ``_random.always_draws``; these draw without one: the
+# dropouts (``is_identity_dropout``: none when p == 0 or not training), and the fractional
+# max pools, which draw their samples on a plain tensor before the op that may lack a rule
+# (run again from the start on global values, they would draw twice).
 _RANDOM = frozenset(
     {
         "dropout",
@@ -157,23 +166,10 @@ _RANDOM = frozenset(
         "alpha_dropout",
         "feature_alpha_dropout",
         "native_dropout",
-        "bernoulli",
-        "multinomial",
-        "normal",
-        "poisson",
-        "rand_like",
-        "randn_like",
-        "randint_like",
-        "rrelu",
-        "bernoulli_",
-        "normal_",
-        "uniform_",
-        "exponential_",
-        "geometric_",
-        "log_normal_",
-        "cauchy_",
-        "random_",
-        "rrelu_",
+        "fractional_max_pool2d",
+        "fractional_max_pool3d",
+        "fractional_max_pool2d_with_indices",
+        "fractional_max_pool3d_with_indices",
     }
 )
 
@@ -349,7 +345,7 @@ def _classify(func) -> int:
         name.endswith("_") and not name.endswith("__") and name not in _NOT_MUTATING
     ):
         return INPLACE  # random in-place ops too: not in the pointwise table, so exact
-    if name in _RANDOM or name in _DATA_DEPENDENT:
+    if name in _DATA_DEPENDENT or draws(func):
         return GLOBAL
     if name.startswith("fft_") or name == "chalf":  # complex results: gradients diverged
         return GLOBAL
@@ -370,6 +366,13 @@ def _classify(func) -> int:
     return DTENSOR
 
 
+def draws(func) -> bool:
+    """Does torch function ``func`` draw random numbers (a dropout, ``rrelu``, or an op whose
+    aten schema takes a ``Generator``: ``_random.always_draws``)?"""
+    name = op_name(func)
+    return name in _RANDOM or _random.always_draws(name)
+
+
 def route(func) -> int:
     """The route of torch function ``func`` (cached; see the module docstring)."""
     r = _routes.get(func)
@@ -388,7 +391,7 @@ def is_pointwise_inplace(func) -> bool:
     if r is None:
         name = op_name(func)
         name = _DUNDER_ATEN.get(name, name)
-        inplace = name.endswith("_") and name not in _RANDOM
+        inplace = name.endswith("_") and not draws(func)
         packet = getattr(torch.ops.aten, name, None) if inplace else None
         r = False
         if packet is not None:
@@ -582,6 +585,8 @@ def _on_global(func, args, kwargs):
         return _dtensor(func, args, kwargs)
     if kwargs.get("inplace") is True:  # F.dropout(x, inplace=True): a mutation of x
         return _fallback.run_inplace(func, args, kwargs, "random op in place")
+    if draws(func):  # one process's numbers, where one process's layout puts them
+        return _fallback.run_global(func, args, kwargs, "random op", strided=True)
     return _fallback.run_global(func, args, kwargs, "data-dependent shape or random op")
 
 

@@ -21,7 +21,16 @@ from torch.distributed.tensor import DTensor
 from spmdgt._core import scope as _scope
 from spmdgt.runtime import _agree
 from spmdgt.runtime._state import get_runtime
-from spmdgt.tensor import _assign, _dynamo, _fallback, _hook, _moves, _optable, _transforms
+from spmdgt.tensor import (
+    _assign,
+    _dynamo,
+    _fallback,
+    _hook,
+    _moves,
+    _optable,
+    _random,
+    _transforms,
+)
 from spmdgt.tensor._hook import NoRule
 from spmdgt.tensor._meshes import describe_mesh, mesh_ranks
 from spmdgt.tensor._moves import global_value, move, place, place_local
@@ -102,6 +111,8 @@ class Tensor(DTensor):
             # plain tensors are replicated values, only inside our calls; the flag also tells
             # the propagation hook (_optable) that a missing rule means the exact fallback
             _set_implicit(True)
+            if _rng[1]:  # DTensor drew outside our calls: its cached sharding goes (_random)
+                _random.settle()
         try:
             if _fwad._current_level >= 0 or _functorch_active():  # two cheap reads
                 _transforms.check(func, args, kwargs)  # torch.func / dual tensors: refused
@@ -126,6 +137,7 @@ class Tensor(DTensor):
         finally:
             if not implicit:
                 _set_implicit(False)
+                _rng[0] = False  # the next call starts with nothing drawn (_random.drew)
             for a in swapped:
                 a.__class__ = Tensor
         if type(out) is DTensor:
@@ -158,6 +170,8 @@ class Tensor(DTensor):
                 out = _fallback.run_global(func, args, kwargs, e.reason())
         finally:
             _set_implicit(implicit)
+            if not implicit:
+                _rng[0] = False
             for a in swapped:
                 a.__class__ = Tensor
         return _retag(out)
@@ -301,6 +315,7 @@ def _retag(out):
 
 _routes = _optable._routes  # read on every op: one dict lookup
 _AUTOGRAD = _optable.AUTOGRAD
+_rng = _random.state  # [drew in this call, DTensor drew outside our calls]: read per call
 assert _optable.DTENSOR == 0
 _moves.set_tensor_class(Tensor)
 _hook.install()
