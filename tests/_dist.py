@@ -121,11 +121,18 @@ def run_ranks(
 def _warm() -> None:
     """Import in this (the test) process what every rank imports, once, before forking.
 
-    A forked rank inherits its parent's modules. The test process itself rarely touches
-    ``gt.Tensor`` or the trainer, so without this each rank of each test imported the tensor
-    layer and the trainer again (with what torch loads behind them: ~3.5 s of CPU per rank on
-    a 2-core machine, ~2/3 of a small test's cost). Harmless where ranks are spawned."""
-    import spmdgt.tensor._tensor
+    A forked rank inherits its parent's modules. The test process itself rarely touches the
+    tensor layer or the trainer, so without this each rank of each test imported them again
+    (with what torch loads behind them: ~3.5 s of CPU per rank on a 2-core machine, ~2/3 of a
+    small test's cost). ``spmdgt.tensor._tensor`` itself stays unimported: importing it
+    installs spmdgt's hooks on DTensor and dynamo in this process, and a test process that then
+    compiled in-process handed its forked ranks a dynamo state in which their own compiles
+    lost gradients. Harmless where ranks are spawned."""
+
+    import spmdgt.tensor._creation
+    import spmdgt.tensor._fallback
+    import spmdgt.tensor._hook
+    import spmdgt.tensor._optable
     import spmdgt.train  # noqa: F401
 
 
