@@ -10,9 +10,8 @@ import argparse
 import os
 import sys
 
-from tests.parity import ledger, sweep
+from tests.parity import sweep
 from tests.parity.layouts import PLACEMENTS
-from tests.parity.prepare import RowKey
 
 
 def _csv(text: str) -> list[str]:
@@ -42,11 +41,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _line(key: RowKey, outcome: str, reason: str) -> str:
-    where = f"{key.op} {key.variant} {key.placement} w{key.world}"
-    return f"  {outcome:8} {where}: {reason}" if reason else f"  {outcome:8} {where}"
-
-
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
@@ -57,24 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     ops = args.ops if args.ops or args.family == "all" else sweep.family_ops(args.family)
     rows = sweep.pick_rows(ops, args.sample, args.seed, args.variants, args.placements, args.worlds)
     result = sweep.run_sweep(rows, timeout=args.timeout, progress=not args.quiet)
-    before = ledger.read()
-    cmp = ledger.compare(result.rows, before)
-    for title, keys in (("failures", cmp.failures), ("regressions from equal", cmp.regressions)):
-        if keys:
-            print(f"{title}:")
-            for k in keys:
-                print(_line(k, *result.rows[k]))
-    if cmp.improvements:
-        print("improvements (now equal):")
-        for k in cmp.improvements:
-            print(_line(k, before[k][0] + " -> equal", ""))
-    if cmp.new and before:
-        print(f"{len(cmp.new)} rows are not in the ledger yet")
-    print(sweep.summary(result))
-    if args.update_ledger:
-        ledger.write(result.rows)
-        print(f"ledger: {len(result.rows)} rows written to {ledger.LEDGER}")
-    return 0 if cmp.ok else 1
+    return 0 if sweep.report(result, update_ledger=args.update_ledger) else 1
 
 
 if __name__ == "__main__":

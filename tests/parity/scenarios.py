@@ -53,7 +53,7 @@ import torch
 from tests.parity import ledger
 from tests.parity.layouts import PLACEMENTS_2D, WORLD_2D, min_dim, rank_layout
 from tests.parity.prepare import RowKey, stable_seed
-from tests.parity.sweep import SweepResult, summary
+from tests.parity.sweep import SweepResult, line, report, summary
 from tests.parity.verdict import CRASH, DIFFERS, DISAGREE, EQUAL, HANG, RAISES
 
 __all__ = [
@@ -368,8 +368,8 @@ def check_family(family: str, sample: int | None = None, seed: int = 0) -> list[
     """Run ``family``'s rows (or a seeded sample); the failing and regressed rows as lines."""
     result = run_rows(family_rows(family, sample=sample, seed=seed))
     cmp = ledger.compare(result.rows, ledger.read())
-    lines = [_line(k, *result.rows[k]) for k in cmp.failures]
-    lines += [_line(k, *result.rows[k]) + " (ledger: equal)" for k in cmp.regressions]
+    lines = [line(k, *result.rows[k]) for k in cmp.failures]
+    lines += [line(k, *result.rows[k]) + " (ledger: equal)" for k in cmp.regressions]
     return [*lines, summary(result)] if lines else []
 
 
@@ -379,10 +379,6 @@ def run_planted(
     """Run scenarios wrong on purpose (a family's ``PLANTED``); each row's outcome."""
     table = {sc.name: sc for sc in planted}
     return run_rows(family_rows(worlds=worlds, table=table), table=table).rows
-
-
-def _line(key: RowKey, outcome: str, reason: str) -> str:
-    return f"  {outcome:8} {key.op} {key.placement} w{key.world}: {reason}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -398,17 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     rows = family_rows(args.family, args.worlds, args.sample, args.seed, args.names)
     result = run_rows(rows, progress=not args.quiet)
-    cmp = ledger.compare(result.rows, ledger.read())
-    for title, keys in (("failures", cmp.failures), ("regressions from equal", cmp.regressions)):
-        if keys:
-            print(f"{title}:")
-            for k in keys:
-                print(_line(k, *result.rows[k]))
-    print(summary(result))
-    if args.update_ledger:
-        ledger.write(result.rows)
-        print(f"ledger: {len(result.rows)} rows written to {ledger.LEDGER}")
-    return 0 if cmp.ok else 1
+    return 0 if report(result, update_ledger=args.update_ledger) else 1
 
 
 if __name__ == "__main__":

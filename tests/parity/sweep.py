@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from tests.parity import patterns, prepare, runner
+from tests.parity import ledger, patterns, prepare, runner
 from tests.parity.layouts import PLACEMENTS, fits, min_dim
 from tests.parity.observe import primary_tensor
 from tests.parity.prepare import RowKey, full_name
@@ -257,3 +257,32 @@ def summary(result: SweepResult) -> str:
         f"{failures} failures"
     )
     return "\n".join(lines)
+
+
+def line(key: RowKey, outcome: str, reason: str) -> str:
+    """One row as the sweeps print it."""
+    where = f"{key.op} {key.variant} {key.placement} w{key.world}"
+    return f"  {outcome:8} {where}: {reason}" if reason else f"  {outcome:8} {where}"
+
+
+def report(result: SweepResult, update_ledger: bool = False) -> bool:
+    """Print a run against the ledger (failures, regressions, improvements, the counts),
+    write its rows when asked; True when nothing failed or regressed."""
+    before = ledger.read()
+    cmp = ledger.compare(result.rows, before)
+    for title, keys in (("failures", cmp.failures), ("regressions from equal", cmp.regressions)):
+        if keys:
+            print(f"{title}:")
+            for k in keys:
+                print(line(k, *result.rows[k]))
+    if cmp.improvements:
+        print("improvements (now equal):")
+        for k in cmp.improvements:
+            print(line(k, before[k][0] + " -> equal", ""))
+    if cmp.new and before:
+        print(f"{len(cmp.new)} rows are not in the ledger yet")
+    print(summary(result))
+    if update_ledger:
+        ledger.write(result.rows)
+        print(f"ledger: {len(result.rows)} rows written to {ledger.LEDGER}")
+    return cmp.ok
