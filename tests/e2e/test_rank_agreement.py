@@ -100,7 +100,7 @@ def test_gt_timeout_names_the_op_that_waited():
     (r0, r1) = _run_cases(["op"], {"GT_TIMEOUT": "3"})["op"]
     assert r0[0] != 0 and r1[0] != 0
     assert "VALUE" not in r0[1] + r1[1]
-    assert "RankTimeoutError: rank 0: a collective in TensorBase.matmul" in r0[2], r0[2][-2000:]
+    assert "RankTimeoutError: rank 0: a collective in Tensor.matmul" in r0[2], r0[2][-2000:]
     assert "got no answer within GT_TIMEOUT=3 s" in r0[2]
     assert "RankTimeoutError: rank 1: no answer from the other ranks" in r1[2], r1[2][-2000:]
     assert "agreement point #2 (item() of float32[]" in r1[2]

@@ -160,10 +160,12 @@ def test_one_process_accumulation_is_the_global_token_mean():
     _assert_equal_to_reference(results, reference("llama", 2 * ROWS))
 
 
-def _llama_table() -> dict[str, str]:
-    """The example's tensor-parallel plan without Qwen3's q/k norms (Llama has none)."""
+def _llama_table() -> str:
+    """The example's tensor-parallel plan: ``auto``, derived from Llama's own
+    ``base_model_tp_plan`` (``examples/train_hf.yaml``)."""
     table = EX._train_config(EX.parse_args([])).placements
-    return {p: s for p, s in table.items() if "norm" not in p}
+    assert table == "auto", table
+    return table
 
 
 def test_tensor_parallel_accumulation_is_the_global_token_mean(tmp_path):
