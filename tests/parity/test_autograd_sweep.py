@@ -12,7 +12,7 @@ from tests.parity.verdict import DIFFERS
 
 
 def test_autograd_family_slice_equals_one_process():
-    assert check_family("autograd", sample=40, seed=0) == []
+    assert check_family("autograd", sample=30, seed=0) == []
 
 
 def test_planted_autograd_scenario_differs():

@@ -14,8 +14,8 @@ from tests.parity.verdict import DIFFERS
 
 
 def test_random_slice_is_exact():
-    # ~40 rows drawn with a fixed seed: a minute or less on CI's two cores
-    assert check_family("random", sample=40, seed=0) == []
+    # 30 rows drawn with a fixed seed: well under a minute on CI's two cores
+    assert check_family("random", sample=30, seed=0) == []
 
 
 def test_planted_extra_draw_differs():
