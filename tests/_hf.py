@@ -159,3 +159,17 @@ def tiny_batches(name: str, steps: int, rows: int = 4, seq: int = 8) -> list[dic
         labels = torch.randint(3, SIZES["vocab_size"], (rows, seq), generator=g)
         out.append({"input_ids": ids, "labels": labels if name == "t5" else ids})
     return out
+
+
+def plain_sgd(model: nn.Module, batches: list[dict], lr: float) -> tuple[list[float], dict]:
+    """One plain HF process under SGD, the reference the distributed runs are held to: every
+    step's loss (the model's own) and the final weights."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for batch in batches:
+        loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}

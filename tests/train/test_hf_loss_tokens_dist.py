@@ -22,7 +22,7 @@ from spmdgt.train import DistributedTrainer, TrainConfig
 from spmdgt.train._batches import loss_token_rule
 from spmdgt.train._config import ParallelismConfig
 from tests._dist import run_ranks
-from tests._hf import tiny_bert, tiny_llama, tiny_t5
+from tests._hf import plain_sgd, tiny_bert, tiny_llama, tiny_t5
 from tests.train.test_hf_dist import EX
 
 ROWS, SEQ, STEPS, LR, VOCAB = 2, 12, 3, 0.5, 128  # rows per micro-batch, tokens per row
@@ -78,16 +78,7 @@ def reference(kind: str, world_rows: int) -> tuple[list[float], dict[str, torch.
     """One process, plain HF: one forward per step on the whole global batch (HF's mean over
     every label token of it), SGD. Returns the losses and the final parameters."""
     torch.set_num_threads(1)
-    model = _model(kind)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for batch in _global_batches(world_rows):
-        loss = model(**batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return plain_sgd(_model(kind), _global_batches(world_rows), LR)
 
 
 def _params(trainer: DistributedTrainer) -> dict[str, torch.Tensor]:

@@ -16,7 +16,7 @@ import torch.distributed.tensor.parallel  # imported before fork: children inher
 from spmdgt.config import ConfigError
 from spmdgt.train import DistributedTrainer, OptimizedDataLoader, TrainConfig, override
 from tests._dist import run_ranks
-from tests._hf import tiny_batches, tiny_hf
+from tests._hf import plain_sgd, tiny_batches, tiny_hf
 
 STEPS, LR = 3, 0.2
 
@@ -32,16 +32,7 @@ def _rows(name: str) -> list[dict]:
 
 def reference(name: str, **sizes: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One plain HF process: every step's loss and the final weights."""
-    model = tiny_hf(name, **sizes)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for batch in tiny_batches(name, STEPS):
-        loss = model(**batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return plain_sgd(tiny_hf(name, **sizes), tiny_batches(name, STEPS), LR)
 
 
 def train_auto(
