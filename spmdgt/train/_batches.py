@@ -11,12 +11,16 @@ import inspect
 import sys
 import warnings
 from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from spmdgt.runtime import Runtime
 from spmdgt.train import _hf_ce
+
+if TYPE_CHECKING:
+    from spmdgt.train._layout import Layout
 
 __all__ = [
     "agree_on_group",
@@ -265,8 +269,7 @@ def step_label_tokens(
     micro_batches: list,
     rule: str,
     *,
-    dp_size: int,
-    rt: Runtime,
+    layout: Layout,
     device: torch.device,
     comm_device: torch.device,
 ) -> torch.Tensor:
@@ -274,21 +277,24 @@ def step_label_tokens(
     rank: HF's ``num_items_in_batch``, the divisor that makes the step's loss the global token
     mean one process computes on the global batch (a 0-dim int64 tensor on ``device``).
 
-    Collective when ``dp_size > 1``: one all-reduce of two numbers over the world, on every
-    rank at every step (the schedule is the config's, never the data's). The TP ranks of a
-    data group share its batch, so the world's sum counts each data group ``world /
-    dp_size`` times and is divided by that. A micro-batch without ``labels`` (its model would
-    compute no loss to divide) is counted in the same all-reduce, so every rank raises the
-    same error rather than some ranks going on into a backward the others never reach."""
+    Collective when ``layout.dp_size > 1``: one all-reduce of two numbers over the world, on
+    every rank at every step (the schedule is the config's, never the data's). The TP ranks
+    of a data group share its batch, so the world's sum counts each data group
+    ``layout.batch_replicas`` times and is divided by that. A micro-batch without ``labels``
+    (its model would compute no loss to divide) is counted in the same all-reduce, so every
+    rank raises the same error rather than some ranks going on into a backward the others
+    never reach."""
     counts = [label_tokens(b, rule) for b in micro_batches]
     missing = sum(c is None for c in counts)
     present = [c for c in counts if c is not None]
     total = torch.stack(present).sum() if present else torch.zeros((), dtype=torch.int64)
-    if dp_size > 1:
+    if layout.dp_size > 1:
         t = torch.stack([total.to(comm_device), torch.tensor(missing, device=comm_device)])
         dist.all_reduce(t)
-        replicas = rt.world_size // dp_size  # the TP ranks sharing one data group's batch
-        total, missing = t[0] // replicas if replicas > 1 else t[0], int(t[1].item())
+        replicas = layout.batch_replicas  # the TP ranks sharing one data group's batch
+        total = t[0] // replicas if replicas > 1 else t[0]
+        # a dry run's fake world: every rank is this one, its own count stands for the sum
+        missing = int(t[1].item()) if has_values(t) else missing
     if missing:
         raise ValueError(
             f"{missing} micro-batch(es) of this step's global batch have no 'labels': the "
@@ -297,6 +303,15 @@ def step_label_tokens(
             "give every dict batch its 'labels', or pass loss_fn=..."
         )
     return total.to(device)
+
+
+def has_values(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds values: a dry run's fake tensors (``FakeTensorMode``) have shapes
+    only, so a check that reads one is left to the real run (its collective is still run, and
+    counted)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return not is_fake(t)
 
 
 def _field(out: object, name: str) -> object:

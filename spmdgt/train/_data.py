@@ -12,14 +12,18 @@ from __future__ import annotations
 import multiprocessing
 import os
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 from spmdgt import runtime
 from spmdgt._core import env as _env
 
-__all__ = ["OptimizedDataLoader", "ResumableDistributedSampler"]
+if TYPE_CHECKING:
+    from spmdgt.train._layout import Layout
+
+__all__ = ["OptimizedDataLoader", "ResumableDistributedSampler", "shard_loader"]
 
 
 class ResumableDistributedSampler(DistributedSampler):
@@ -171,10 +175,11 @@ class OptimizedDataLoader:
         ``drop_last`` drops the sampler's tail so every rank gets equally many samples and
         the loader's last short batch.
 
-        ``num_replicas`` and ``rank`` (with ``shard=True``) shard over the data-parallel ranks
-        rather than the world: on a mesh with a ``tp`` dim (``parallelism``), pass the
-        trainer's ``data_parallel_size`` and ``data_parallel_rank`` so every tensor-parallel
-        rank of a data group reads the same rows. Defaults: the world size and rank.
+        ``num_replicas`` and ``rank`` (with ``shard=True``) shard over given replicas rather
+        than the world (defaults: the world size and rank). The trainer needs neither: given
+        a loader sharded over the world, ``train`` shards it over its data-parallel ranks
+        (``shard_loader``), so on a mesh with a ``tp`` dim every tensor-parallel rank of a
+        data group reads the same rows.
         """
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -219,3 +224,70 @@ class OptimizedDataLoader:
             collate_fn=collate_fn,
             **kwargs,
         )
+
+
+def shard_loader(loader: object, layout: Layout) -> object:
+    """``loader`` sharded over ``layout``'s data-parallel ranks, as accelerate's ``prepare``
+    does: a loader written as for the 1-D world reads the right rows on any mesh.
+
+    * A ``DataLoader`` whose ``DistributedSampler`` shards over the world (``OptimizedDataLoader
+      .create`` without ``num_replicas``/``rank``, a user's ``DistributedSampler(dataset)``)
+      while the layout's data-parallel ranks are fewer (a ``tp`` dim: its ranks share a
+      batch): the same loader over a ``ResumableDistributedSampler`` on
+      ``(data_parallel_size, data_parallel_rank)``, with the sampler's shuffle, seed, epoch
+      and ``drop_last``.
+    * A plain ``DataLoader`` (its sampler torch's ``SequentialSampler`` or ``RandomSampler``,
+      batched by torch's ``BatchSampler``) with more than one data-parallel rank: the same,
+      ``shuffle`` when it was random (the epoch's order from ``seed`` 0, as
+      ``OptimizedDataLoader.create``'s default), so every data-parallel rank reads its own
+      rows of one global order and the step's global batch is one process's.
+    * Anything else is returned as it is: a sampler that already shards over the layout
+      (``num_replicas=trainer.data_parallel_size``, or ``shard=False`` for ``placements``),
+      a custom sampler or batch sampler, an iterable dataset, any other iterable. The
+      trainer's first-batch check still refuses TP ranks given different batches.
+
+    Local (no collective): every rank decides from its own loader and the layout, which are
+    alike; a loader that differs between ranks is caught by the loop's agreements."""
+    from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
+
+    if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
+        return loader
+    sampler, dp, rank = loader.sampler, layout.dp_size, layout.dp_rank
+    if isinstance(sampler, DistributedSampler):
+        world_sharded = (sampler.num_replicas, sampler.rank) == (layout.world, layout.rank)
+        if not world_sharded or (sampler.num_replicas, sampler.rank) == (dp, rank):
+            return loader
+        shuffle, seed, drop, epoch = (
+            sampler.shuffle,
+            sampler.seed,
+            sampler.drop_last,
+            sampler.epoch,
+        )
+    elif type(sampler) in (SequentialSampler, RandomSampler) and dp > 1:
+        if type(loader.batch_sampler) is not BatchSampler:
+            return loader
+        shuffle, seed, drop, epoch = isinstance(sampler, RandomSampler), 0, False, 0
+    else:
+        return loader
+    new = ResumableDistributedSampler(
+        loader.dataset, num_replicas=dp, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop
+    )
+    new.set_epoch(epoch)
+    kwargs = {}
+    if loader.num_workers > 0:
+        kwargs["prefetch_factor"] = loader.prefetch_factor
+        kwargs["persistent_workers"] = loader.persistent_workers
+    return DataLoader(
+        loader.dataset,
+        batch_size=loader.batch_size,
+        sampler=new,
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        drop_last=loader.drop_last,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context,
+        generator=loader.generator,
+        **kwargs,
+    )

@@ -28,7 +28,6 @@ non-final micro-steps.
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -37,7 +36,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from spmdgt.config import ConfigError
 from spmdgt.train._comm import (
     CollectiveLog,
     LoggedAllGather,
@@ -50,8 +48,10 @@ from spmdgt.train._compile import (
     compile_blocks,
     find_blocks,
 )
-from spmdgt.train._config import STRATEGIES, DDPConfig, FSDPConfig
-from spmdgt.train._tp_plan import SPLIT_COLWISE, _style_of, check_table, resolve_placements
+from spmdgt.train._config import STRATEGIES, DDPConfig, FSDPConfig, TrainConfig
+from spmdgt.train._layout import Layout
+from spmdgt.train._tp_plan import resolve_placements
+from spmdgt.train._tp_table import placement_plan, sharded_input_modules
 from spmdgt.train._units import fsdp_blocks
 
 __all__ = [
@@ -136,133 +136,6 @@ class Wrapped:
             yield
 
 
-def _placement_plan(
-    model: nn.Module, table: dict[str, str], world_size: int = 1
-) -> dict[str, object]:
-    """The ``parallelize_module`` plan of ``table`` (module-name glob -> style, first match
-    wins), refused before any shard is made when it cannot be exact (``check_table``, then
-    the unnamed-beside-colwise rule) or names modules it cannot split."""
-    check_table(model, table)
-    plan: dict[str, object] = {}
-    used = dict.fromkeys(table, False)
-    for name, module in model.named_modules():
-        if not name:
-            continue
-        for pattern, style in table.items():
-            if fnmatch.fnmatchcase(name, pattern):
-                used[pattern] = True
-                if style not in ("replicate", "sharded_input"):
-                    plan[name] = _style(module, name, pattern, style, world_size)
-                break  # first matching pattern wins
-    _refuse_unplaced_beside_colwise(model, table)
-    unused = [p for p, hit in used.items() if not hit]
-    if unused:
-        names = [n for n, _ in model.named_modules() if n][:12]
-        raise ConfigError(
-            f"placement pattern(s) {', '.join(map(repr, unused))} match no module; module names "
-            f"look like: {', '.join(names)}",
-            key=f"placements.{unused[0]}",
-        )
-    return plan
-
-
-def _style(module: nn.Module, name: str, pattern: str, style: str, world_size: int) -> object:
-    """One module's DTensor ``ParallelStyle`` for the table's ``style`` (checked first)."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    from spmdgt.train._tp_styles import ExpertsParallel, PackedColwise
-
-    if style == "experts":
-        _check_experts(module, name, pattern, world_size)
-        return ExpertsParallel()
-    linear_only = style in ("packed_colwise", "rowwise_split")
-    kinds = (nn.Linear,) if linear_only else (nn.Linear, nn.Embedding)
-    if not isinstance(module, kinds):
-        raise ConfigError(
-            f"{style} placement needs an {' or '.join('nn.' + k.__name__ for k in kinds)}, "
-            f"but {name!r} is a {type(module).__name__}",
-            key=f"placements.{pattern}",
-            value=style,
-        )
-    _check_divisible(module, name, pattern, style, world_size)
-    if style == "colwise":
-        return ColwiseParallel()
-    if style == "colwise_gather":
-        return ColwiseParallel(output_layouts=Replicate())
-    if style == "packed_colwise":
-        return PackedColwise(parts=2)
-    # rowwise: an embedding's token ids are whole on every rank (vocab-parallel lookup);
-    # rowwise_split: a whole input, each rank takes its slice
-    whole = style == "rowwise_split" or isinstance(module, nn.Embedding)
-    return RowwiseParallel(input_layouts=Replicate()) if whole else RowwiseParallel()
-
-
-def _check_experts(module: nn.Module, name: str, pattern: str, world_size: int) -> None:
-    """``experts`` takes HF's fused experts: ``gate_up_proj [E, 2I, H]``, ``down_proj
-    [E, H, I]``, no other parameters, ``I`` divisible by the ranks."""
-    params = dict(module.named_parameters(recurse=False))
-    gu, down = params.get("gate_up_proj"), params.get("down_proj")
-    ok = (
-        set(params) == {"gate_up_proj", "down_proj"}
-        and gu.ndim == 3
-        and down.ndim == 3
-        and gu.shape[1] == 2 * down.shape[2]
-        and gu.shape[2] == down.shape[1]
-    )
-    if not ok:
-        shapes = {k: tuple(v.shape) for k, v in params.items()}
-        raise ConfigError(
-            f"experts placement needs HF's fused experts (gate_up_proj [E, 2I, H] and "
-            f"down_proj [E, H, I], nothing else), but {name!r} has {shapes}",
-            key=f"placements.{pattern}",
-            value="experts",
-        )
-    if down.shape[2] % world_size:
-        raise ConfigError(
-            f"experts placement of {name!r} splits its intermediate size {down.shape[2]} over "
-            f"{world_size} ranks; it must divide by the ranks",
-            key=f"placements.{pattern}",
-            value="experts",
-        )
-
-
-def _refuse_unplaced_beside_colwise(model: nn.Module, table: dict[str, str]) -> None:
-    """Refuse a table that leaves a module with parameters beside a colwise one unnamed.
-
-    Such a module (Qwen3's per-head ``q_norm``/``k_norm`` beside ``q_proj``/``k_proj``) most
-    likely sees the colwise layer's output: this rank's heads only. Its plain parameters'
-    gradients would then cover those heads alone and the ranks' "replicated" weights drift
-    apart, silently. A pre-norm beside them sees the full input instead and is right as a
-    plain module, so naming it ``replicate`` in the table says so and is accepted."""
-    colwise = {name for name, _ in model.named_modules() if _style_of(name, table) in SPLIT_COLWISE}
-    named = {
-        name
-        for name, _ in model.named_modules()
-        if name and any(fnmatch.fnmatchcase(name, p) for p in table)
-    }
-    for parent_name, parent in model.named_modules():
-        prefix = f"{parent_name}." if parent_name else ""
-        children = [(prefix + n, c) for n, c in parent.named_children()]
-        beside = [n for n, _ in children if n in colwise]
-        if not beside:
-            continue
-        for name, child in children:
-            if name in named or not any(True for _ in child.parameters()):
-                continue
-            raise ConfigError(
-                f"{name!r} ({type(child).__name__}) has parameters and sits beside the colwise "
-                f"{beside[0]!r}, but the placements table does not name it. If it reads "
-                f"{beside[0]!r}'s output (a per-head norm), it sees only this rank's part and "
-                "its plain gradient would cover that part alone (the ranks' copies would drift "
-                "apart): "
-                f"name it '{name}: sharded_input' (its parameters stay whole, their "
-                "gradients are summed over the ranks). If it reads the full input (a "
-                f"pre-norm), name it '{name}: replicate'",
-                key=f"placements.{name}",
-            )
-
-
 def _sum_gradients_over_ranks(
     model: nn.Module, table: dict[str, str], group: object = None
 ) -> None:
@@ -279,136 +152,84 @@ def _sum_gradients_over_ranks(
         dist.all_reduce(grad, group=group)
         return grad
 
-    for module in _sharded_input_modules(model, table):
+    for module in sharded_input_modules(model, table):
         for param in module.parameters():
             param.register_hook(summed)
 
 
-# (is an Embedding, style) -> the attribute holding the dim that style splits, and the
-# parts it must split into (packed: each of its 2 parts over the ranks)
-_SHARDED_DIM = {
-    (True, "colwise"): ("embedding_dim", 1),
-    (True, "colwise_gather"): ("embedding_dim", 1),
-    (True, "rowwise"): ("num_embeddings", 1),
-    (False, "colwise"): ("out_features", 1),
-    (False, "colwise_gather"): ("out_features", 1),
-    (False, "packed_colwise"): ("out_features", 2),
-    (False, "rowwise"): ("in_features", 1),
-    (False, "rowwise_split"): ("in_features", 1),
-}
-
-
-def _check_divisible(
-    module: nn.Module, name: str, pattern: str, style: str, world_size: int
-) -> None:
-    """torch hands colwise output to rowwise input as even local shards: demand divisibility."""
-    what, parts = _SHARDED_DIM[(isinstance(module, nn.Embedding), style)]
-    size = getattr(module, what)
-    if size % (world_size * parts):
-        raise ConfigError(
-            f"{style} placement of {name!r} splits its {what}={size} over {world_size} ranks"
-            f"{f' in each of its {parts} parts' if parts > 1 else ''}; tensor parallelism needs "
-            f"it divisible by the world size (pad the layer or replicate it)",
-            key=f"placements.{pattern}",
-            value=style,
-        )
-
-
 def wrap_model(
     model: nn.Module,
-    strategy: str,
+    config: TrainConfig,
+    layout: Layout,
     *,
-    device: torch.device,
-    world_size: int,
-    backend: str | None,
-    use_amp: bool = False,
     amp_dtype: torch.dtype = torch.bfloat16,
-    find_unused_parameters: bool = False,
-    ddp: DDPConfig | None = None,
-    fsdp: FSDPConfig | None = None,
-    placements: dict[str, str] | str | None = None,
-    mesh: object = None,
     compile: bool = False,
-    compile_backend: str = "inductor",
-    activation_checkpointing: bool = False,
-    tp_mesh: object = None,
-    dp_mesh: object = None,
 ) -> Wrapped:
-    """Move ``model`` to ``device`` and wrap it for ``strategy`` (no wrapping in a world of 1).
+    """Move ``model`` to the layout's device and wrap it as ``config`` says, over ``layout``'s
+    meshes (no wrapping in a world of one).
 
     The one place that decides the order, torchtitan's (``parallelize_llama``): tensor
     parallel, activation checkpointing, ``torch.compile`` per block, then FSDP2 or DDP. Each
-    step is an ``apply_*`` function of its own. ``strategy`` and ``placements`` come validated
-    from ``TrainConfig``; ``compile`` must already be agreed by every rank.
-
-    ``mesh`` is the 1-D world mesh (today's behaviour: the strategy spans every rank). On a
-    2-D/3-D mesh (``parallelism``) the trainer passes ``tp_mesh`` (the ``tp`` dim: the
-    ``placements`` table is applied there) and ``dp_mesh`` (the data-parallel dims: FSDP2
-    shards over ``dp_shard``, HSDP when it is 2-D, or DDP over its group)."""
+    step is an ``apply_*`` function of its own. ``config`` comes validated (``TrainConfig``);
+    ``layout`` (``_layout.build_layout``) says which mesh each engine spans: TP on
+    ``tp_mesh`` (the 1-D world for ``placements``), FSDP2 over ``dp_mesh`` (HSDP when it is
+    2-D) or DDP over its group. ``compile`` must already be agreed by every rank."""
+    strategy = config.strategy
     assert strategy in STRATEGIES, strategy  # TrainConfig validated it
-    ddp = ddp or DDPConfig()
-    fsdp = fsdp or FSDPConfig()
-    model = model.to(device)
-    distributed = world_size > 1
-    two_d = tp_mesh is not None or dp_mesh is not None
-    if not two_d:  # the 1-D world mesh: TP over it for placements, else data parallel
-        tp_mesh = mesh if strategy == "placements" and distributed else None
-        dp_mesh = mesh if strategy != "placements" else None
-        tp_size = world_size
-        dp_size = world_size if strategy != "placements" else 1
-    else:
-        tp_size = tp_mesh.size() if tp_mesh is not None else 1
-        dp_size = dp_mesh.size() if dp_mesh is not None else 1
-    data_parallel = distributed and dp_size > 1
+    use_amp, fsdp = config.training.use_amp, config.fsdp
+    model = model.to(layout.device)
     wrapped = Wrapped(model, strategy, 1, autocast_dtype=amp_dtype if use_amp else None)
-    fsdp_follows = data_parallel and strategy == "fsdp"
+    fsdp_follows = layout.data_parallel and strategy == "fsdp"
     sharded_input: list[nn.Module] = []
-    if strategy == "placements" or (two_d and tp_mesh is not None):
-        assert placements, "TrainConfig requires a placements table for tensor parallelism"
-        placements = resolve_placements(model, placements)
+    if layout.tensor_parallel:
+        assert config.placements, "TrainConfig requires a placements table for tensor parallelism"
+        placements = resolve_placements(model, config.placements)
         wrapped.placements = placements
-        plan = _placement_plan(model, placements, tp_size)  # checked in a world of 1 too
-        if tp_mesh is not None:
-            group = tp_mesh.get_group() if two_d else None  # None: the world, as before
+        plan = placement_plan(model, placements, layout.tp)  # checked in a world of 1 too
+        if layout.tp_mesh is not None:
+            # the N-D mesh's tp group; None on the 1-D world: the default group, as before
+            group = layout.tp_mesh.get_group() if layout.two_d else None
             sharded_input = apply_tp(
-                model, tp_mesh, plan, placements, group=group, hooks=not fsdp_follows
+                model, layout.tp_mesh, plan, placements, group=group, hooks=not fsdp_follows
             )
             wrapped.partial_group = group
             # DTensor's collectives have no hook: the trainer reads them from the interceptor's
             # op stream when measurement is asked for (see DistributedTrainer.train).
             wrapped.comm_source = None
-    elif strategy == "fsdp" and not distributed and fsdp.use_mixed_precision:
+    elif strategy == "fsdp" and not layout.distributed and fsdp.use_mixed_precision:
         wrapped.autocast_dtype = amp_dtype  # same numerics as bf16 params: autocast the forward
     # FSDP's units by name, taken before apply_ac wraps them: a compile fallback (a model
     # without a block list) compiles the units themselves, not their checkpoint wrappers.
-    fallback = _fsdp_named_blocks(model) if strategy == "fsdp" and data_parallel else None
-    if activation_checkpointing:
+    fallback = _fsdp_named_blocks(model) if fsdp_follows else None
+    if config.activation_checkpointing:
         apply_ac(model)
     if compile:
         # DTensor collectives run inside tensor-parallel blocks: a compile failure is then an
         # error, never an eager fallback on one rank (it could order those collectives
         # differently). DDP's and FSDP2's collectives run in hooks around the blocks.
-        in_blocks = tp_mesh is not None
-        wrapped.compiled = apply_compile(model, compile_backend, in_blocks, fallback)
-    if data_parallel and strategy == "ddp":
-        group = None if not two_d else _dp_group(dp_mesh)
+        in_blocks = layout.tp_mesh is not None
+        wrapped.compiled = apply_compile(model, config.compile_backend, in_blocks, fallback)
+    find_unused = config.ddp.find_unused_parameters
+    if layout.data_parallel and strategy == "ddp":
+        group = _dp_group(layout.dp_mesh) if layout.two_d else None
         wrapped.module = apply_ddp(
-            model, device, ddp, find_unused_parameters, wrapped.log, group=group
+            model, layout.device, config.ddp, find_unused, wrapped.log, group
         )
-        wrapped.data_parallel_size = dp_size
+        wrapped.data_parallel_size = layout.dp_size
         wrapped.comm_source = "ddp_comm_hook"
-    elif data_parallel and strategy == "fsdp":
-        if find_unused_parameters:
+    elif fsdp_follows:
+        if find_unused:
             warnings.warn(
                 "find_unused_parameters does nothing under FSDP2 (it handles unused parameters)",
                 stacklevel=_USER_FRAME,
             )
         mixed = fsdp.use_mixed_precision or use_amp
-        wrapped.fsdp_modules = apply_fsdp(model, dp_mesh, fsdp, amp_dtype if mixed else None)
+        wrapped.fsdp_modules = apply_fsdp(model, layout.dp_mesh, fsdp, amp_dtype if mixed else None)
         # their parameters are FSDP's sharded ones now: summed after the step's backward
         wrapped.partial_grads = [p for m in sharded_input for p in m.parameters()]
-        _log_fsdp_collectives(wrapped.fsdp_modules, wrapped.log, sum_only=backend != "nccl")
-        wrapped.data_parallel_size = dp_size
+        sum_only = layout.backend != "nccl"
+        _log_fsdp_collectives(wrapped.fsdp_modules, wrapped.log, sum_only=sum_only)
+        wrapped.data_parallel_size = layout.dp_size
         # FSDP's own MixedPrecisionPolicy casts; autocast stays off so compute is what it says.
         wrapped.autocast_dtype = None
         wrapped.comm_source = "fsdp2_collective_hooks"
@@ -439,17 +260,7 @@ def apply_tp(
     parallelize_module(model, mesh, plan)
     if hooks:
         _sum_gradients_over_ranks(model, table, group)
-    return _sharded_input_modules(model, table)
-
-
-def _sharded_input_modules(model: nn.Module, table: dict[str, str]) -> list[nn.Module]:
-    """The modules the table names ``sharded_input`` (first matching pattern wins)."""
-    found = []
-    for name, module in model.named_modules():
-        style = next((s for p, s in table.items() if fnmatch.fnmatchcase(name, p)), None)
-        if name and style == "sharded_input":
-            found.append(module)
-    return found
+    return sharded_input_modules(model, table)
 
 
 def apply_ac(model: nn.Module) -> None:

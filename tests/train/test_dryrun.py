@@ -204,6 +204,7 @@ def test_peak_equals_the_tracker_on_real_tensors():
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
     from spmdgt.train._dryrun import fake_world
+    from spmdgt.train._layout import Layout
     from spmdgt.train._strategies import clip_grad_norm, wrap_model
 
     cfg = TrainConfig(strategy="fsdp", activation_checkpointing=True)
@@ -222,15 +223,8 @@ def test_peak_equals_the_tracker_on_real_tensors():
     report = dry_run(build, 64, cfg, loss_fn=loss_fn)
     with fake_world(64) as mesh:
         model, optimizer, (x, y) = build()
-        wrapped = wrap_model(
-            model,
-            "fsdp",
-            device=torch.device("cpu"),
-            world_size=64,
-            backend="gloo",
-            mesh=mesh,
-            activation_checkpointing=True,
-        )
+        layout = Layout("fsdp", 64, 0, torch.device("cpu"), "gloo", (1, 64, 1), dp_mesh=mesh)
+        wrapped = wrap_model(model, cfg, layout)
         optimizer.param_groups[0]["params"] = list(wrapped.module.parameters())
         tracker = FSDPMemTracker(wrapped.module, optimizer)
         with tracker:

@@ -25,7 +25,7 @@ from spmdgt.train import (
     TrainConfig,
     override,
 )
-from spmdgt.train._mesh import build_layout, describe_groups
+from spmdgt.train._layout import build_layout, describe_groups
 from tests._dist import run_ranks
 from tests.train._models import (
     HIDDEN,
@@ -194,6 +194,7 @@ def _head_norm_grads_2d(rank: int, world: int, fsdp: bool) -> tuple:
     from torch.distributed.device_mesh import init_device_mesh
 
     from spmdgt import runtime
+    from spmdgt.train._layout import Layout
     from spmdgt.train._strategies import wrap_model
 
     torch.set_num_threads(1)
@@ -206,16 +207,19 @@ def _head_norm_grads_2d(rank: int, world: int, fsdp: bool) -> tuple:
     mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
     xs = [torch.randn(5, 6, generator=torch.Generator().manual_seed(1 + d)) for d in range(2)]
     table = {"q_proj": "colwise", "o_proj": "rowwise", "q_norm": "sharded_input"}
-    wrapped = wrap_model(
-        model,
+    layout = Layout(
         "fsdp",
-        device=torch.device("cpu"),
-        world_size=world,
-        backend=runtime.get_runtime().backend,
-        placements=table,
+        world,
+        rank,
+        torch.device("cpu"),
+        runtime.get_runtime().backend,
+        shape=(1, 2, 2),
+        mesh=mesh,
         tp_mesh=mesh["tp"],
-        dp_mesh=mesh["dp_shard"] if fsdp else None,
+        dp_mesh=mesh["dp_shard"] if fsdp else None,  # None: tensor parallel alone
     )
+    cfg = TrainConfig(strategy="fsdp", placements=table)
+    wrapped = wrap_model(model, cfg, layout)
     # each data group its own batch: a world-wide sum would mix them
     wrapped.module(xs[rank // 2]).pow(2).mean().backward()
     wrapped.sum_partial_grads()

@@ -233,6 +233,7 @@ class _HeadNormAttention(torch.nn.Module):
 
 def _head_norm_grads(rank, world):
     from spmdgt import runtime
+    from spmdgt.train._layout import build_layout
     from spmdgt.train._strategies import wrap_model
 
     torch.manual_seed(0)
@@ -243,15 +244,10 @@ def _head_norm_grads(rank, world):
             m.q_norm.weight.copy_(torch.linspace(0.5, 1.5, 4))
     x = torch.randn(5, 6, generator=torch.Generator().manual_seed(1))
     table = {"q_proj": "colwise", "o_proj": "rowwise", "q_norm": "sharded_input"}
-    wrapped = wrap_model(
-        model,
-        "placements",
-        device=torch.device("cpu"),
-        world_size=world,
-        backend=runtime.get_runtime().backend,
-        placements=table,
-        mesh=runtime.device_mesh(),
-    )
+    cfg = TrainConfig(strategy="placements", placements=table)
+    rt = runtime.get_runtime()
+    layout = build_layout(cfg.parallelism, "placements", world, rank, rt.device, rt.backend)
+    wrapped = wrap_model(model, cfg, layout)
     for _ in range(2):  # accumulation: each backward's partial gradient summed once
         wrapped.module(x).pow(2).mean().backward()
         ref(x).pow(2).mean().backward()

@@ -13,9 +13,9 @@ from torch import nn
 
 from spmdgt.train._comm import CommunicationProfiler
 from spmdgt.train._config import TrainConfig, load_train_config, override
-from spmdgt.train._dryrun._fake import _check_world, _fake_mode, fake_world
+from spmdgt.train._dryrun._fake import _check_world
 from spmdgt.train._dryrun._report import CollectiveRow, DryRunReport
-from spmdgt.train._dryrun._step import _simulate
+from spmdgt.train._dryrun._session import DrySession
 from spmdgt.train._dryrun._tables import (
     DEFAULT_LATENCY,
     DEVICES,
@@ -116,15 +116,12 @@ def _dim_profiler(s: _Settings, dim: str) -> CommunicationProfiler | None:
 
 def _resolve_config(
     config: TrainConfig | str | os.PathLike | None, strategy: str | None
-) -> tuple[TrainConfig, list[str]]:
+) -> TrainConfig:
+    """The trainer's config as the dry run is asked for it (validated before anything runs)."""
     cfg = config if isinstance(config, TrainConfig) else None
     if cfg is None:
         cfg = load_train_config(config) if config is not None else TrainConfig()
-    cfg = override(cfg, strategy=strategy)
-    notes = []
-    if cfg.compile:
-        notes.append("compile=True is not dry-run: the step ran eagerly (eager memory)")
-    return cfg, notes
+    return override(cfg, strategy=strategy)
 
 
 def _report(raw: dict, cfg: TrainConfig, s: _Settings, t0: float, notes: list[str]) -> DryRunReport:
@@ -216,7 +213,8 @@ def dry_run(
     amp_dtype: torch.dtype = torch.bfloat16,
     links: Mapping[str, str] | None = None,
 ) -> DryRunReport:
-    """One training step of ``world`` ranks, in this process, with nothing allocated.
+    """Two steps of the trainer on ``world`` ranks, in this process, with nothing allocated:
+    the ``DistributedTrainer`` itself, built on the fake world (``DrySession``).
 
     ``build()`` returns ``(model, optimizer, batch)``: the model as given to the trainer, its
     optimizer on ``model.parameters()`` and one rank's micro-batch, as the trainer's loop
@@ -228,14 +226,18 @@ def dry_run(
     give the collectives' times; ``links`` gives a mesh dim its own (``{"tp": "nvlink4",
     "dp_shard": "ib-ndr"}``: an interconnect name or a bandwidth). Raises ``DryRunError`` on
     bad input, before building."""
+    from spmdgt.train._trainer import DistributedTrainer
+
     t0 = time.perf_counter()
     s = _Settings.resolve(
         world, device_memory, device, bandwidth, latency, interconnect, headroom, links
     )
-    cfg, notes = _resolve_config(config, strategy)
-    fake = _fake_mode()
-    with fake_world(world) as mesh:
-        with fake:
+    cfg = _resolve_config(config, strategy)
+    session = DrySession(world, on_report=lambda raw, c, notes: _report(raw, c, s, t0, notes))
+    with session.world_of_ranks():
+        with session.fake:
             model, optimizer, batch = build()
-        raw = _simulate(model, optimizer, batch, cfg, world, mesh, fake, loss_fn, amp_dtype)
-    return _report(raw, cfg, s, t0, notes)
+        trainer = DistributedTrainer(
+            model, optimizer, loss_fn=loss_fn, config=cfg, amp_dtype=amp_dtype
+        )
+        return session.report(trainer, batch)

@@ -1,27 +1,21 @@
-"""``dry_run_call`` / ``dry_run_script``: a user's script as rank 0 of the fake world; its
-``DistributedTrainer(...).train(loader)`` dry-runs one step on the first batch and stops it.
+"""``dry_run_call`` / ``dry_run_script``: a user's script as rank 0 of the fake world
+(``DrySession``); its ``DistributedTrainer(...)`` is built as written, on the fake backend, and
+its ``train(loader)`` measures two of its own steps on the first batch and stops the script.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import inspect
 import os
 import runpy
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-
-from torch import nn
+from collections.abc import Callable, Mapping, Sequence
 
 from spmdgt.train._config import TrainConfig
 from spmdgt.train._dryrun._api import _report, _resolve_config, _Settings
-from spmdgt.train._dryrun._fake import _fake_mode, fake_world
 from spmdgt.train._dryrun._report import DryRunReport
-from spmdgt.train._dryrun._step import _simulate
+from spmdgt.train._dryrun._session import DrySession
 from spmdgt.train._dryrun._tables import DryRunError
-from spmdgt.train._strategies import Wrapped
 
 __all__ = ["dry_run_call", "dry_run_script", "first_batch"]
 
@@ -57,90 +51,6 @@ def first_batch(loader: object) -> object:
         raise ValueError("the training loader is empty: nothing to dry-run") from None
 
 
-@contextlib.contextmanager
-def _intercepted_trainer(
-    s: _Settings,
-    mesh: object,
-    fake_mode: object,
-    t0: float,
-    strategy: str | None,
-    config: TrainConfig | str | os.PathLike | None,
-) -> Iterator[None]:
-    """``DistributedTrainer`` as the dry run needs it, for the duration: ``__init__`` runs as
-    written (config, runtime, AMP) outside the fake mode, except that the model is kept for
-    the dry run instead of wrapped; ``train(loader)`` dry-runs one step on the loader's first
-    batch and ends the function with the report."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    from spmdgt.train._trainer import DistributedTrainer
-
-    init, train, wrap = (
-        DistributedTrainer.__init__,
-        DistributedTrainer.train,
-        DistributedTrainer._wrap,
-    )
-
-    def keep(self: DistributedTrainer, model: nn.Module) -> Wrapped:
-        self._dry_run_model = model
-        return Wrapped(model, self.config.strategy, 1)
-
-    signature = inspect.signature(init)
-
-    @functools.wraps(init)
-    def dry_init(self: DistributedTrainer, *args: object, **kwargs: object) -> None:
-        bound = signature.bind(self, *args, **kwargs)
-        if config is not None:
-            bound.arguments["config"] = config
-        if strategy is not None:
-            bound.arguments["strategy"] = strategy
-        with _disable_current_modes():
-            init(*bound.args, **bound.kwargs)
-
-    def dry_train(self: DistributedTrainer, train_loader: object, *args: object, **kw: object):
-        cfg, notes = _resolve_config(self.config, None)
-        batch = first_batch(train_loader)
-        raw = _simulate(
-            self._dry_run_model,
-            self.optimizer,
-            batch,
-            cfg,
-            s.world,
-            mesh,
-            fake_mode,
-            self.loss_fn,
-            self.amp_dtype,
-        )
-        raise _Done(_report(raw, cfg, s, t0, notes))
-
-    DistributedTrainer.__init__ = dry_init  # type: ignore[method-assign]
-    DistributedTrainer.train = dry_train  # type: ignore[method-assign]
-    DistributedTrainer._wrap = keep  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        DistributedTrainer.__init__ = init  # type: ignore[method-assign]
-        DistributedTrainer.train = train  # type: ignore[method-assign]
-        DistributedTrainer._wrap = wrap  # type: ignore[method-assign]
-
-
-@contextlib.contextmanager
-def _launcher_env(world: int) -> Iterator[None]:
-    """torchrun's variables for rank 0 of ``world``, for scripts that read them, and
-    ``GT_DEVICE=cpu``: the fake tensors stand for any device, and stay on the CPU's."""
-    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GT_DEVICE")
-    saved = {k: os.environ.get(k) for k in names}
-    os.environ.update(RANK="0", WORLD_SIZE=str(world), LOCAL_RANK="0", GT_DEVICE="cpu")
-    os.environ["LOCAL_WORLD_SIZE"] = str(min(world, 8))
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def dry_run_call(
     fn: Callable[[], object],
     world: int,
@@ -167,33 +77,22 @@ def dry_run_call(
     s = _Settings.resolve(
         world, device_memory, device, bandwidth, latency, interconnect, headroom, links
     )
-    fake = _fake_mode()
-    _forget_runtime()  # a runtime this process made before (a world of one) is not this one
+    if config is not None:
+        _resolve_config(config, strategy)  # a bad config or strategy: refused before running
+
+    def done(raw: dict, cfg: TrainConfig, notes: list[str]) -> None:
+        raise _Done(_report(raw, cfg, s, t0, notes))
+
+    session = DrySession(world, config=config, strategy=strategy, on_report=done)
     try:
-        with (
-            _launcher_env(world),
-            fake_world(world) as mesh,
-            _intercepted_trainer(s, mesh, fake, t0, strategy, config),
-            fake,
-        ):
+        with session.world_of_ranks(), session.fake:
             fn()
-    except _Done as done:
-        return done.report
-    finally:
-        _forget_runtime()
+    except _Done as finished:
+        return finished.report
     raise DryRunError(
         "the dry-run function ended without calling DistributedTrainer(...).train(loader): "
         "nothing to dry-run"
     )
-
-
-def _forget_runtime() -> None:
-    """spmdgt's runtime adopted the fake group: forget it (the group itself is gone)."""
-    from spmdgt._core.session import session
-
-    parts = [p for p in ("meshes", "runtime") if p in session.parts()]
-    if parts:
-        session.reset(*parts)
 
 
 def dry_run_script(

@@ -1,0 +1,266 @@
+"""A dry run is the trainer itself on a fake world: ``DrySession`` is that setting.
+
+Inside a session (a context manager) this process is rank 0 of torch's fake process group of
+``world`` ranks (torchtitan's ``comm.mode = "fake_backend"``), torchrun's variables say so and
+every tensor the model is built from is fake. A ``DistributedTrainer`` built there sees the
+``fake`` backend and asks ``active_session()`` for the few things a fake world changes:
+
+* ``replace``/``eager``: the dry run's ``config``/``strategy`` replace the ones given, and the
+  step runs eagerly (``compile`` off, noted);
+* ``meshes``: the layout's meshes are built outside the fake mode (they hold real ranks);
+* ``wrapping``: ``wrap_model`` runs on the fake parameters (``_fake._wrappable``);
+* ``before_forward``/``after_forward``: the memory tracker's per-forward reset and the
+  activations a forward saved;
+* ``train(trainer, loader)``: two of the trainer's own ``_train_step``s on the loader's first
+  batch under torch's trackers, the second's collectives counted; the result goes to
+  ``on_report`` (a script's session ends the script there).
+
+Everything else (the layout, the loss and its HF label-token count, the data-parallel scaling,
+the ``sharded_input`` sum, the GradScaler, the clip, the optimizer, the scheduler) is the
+trainer's code, run as it runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+from spmdgt.train._config import TrainConfig, override
+from spmdgt.train._dryrun._counting import CollectiveCounter, _bytes_per_rank, _optimizer_tensors
+from spmdgt.train._dryrun._fake import (
+    _dtensor_metadata_apart,
+    _fake_mode,
+    _mesh_ranks_real,
+    _rebuild_ddp_buckets,
+    _wrappable,
+    fake_world,
+)
+
+__all__ = ["DrySession", "active_session"]
+
+_ACTIVE: list[DrySession] = []
+
+
+def active_session() -> DrySession | None:
+    """The dry run in progress in this process (``None``: none)."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
+class DrySession:
+    """One dry run's world and what it measures (see the module docstring)."""
+
+    def __init__(
+        self,
+        world: int,
+        *,
+        config: TrainConfig | str | os.PathLike | None = None,
+        strategy: str | None = None,
+        on_report: Callable[[dict, TrainConfig, list[str]], object] | None = None,
+    ) -> None:
+        self.world = world
+        self.fake = _fake_mode()
+        self.config, self.strategy = config, strategy
+        self.on_report = on_report
+        self.notes: list[str] = []
+        self._before: Callable[[], None] = lambda: None
+        self._after: Callable[[], None] = lambda: None
+
+    @contextlib.contextmanager
+    def world_of_ranks(self) -> Iterator[DrySession]:
+        """Rank 0 of the fake world for the duration (torchrun's variables, the fake group,
+        spmdgt's runtime forgotten before and after: it adopts the fake group)."""
+        _forget_runtime()
+        _ACTIVE.append(self)
+        try:
+            with (
+                _launcher_env(self.world),
+                fake_world(self.world),
+                _dtensor_metadata_apart(),
+                _mesh_ranks_real(),
+            ):
+                yield self
+        finally:
+            _ACTIVE.remove(self)
+            _forget_runtime()
+
+    # ---------------------------------------------------------------- asked by the trainer
+
+    def replace(
+        self, config: TrainConfig | str | os.PathLike | None, strategy: str | None
+    ) -> tuple[object, str | None]:
+        """The trainer's ``config`` and ``strategy`` arguments, the dry run's where given."""
+        return (
+            self.config if self.config is not None else config,
+            self.strategy if self.strategy is not None else strategy,
+        )
+
+    def eager(self, cfg: TrainConfig) -> TrainConfig:
+        """``cfg`` with ``compile`` off (a dry run steps eagerly), noted when it was on."""
+        if cfg.compile:
+            self.notes.append("compile=True is not dry-run: the step ran eagerly (eager memory)")
+            return override(cfg, compile=False)
+        return cfg
+
+    def meshes(self) -> contextlib.AbstractContextManager:
+        """Where the layout's meshes are built: outside the fake mode (real rank numbers)."""
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        return unset_fake_temporarily()
+
+    @contextlib.contextmanager
+    def wrapping(self, model: nn.Module) -> Iterator[None]:
+        """Where ``wrap_model`` runs: the fake mode, ``model`` made wrappable."""
+        with self.fake, _wrappable(model):
+            yield
+
+    def before_forward(self) -> None:
+        self._before()
+
+    def after_forward(self) -> None:
+        self._after()
+
+    def train(self, trainer: object, loader: object) -> object:
+        """The trainer's ``train(loader)``: measure two steps on the loader's first batch."""
+        from spmdgt.train._dryrun._script import first_batch
+
+        return self.report(trainer, first_batch(loader))
+
+    def report(self, trainer: object, batch: object) -> object:
+        """Measure two of ``trainer``'s steps on ``batch`` and hand the result to
+        ``on_report`` (its return value is returned)."""
+        raw = self.measure(trainer, batch)
+        assert self.on_report is not None
+        return self.on_report(raw, trainer.config, self.notes)
+
+    # ---------------------------------------------------------------- the measurement
+
+    def measure(self, trainer: object, batch: object) -> dict:
+        """Two of the trainer's own optimizer steps (``_train_step``) on ``batch`` (every
+        micro-step takes it), under torch's memory tracker, the second step's collectives
+        counted (DDP's first step runs one all-reduce over all gradients and rebuilds its
+        buckets in gradient order at the second forward). Returns the raw measurements."""
+        wrapped, optimizer, layout = trainer.wrapped, trainer.optimizer, trainer.layout
+        world = layout.world
+        grads: list[int] = []
+
+        def probe(opt: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+            tensors = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+            grads[:] = _bytes_per_rank(tensors, world)
+
+        activations = [0]
+
+        def saved_activations() -> None:
+            """The activations the forward saved, read at its end (their most)."""
+            snap = tracker.get_tracker_snapshot("current")  # type: ignore[attr-defined]
+            for per_device in snap.values():
+                activations[0] = max(activations[0], int(per_device.get("Activation", 0)))
+
+        accum = trainer.accum
+        run = trainer._start_run(override(trainer.config, profile=False), None)
+        params = run.params
+        with self.fake:
+            tracker, tracker_name = _tracker(wrapped, optimizer)
+        counter = CollectiveCounter()
+        hook = optimizer.register_step_pre_hook(probe)
+        # the trackers refuse a second forward of the root unless their per-module stats are
+        # reset; the peak stays
+        self._before, self._after = tracker.reset_mod_stats, saved_activations
+        wrapped.module.train()
+        try:
+            with self.fake, tracker:  # type: ignore[attr-defined]
+                for step in range(2):
+                    if step == 1:
+                        _rebuild_ddp_buckets(wrapped.module, self.fake)
+                    counter.step = step
+                    with counter:
+                        trainer._train_step(run, iter([batch] * accum), accum)
+                snap = tracker.get_tracker_snapshot("peak")  # type: ignore[attr-defined]
+        finally:
+            hook.remove()
+            self._before = self._after = lambda: None
+            run.metrics.close()
+        peak = next(iter(snap.values()), {"Total": 0})
+        breakdown = {_CATEGORY.get(k, k.lower()): int(v) for k, v in peak.items() if k != "Total"}
+        breakdown = {k: v for k, v in breakdown.items() if v}
+        total = int(peak.get("Total", 0))
+        if isinstance(wrapped.module, nn.parallel.DistributedDataParallel):
+            # DDP's reducer keeps a flat bucket buffer per gradient bucket for the whole run
+            # (created outside the tracker, so not in its peak): as many bytes as the gradients.
+            buckets = sum(p.numel() * p.element_size() for p in params)
+            breakdown["DDP gradient buckets"] = buckets
+            total += buckets
+        return {
+            "parameters": sum(p.numel() for p in wrapped.module.parameters()),
+            "params": _bytes_per_rank(list(wrapped.module.parameters()), world),
+            "grads": grads or [0] * world,
+            "optimizer": _bytes_per_rank(_optimizer_tensors(optimizer), world),
+            "activations": activations[0],
+            "peak": total,
+            "breakdown": breakdown,
+            "collectives": counter.totals_by_dim(step=1),
+            "sizes": layout.dim_sizes(),
+            "tracker": tracker_name,
+        }
+
+
+def _tracker(wrapped: object, optimizer: torch.optim.Optimizer) -> tuple[object, str]:
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(wrapped.module, FSDPModule):
+        return FSDPMemTracker(wrapped.module, optimizer), "FSDPMemTracker"
+    tracker = MemTracker()
+    tracker.track_external(wrapped.module, optimizer)
+    return tracker, "MemTracker"
+
+
+@contextlib.contextmanager
+def _launcher_env(world: int) -> Iterator[None]:
+    """torchrun's variables for rank 0 of ``world``, for scripts that read them, and
+    ``GT_DEVICE=cpu``: the fake tensors stand for any device, and stay on the CPU's."""
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GT_DEVICE")
+    saved = {k: os.environ.get(k) for k in names}
+    os.environ.update(RANK="0", WORLD_SIZE=str(world), LOCAL_RANK="0", GT_DEVICE="cpu")
+    os.environ["LOCAL_WORLD_SIZE"] = str(min(world, 8))
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _forget_runtime() -> None:
+    """spmdgt's runtime adopted the fake group: forget it (the group itself is gone)."""
+    from spmdgt._core.session import session
+
+    parts = [p for p in ("meshes", "runtime") if p in session.parts()]
+    if parts:
+        session.reset(*parts)
+
+
+# The trackers' category names, as the report says them.
+_CATEGORY = {
+    "Sharded Param": "sharded params",
+    "Unsharded Param": "unsharded params",
+    "Parameter": "params",
+    "Buffer": "buffers",
+    "Sharded Grad": "sharded grads",
+    "Unsharded Grad": "unsharded grads",
+    "Gradient": "grads",
+    "Activation": "activations",
+    "Temp": "backward temporaries",
+    "All Gather": "all-gather buffers",
+    "Reduce Scatter": "reduce-scatter buffers",
+    "OptState": "optimizer state",
+    "Optstate": "optimizer state",
+    "Inputs": "inputs",
+    "Other": "other",
+}
