@@ -105,7 +105,10 @@ def check_same_batch(
                 "tensor parallelism needs the same batch on every rank of a tensor-parallel "
                 "group, but the first batches differ (checksums: "
                 + ", ".join(f"tp rank {r}: {o[0].item():.6g}" for r, o in enumerate(out))
-                + "); shard the loader over the data-parallel ranks only: "
+                + "); the trainer shards a DataLoader over its data-parallel ranks itself "
+                "(a DistributedSampler over the world, or torch's sequential or random "
+                "sampler), not this loader: shard it over the data-parallel ranks only "
+                "(trainer.data_parallel_rank of trainer.data_parallel_size), e.g. "
                 "OptimizedDataLoader.create(..., num_replicas=trainer.data_parallel_size, "
                 "rank=trainer.data_parallel_rank)"
             )

@@ -10,8 +10,14 @@ loss over the step's label tokens counted on every data-parallel rank, HF's
 ``num_items_in_batch`` (``_batches.step_label_tokens``); all but the last inside
 ``no_sync``, so gradients are communicated once per step), optional global-norm clipping
 (correct for sharded parameters), the optimizer and scheduler step, a checkpoint every
-``checkpoint.every_steps``. See ``_strategies`` for the wrapping, ``_checkpoint`` for the
-atomic DCP checkpoints, ``_summary`` for what is measured and how.
+``checkpoint.every_steps``.
+
+This module holds the trainer's setup (config, AMP, the compile agreement, the ``Layout``
+built once, the wrapping), ``train`` and ``evaluate``. The rest, one job each: ``_layout``
+(the meshes and data-parallel size), ``_loss`` (the HF loss rules), ``_loop`` (the loop's
+steps), ``_resume`` (checkpoints), ``_strategies`` (the wrapping), ``_data`` (sharding a
+loader over the layout), ``_summary`` (what is measured and how); ``_dryrun`` runs this
+trainer on a fake process group.
 """
 
 from __future__ import annotations
@@ -28,19 +34,13 @@ from spmdgt import compile as gt_compile
 from spmdgt import runtime
 from spmdgt.config import ConfigError
 from spmdgt.train._batches import agree_on_group, check_loader, split_batch, to_device
-from spmdgt.train._checkpoint import (
-    find_latest,
-    load_checkpoint,
-    on_rank0,
-    resolve_checkpoint,
-    save_checkpoint,
-)
 from spmdgt.train._compile import compile_disabled_by_env
 from spmdgt.train._config import TrainConfig, load_train_config, override
 from spmdgt.train._data import shard_loader
 from spmdgt.train._layout import Layout, build_layout, describe_groups, tp_group
 from spmdgt.train._loop import TrainLoop
 from spmdgt.train._loss import LossRule
+from spmdgt.train._resume import CheckpointMixin
 from spmdgt.train._run import detach_comm_sink
 from spmdgt.train._schedule import build_scheduler
 from spmdgt.train._strategies import Wrapped, all_reduce_mean, wrap_model
@@ -60,7 +60,7 @@ def _as_config(config: TrainConfig | str | os.PathLike | None) -> TrainConfig:
     raise TypeError(f"config must be a TrainConfig or a YAML path, got {type(config)}")
 
 
-class DistributedTrainer(TrainLoop):
+class DistributedTrainer(TrainLoop, CheckpointMixin):
     """Train ``model`` with ``optimizer`` on every rank under one of three strategies.
 
     Batches are ``(inputs, targets)`` and the loss is ``loss_fn(model(inputs), targets)``;
@@ -347,63 +347,6 @@ class DistributedTrainer(TrainLoop):
     def _comm_device(self) -> torch.device:
         return self.device if self.rt.backend == "nccl" else torch.device("cpu")
 
-    # ------------------------------------------------------------------ checkpoints
-
-    def _trainer_state(self) -> dict:
-        return {
-            "step": self.global_step,
-            "epoch": self._epoch,
-            "samples_in_epoch": self._samples_in_epoch,
-            "scheduler": self.scheduler.state_dict() if self.scheduler else None,
-            "scaler": self.scaler.state_dict() if self.scaler else None,
-            "world_size": self.rt.world_size,
-            # the mesh it was written on: a resume on another says so (weights, optimizer and
-            # data position carry over, see load_checkpoint)
-            "mesh": list(self.layout.shape),
-            "data_parallel_size": self.data_parallel_size,
-        }
-
-    def save_checkpoint(self, directory: str | os.PathLike | None = None) -> str:
-        """Write a checkpoint of everything needed to resume (collective: all ranks call it)."""
-        directory = directory or self.config.checkpoint.dir
-        if directory is None:
-            raise ValueError("no checkpoint directory: pass one or set checkpoint.dir")
-        path = save_checkpoint(
-            directory,
-            self.global_step,
-            self.model,
-            self.optimizer,
-            self._trainer_state(),
-            keep_last=self.config.checkpoint.keep_last,
-        )
-        return str(path)
-
-    def load_checkpoint(self, path: str | os.PathLike) -> None:
-        """Restore model, optimizer, scheduler, scaler, RNG and data position from ``path``.
-
-        ``path`` is one ``step_<n>`` checkpoint or a checkpoint directory (its newest, as its
-        ``latest`` names it, confined to the directory). Collective: rank 0 resolves the path
-        and every rank loads that one, or raises rank 0's error."""
-        found = on_rank0(lambda: resolve_checkpoint(path))
-        extra = load_checkpoint(found, self.model, self.optimizer)
-        self.global_step = extra["step"]
-        self._epoch = extra["epoch"]
-        self._samples_in_epoch = extra["samples_in_epoch"]
-        if self.scheduler is not None and extra["scheduler"] is not None:
-            self.scheduler.load_state_dict(extra["scheduler"])
-        if self.scaler is not None and extra["scaler"] is not None:
-            self.scaler.load_state_dict(extra["scaler"])
-        self._resumed_from = str(found)
-        saved = extra.get("mesh")
-        layout = self.layout
-        if saved is not None and tuple(saved) != layout.shape:
-            runtime.print0(
-                f"spmdgt.train: {found} was written on mesh dp_replicate x dp_shard x tp = "
-                f"{'x'.join(map(str, saved))} ({extra.get('world_size')} rank(s)); resuming on "
-                f"{layout.describe()}: weights and optimizer state resharded, data from "
-                f"global sample {self._samples_in_epoch} of epoch {self._epoch}"
-            )
-
     # ------------------------------------------------------------------ the loop
 
     def train(
@@ -450,17 +393,6 @@ class DistributedTrainer(TrainLoop):
             detach_comm_sink(run.sink, run.own_interceptor)
             run.bar.close()
         return self._finish(run)
-
-    def _resume_if_asked(self) -> None:
-        """Load the newest checkpoint of ``checkpoint.dir`` when ``checkpoint.resume`` is set
-        and nothing was loaded yet. Rank 0 reads the directory for everyone: whether to load
-        is a collective decision."""
-        ck = self.config.checkpoint
-        if ck.dir and ck.resume and self._resumed_from is None:
-            found = on_rank0(lambda: find_latest(ck.dir))
-            if found is not None:
-                self.load_checkpoint(found)
-                runtime.print0(f"resumed from {found} at step {self.global_step}")
 
     @torch.no_grad()
     def evaluate(self, loader: Iterable) -> float:

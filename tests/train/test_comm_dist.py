@@ -66,7 +66,8 @@ def _uneven(rank, world):
     ds = make_dataset(n=8 if rank == 0 else 16)
     model = make_model()
     t = DistributedTrainer(model, make_optimizer(model), loss_fn=F.mse_loss)
-    loader = torch.utils.data.DataLoader(ds, batch_size=4)  # not sharded, different lengths
+    # a plain loader: the trainer shards it over the 2 ranks (8 / 2 rows: 1 batch; 16 / 2: 2)
+    loader = torch.utils.data.DataLoader(ds, batch_size=4)
     try:
         t.train(loader)
     except ValueError as e:
@@ -77,4 +78,4 @@ def _uneven(rank, world):
 def test_mismatched_loaders_fail_fast(tmp_path):
     msgs = run_ranks(_uneven, 2, tmp_path, timeout=60)
     for m in msgs:
-        assert "rank 0: 2, rank 1: 4" in m
+        assert "rank 0: 1, rank 1: 2" in m

@@ -77,15 +77,35 @@ def _model(name: str) -> tuple[nn.Module, object]:
     or the example's decoder, small (its rotary tables are buffers: DDP broadcasts them)."""
     if name == "stack":
         return make_stack(), F.mse_loss
+    if name == "hf":  # its own loss over the step's label tokens (one world all-reduce)
+        from tests._hf import tiny_llama
+
+        return tiny_llama(), None
     ex = _example()
     torch.manual_seed(0)
     args = ex.ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=SEQ)
     return ex.Transformer(args), ex.lm_loss
 
 
+def _hf_rows(n: int) -> list[dict[str, torch.Tensor]]:
+    """``n`` token rows, each padded (``-100`` labels) to its own length: HF's label-token
+    count differs between ranks and micro-steps."""
+    g = torch.Generator().manual_seed(n)
+    rows = []
+    for i in range(n):
+        ids = torch.randint(0, 128, (SEQ,), generator=g)
+        labels = ids.clone()
+        labels[SEQ - 1 - i % 5 :] = -100
+        rows.append({"input_ids": ids, "attention_mask": torch.ones(SEQ, dtype=torch.long),
+                     "labels": labels})  # fmt: skip
+    return rows
+
+
 def _dataset(name: str, n: int):
     if name == "stack":
         return make_dataset(n=n)
+    if name == "hf":
+        return _hf_rows(n)
     ex = _example()
     return ex.TokenDataset(ex.load_tokens(None, n * SEQ + 1, 256, 0), SEQ)
 
@@ -140,6 +160,9 @@ def _builder(name: str):
         model, _ = _model(name)
         if name == "stack":
             batch = (torch.randn(MICRO_BATCH, IN), torch.randn(MICRO_BATCH, OUT))
+        elif name == "hf":
+            rows = _hf_rows(MICRO_BATCH)
+            batch = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
         else:
             tokens = torch.randint(0, 256, (MICRO_BATCH, SEQ))
             batch = (tokens, tokens)
@@ -158,6 +181,9 @@ def _builder(name: str):
         ("fsdp", 4, 1, "transformer"),
         ("ddp", 2, 1, "transformer"),
         ("placements", 2, 1, "transformer"),
+        # HF's label-token count: one world all-reduce per step (before: 10 predicted, 11 real)
+        ("fsdp", 2, 1, "hf"),
+        ("ddp", 3, 2, "hf"),
     ],
 )
 def test_dry_run_equals_a_real_run(strategy, world, accum, name, tmp_path):
@@ -172,12 +198,14 @@ def test_dry_run_equals_a_real_run(strategy, world, accum, name, tmp_path):
         assert dry == r["collectives"], f"rank {rank}"
     kinds = {
         "fsdp": {"all_gather", "reduce_scatter", "all_reduce"},  # all_reduce: the clip's norm
-        "ddp": {"all_reduce", "broadcast"} if name == "transformer" else {"all_reduce"},
+        "ddp": {"all_reduce", "broadcast"} if name != "stack" else {"all_reduce"},
         "placements": {"all_reduce"},
     }[strategy]
     assert set(dry) == kinds
     if (strategy, name) == ("fsdp", "stack"):  # 11 rows over the ranks: uneven shards
         assert len(set(report.params)) == 2
+    if name == "hf":  # the label-token count's all-reduce is in the step, as in the real one
+        assert report.collectives_by_dim()["world"]["all_reduce"]["count"] >= 1
 
 
 class _Deep(nn.Module):

@@ -106,23 +106,51 @@ def test_ddp_over_both_data_dims_and_pure_tp_match_single_process(tmp_path):
     print("max |diff| vs one process (placements tp=4):", _check(out, TP_HIDDEN, 1))
 
 
-def _world_sharded_loader(rank: int, world: int) -> str:
+def _loaders_written_as_for_1d(rank: int, world: int) -> tuple:
+    """fsdp x tp on 2 x 2 with loaders written as for the 1-D world: ``OptimizedDataLoader
+    .create`` without ``num_replicas``/``rank`` (sharded over the 4 ranks) and a plain
+    ``DataLoader``; the trainer shards both over its 2 data-parallel ranks. A loader it cannot
+    reshard (a list of batches, different on each rank) is still refused by the first-batch
+    check, on every rank."""
+    from torch.utils.data import DataLoader
+
     torch.set_num_threads(1)
-    model = make_model(hidden=TP_HIDDEN)
     cfg = TrainConfig(
         strategy="fsdp", placements=TP_PLAN, parallelism=ParallelismConfig(dp_shard=2, tp=2)
     )
+    out = []
+    for loader in (
+        OptimizedDataLoader.create(make_dataset(), PER_DP_RANK, shuffle=False),
+        DataLoader(make_dataset(), batch_size=PER_DP_RANK),
+    ):
+        model = make_model(hidden=TP_HIDDEN)
+        trainer = DistributedTrainer(
+            model, make_optimizer(model), loss_fn=F.mse_loss, max_grad_norm=CLIP, config=cfg
+        )
+        summary = trainer.train(loader, max_steps=STEPS)
+        dp = (trainer.data_parallel_rank, trainer.data_parallel_size)
+        out.append((full_state(trainer.model), trainer.last_stats.global_losses, summary, dp))
+    model = make_model(hidden=TP_HIDDEN)
     trainer = DistributedTrainer(model, make_optimizer(model), loss_fn=F.mse_loss, config=cfg)
-    loader = OptimizedDataLoader.create(make_dataset(), PER_DP_RANK, shuffle=False)
+    x, y = make_dataset().tensors
     try:
-        trainer.train(loader, max_steps=1)
+        trainer.train([(x[rank : rank + 3], y[rank : rank + 3])], max_steps=1)
+        message = "no error"
     except ValueError as e:
-        return str(e)
-    return "no error"
+        message = str(e)
+    return out, message
 
 
-def test_tp_ranks_with_different_batches_are_an_error(tmp_path):
-    for message in run_ranks(_world_sharded_loader, 4, tmp_path):
+@pytest.mark.slow
+def test_loaders_written_as_for_1d_follow_the_2x2_layout(tmp_path):
+    """Before: the 1-D-style loader stopped at the first batch with a ValueError asking for
+    ``num_replicas=trainer.data_parallel_size, rank=trainer.data_parallel_rank``."""
+    results = run_ranks(_loaders_written_as_for_1d, 4, tmp_path, timeout=240)
+    for kind in range(2):
+        runs = [r[0][kind] for r in results]
+        assert [r[3] for r in runs] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+        print("max |diff| vs one process (1-D-style loader, 2 x 2):", _check(runs, TP_HIDDEN, 2))
+    for _, message in results:
         assert "tensor-parallel group" in message and "data_parallel_rank" in message, message
 
 
