@@ -72,8 +72,6 @@ class Wrapped:
 
     module: nn.Module
     strategy: str
-    data_parallel_size: int
-    """Ranks that see different data (1 for placements: every rank sees the same batch)."""
     log: CollectiveLog = field(default_factory=CollectiveLog)
     fsdp_modules: list[nn.Module] = field(default_factory=list)
     autocast_dtype: torch.dtype | None = None
@@ -178,7 +176,7 @@ def wrap_model(
     assert strategy in STRATEGIES, strategy  # TrainConfig validated it
     use_amp, fsdp = config.training.use_amp, config.fsdp
     model = model.to(layout.device)
-    wrapped = Wrapped(model, strategy, 1, autocast_dtype=amp_dtype if use_amp else None)
+    wrapped = Wrapped(model, strategy, autocast_dtype=amp_dtype if use_amp else None)
     fsdp_follows = layout.data_parallel and strategy == "fsdp"
     sharded_input: list[nn.Module] = []
     if layout.tensor_parallel:
@@ -215,7 +213,6 @@ def wrap_model(
         wrapped.module = apply_ddp(
             model, layout.device, config.ddp, find_unused, wrapped.log, group
         )
-        wrapped.data_parallel_size = layout.dp_size
         wrapped.comm_source = "ddp_comm_hook"
     elif fsdp_follows:
         if find_unused:
@@ -229,7 +226,6 @@ def wrap_model(
         wrapped.partial_grads = [p for m in sharded_input for p in m.parameters()]
         sum_only = layout.backend != "nccl"
         _log_fsdp_collectives(wrapped.fsdp_modules, wrapped.log, sum_only=sum_only)
-        wrapped.data_parallel_size = layout.dp_size
         # FSDP's own MixedPrecisionPolicy casts; autocast stays off so compute is what it says.
         wrapped.autocast_dtype = None
         wrapped.comm_source = "fsdp2_collective_hooks"
