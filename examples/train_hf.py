@@ -147,13 +147,8 @@ def run_trainer(args: argparse.Namespace) -> dict:
             f"--global-batch {args.global_batch} must divide by the {dp} data-parallel ranks"
         )
     data = TokenDataset(args.steps * args.global_batch, args.seq_len, args.vocab, args.seed)
-    loader = OptimizedDataLoader.create(
-        data,
-        args.global_batch // dp,
-        shuffle=False,
-        num_replicas=dp,
-        rank=trainer.data_parallel_rank,
-    )
+    # written as for one process: the trainer shards it over its data-parallel ranks
+    loader = OptimizedDataLoader.create(data, args.global_batch // dp, shuffle=False)
     return trainer.train(loader, epochs=1, max_steps=args.steps)
 
 

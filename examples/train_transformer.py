@@ -338,16 +338,12 @@ def run_trainer(args: argparse.Namespace) -> dict:
     )
     if args.checkpoint_dir:
         trainer.config.checkpoint.dir = args.checkpoint_dir
-    # Every tensor-parallel rank of a data group reads the same rows: the loader shards over
-    # the data-parallel ranks (the world on the 1-D mesh, one group for placements).
+    # Written as for one process: the trainer shards the loader over its data-parallel ranks
+    # (the world on the 1-D mesh, one group for placements), so every tensor-parallel rank of
+    # a data group reads the same rows.
     ds = build_data(args, trainer.data_parallel_size)
     loader = OptimizedDataLoader.create(
-        ds,
-        args.batch_size,
-        seed=args.seed,
-        num_workers=args.workers,
-        num_replicas=trainer.data_parallel_size,
-        rank=trainer.data_parallel_rank,
+        ds, args.batch_size, seed=args.seed, num_workers=args.workers
     )
     return trainer.train(
         loader, epochs=args.epochs, profile=args.profile or None, max_steps=args.steps

@@ -10,11 +10,13 @@ One process: ``python train.py``. N processes: ``torchrun --nproc_per_node=N tra
     summary = trainer.train(loader, epochs=2)
 
 The full guide is docs/trainer.md. Machinery: ``_strategies`` (wrapping: ``apply_tp``,
-``apply_ac``, ``apply_compile``, ``apply_fsdp``/``apply_ddp``), ``_trainer`` (the loop),
-``_run`` (one call's measurement), ``_mesh`` (the parallelism block's meshes),
+``apply_ac``, ``apply_compile``, ``apply_fsdp``/``apply_ddp``), ``_trainer`` (setup,
+``train``, ``evaluate``), ``_loop`` (the steps), ``_loss`` (the HF loss rules), ``_resume``
+(checkpoints), ``_run`` (one call's measurement), ``_layout`` (the ``Layout`` built once:
+meshes, data-parallel size and rank), ``_tp_table`` (a placements table into a plan),
 ``_checkpoint`` (atomic DCP checkpoints), ``_comm`` (collective algebra and logging),
-``_units`` (the blocks: FSDP's units and compile's), ``_compile``, ``_dryrun`` (a step for a
-world that is not there), ``_throughput`` (FLOPs, MFU), ``_profilers``, ``_summary``,
+``_units`` (the blocks: FSDP's units and compile's), ``_compile``, ``_dryrun`` (the trainer
+on a fake world), ``_throughput`` (FLOPs, MFU), ``_profilers``, ``_summary``,
 ``_data``, ``_batches`` (a batch into the model, its loss out), ``_hf_ce`` (HF heads' own
 cross-entropy, recomputed as the global token mean), ``_tp_plan`` (``placements: auto`` and
 the checks that refuse an inexact table), ``_tp_styles`` (the packed and experts styles),

@@ -94,6 +94,13 @@ class ResumableDistributedSampler(DistributedSampler):
         return rest // self.num_replicas if self.drop_last else -(-rest // self.num_replicas)
 
 
+def _worker_generator(seed: int, rank: int) -> torch.Generator:
+    """The loader's own generator for its workers' seeds, by the rank it reads for: a resumed
+    run restores the global RNG and must not see it moved by a new iterator, and the ranks
+    that read the same rows (a data group's TP ranks) draw the same worker seeds."""
+    return torch.Generator().manual_seed(seed + 1_000_003 * rank)
+
+
 def _default_workers() -> int:
     """Worker processes for this rank: its share of the usable cores minus one, at most 8."""
     try:
@@ -210,9 +217,7 @@ class OptimizedDataLoader:
             kwargs["persistent_workers"] = (
                 True if persistent_workers is None else persistent_workers
             )
-        # The loader draws worker seeds from its own generator, never from the global RNG: a
-        # resumed run restores the global RNG and must not see it moved by a new iterator.
-        generator = torch.Generator().manual_seed(seed + 1_000_003 * rank)
+        generator = _worker_generator(seed, rank)
         return DataLoader(
             dataset,
             generator=generator,
@@ -273,6 +278,9 @@ def shard_loader(loader: object, layout: Layout) -> object:
         loader.dataset, num_replicas=dp, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop
     )
     new.set_epoch(epoch)
+    generator = loader.generator  # a user's (None: the global RNG, the same on every rank)
+    if isinstance(sampler, ResumableDistributedSampler):  # OptimizedDataLoader's, by rank
+        generator = _worker_generator(seed, rank)
     kwargs = {}
     if loader.num_workers > 0:
         kwargs["prefetch_factor"] = loader.prefetch_factor
@@ -288,6 +296,6 @@ def shard_loader(loader: object, layout: Layout) -> object:
         timeout=loader.timeout,
         worker_init_fn=loader.worker_init_fn,
         multiprocessing_context=loader.multiprocessing_context,
-        generator=loader.generator,
+        generator=generator,
         **kwargs,
     )
