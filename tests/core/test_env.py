@@ -49,9 +49,9 @@ def test_flag_reads_os_environ(monkeypatch):
 @pytest.mark.parametrize("value", ["maybe", "2", "enabled", "o n"])
 def test_bad_flag_names_variable_value_and_spellings(value):
     with pytest.raises(env.EnvError) as err:
-        env.flag("GT_AUTO_SHARD", {"GT_AUTO_SHARD": value})
+        env.flag("GT_VERBOSE", {"GT_VERBOSE": value})
     assert isinstance(err.value, ValueError)
-    assert str(err.value) == f"GT_AUTO_SHARD={value!r}: {FLAG_SPELLINGS}"
+    assert str(err.value) == f"GT_VERBOSE={value!r}: {FLAG_SPELLINGS}"
 
 
 @pytest.mark.parametrize(
