@@ -2,6 +2,7 @@
 
     python benchmarks/scaling.py --quick --ranks 1 2              # CPU sizes, < 5 min on 2 cores
     python benchmarks/scaling.py --quick --ranks 1 2 --auto-shard # GT_AUTO_SHARD=1, no signal
+    python benchmarks/scaling.py --quick --ranks 1 2 --auto-shard plan  # GT_AUTO_SHARD=plan
     python benchmarks/scaling.py --device cuda --ranks 1 2 4 8    # seed 001's sizes, 1 GPU a rank
     python benchmarks/scaling.py --quick --ranks 1 2 --json results/scaling.json
 
@@ -71,6 +72,7 @@ GROUPS = {
     "mlp": "MLP forwards",
 }
 SIDES = {"spmdgt": "spmdgt", "dtensor": "DTensor", "torch": "torch"}
+_AUTO = {"auto": "GT_AUTO_SHARD=1", "plan": "GT_AUTO_SHARD=plan"}
 MODES = ("compute", "read")
 
 
@@ -390,7 +392,7 @@ def report(rows: list[dict], shapes: list[Shape], cfg: dict[str, Any]) -> None:
                     ratios.append(part)
                 print(f"{'':<28}{'(time ratios)':<22}{'; '.join(ratios)}")
     print("\n" + "=" * 80 + "\nSUMMARY\n" + "=" * 80)
-    placement = "GT_AUTO_SHARD=1" if cfg["placement"] == "auto" else "`rows` signal"
+    placement = _AUTO.get(cfg["placement"], "`rows` signal")
     if len(ranks) == 1:
         print("\n(one rank count only: no speedup to summarise; give --ranks 1 2 ...)")
     for r, per in summary(rows).items():
@@ -410,11 +412,10 @@ def report(rows: list[dict], shapes: list[Shape], cfg: dict[str, Any]) -> None:
 
 def _header(cfg: dict[str, Any], shapes: list[Shape]) -> None:
     dev = cfg["device"]
-    placement = (
-        "GT_AUTO_SHARD=1, no signal (axis 0 over every rank)"
-        if cfg["placement"] == "auto"
-        else "a `rows` signal (axis 0 over every rank)"
-    )
+    placement = {
+        "auto": "GT_AUTO_SHARD=1, no signal (axis 0 over every rank)",
+        "plan": "GT_AUTO_SHARD=plan, no signal (placements priced from the first run's ops)",
+    }.get(cfg["placement"], "a `rows` signal (axis 0 over every rank)")
     print(
         f"scaling: seed 001's workloads / {cfg['scale']} on {dev} "
         f"({'gloo' if dev == 'cpu' else 'nccl'}), ranks {cfg['ranks']}, inputs under "
@@ -452,7 +453,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quick", action="store_true", help="CPU sizes: every dimension / 8")
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # tests: / 64
     p.add_argument("--scale", type=int, default=None, help="divide every dimension by N")
-    p.add_argument("--auto-shard", action="store_true", help="GT_AUTO_SHARD=1, no signal")
+    p.add_argument(
+        "--auto-shard",
+        nargs="?",
+        const="1",
+        choices=["1", "plan"],
+        help="no signal: GT_AUTO_SHARD=1 (axis 0), or =plan (placements priced from the ops)",
+    )
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--threads-per-rank", type=int, default=1, help="CPU: torch threads a rank")
     p.add_argument("--groups", default="square,batch,mlp", help="comma-separated workloads")
@@ -479,7 +486,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = {
         "device": args.device,
         "ranks": ranks,
-        "placement": "auto" if args.auto_shard else "signal",
+        "placement": {"1": "auto", "plan": "plan"}.get(args.auto_shard, "signal"),
         "threads_per_rank": args.threads_per_rank,
         "warmup": args.warmup,
         "runs": args.runs,
@@ -490,7 +497,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.device == "cpu" and scale == 1:
         print("  note: seed 001's full sizes on a CPU take hours; --quick is the CPU size")
     progress = Progress("scaling")
-    env = {"GT_AUTO_SHARD": "1" if args.auto_shard else "0"}
+    env = {"GT_AUTO_SHARD": args.auto_shard or "0"}
     per_ranks = {}
     for r in ranks:
         progress(f"starting {r} rank{'s' if r > 1 else ''}")

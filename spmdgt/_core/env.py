@@ -98,7 +98,14 @@ def _int(name: str, default: int | None, meaning: str, low: int = 1) -> Var:
 # Grouped as the docs present them: placement and runtime, compilation, observability.
 VARIABLES: tuple[Var, ...] = (
     Var("GT_CONFIG", "path", None, "signal YAML, read on first use of a signal"),
-    _flag("GT_AUTO_SHARD", False, "shard new tensors on axis 0 when the ranks divide it evenly"),
+    Var(
+        "GT_AUTO_SHARD",
+        "flag",
+        False,
+        "shard new tensors on axis 0 when the ranks divide it evenly; `plan`: choose each "
+        "one's placement from the ops that use it (docs/placements.md)",
+        choices=("plan",),
+    ),
     Var("GT_BACKEND", "str", None, "process-group backend (default: nccl on CUDA, gloo on CPU)"),
     Var(
         "GT_DEVICE",
@@ -221,7 +228,8 @@ def _bounds(var: Var) -> str:
 def _expected(var: Var) -> str:
     if var.kind == "flag":
         off = ", ".join(s or "''" for s in OFF)
-        return f"one of {', '.join(ON)} (on) or {off} (off)"
+        more = f", or {', '.join(var.choices)}" if var.choices else ""
+        return f"one of {', '.join(ON)} (on) or {off} (off){more}"
     if var.kind == "choice":
         return f"one of {', '.join(var.choices)}"
     what = "an integer" if var.kind == "int" else "a number"
@@ -243,6 +251,8 @@ def _parse(var: Var, value: str | None) -> Any:
             return True
         if low in OFF:
             return False
+        if low in var.choices:  # a flag's own extra words (GT_AUTO_SHARD=plan)
+            return low
         raise _error(var, value)
     if not s:
         return var.default
@@ -277,8 +287,9 @@ def get(name: str, environ: Mapping[str, str] | None = None) -> Any:
     return _parse(var, (os.environ if environ is None else environ).get(name))
 
 
-def flag(name: str, environ: Mapping[str, str] | None = None) -> bool:
-    """A flag's value: ``1/true/on/yes`` on, ``0/false/off/no/''`` off, unset its default."""
+def flag(name: str, environ: Mapping[str, str] | None = None) -> bool | str:
+    """A flag's value: ``1/true/on/yes`` on, ``0/false/off/no/''`` off, unset its default; a
+    flag's own extra word (``GT_AUTO_SHARD=plan``) as itself (a true value)."""
     var = _var(name, "flag")
     return _parse(var, (os.environ if environ is None else environ).get(name))
 
@@ -331,6 +342,8 @@ def _default_text(var: Var) -> str:
 def _type_text(var: Var) -> str:
     if var.kind == "choice":
         return "choice " + "/".join(var.choices)  # no "|": it would split a Markdown cell
+    if var.kind == "flag" and var.choices:
+        return "flag or " + "/".join(var.choices)
     bounds = _bounds(var)
     return f"{var.kind} {bounds}" if bounds else var.kind
 

@@ -21,7 +21,7 @@ from spmdgt._core import env as _env
 from spmdgt._core import scope as _scope
 from spmdgt.runtime import _agree
 from spmdgt.runtime._state import get_runtime
-from spmdgt.tensor import _draw
+from spmdgt.tensor import _autoplan, _draw
 from spmdgt.tensor._dtypes import to_dtype
 from spmdgt.tensor._placement import creation_target, intent, signal_target
 
@@ -144,7 +144,7 @@ def _create(
     rt = get_runtime()
     if rt.world_size > 1:
         agree_on_creation(what, shape, dtype or torch.get_default_dtype(), digest)
-    target = creation_target(shape)
+    target = creation_target(shape, dtype or torch.get_default_dtype())
     if target is None:
         t = make(rt.device)
     else:
@@ -154,6 +154,8 @@ def _create(
         t = place_local(part, shape, target) if part is not None else place(make(rt.device), target)
         if _debuglog.TENSOR:
             _note_placement(what, shape, target)
+    if _autoplan.active():  # GT_AUTO_SHARD=plan is recording: the ops using t are priced
+        _autoplan.created(t)
     if requires_grad:
         t.requires_grad_(True)
         if _scope.stack and rt.world_size > 1:

@@ -43,8 +43,9 @@ class Target:
     signal: str | None = None
 
 
-def auto_shard_enabled() -> bool:
-    """``GT_AUTO_SHARD``, read at each creation (so a forked test rank's env is seen)."""
+def auto_shard_enabled() -> bool | str:
+    """``GT_AUTO_SHARD``: False, True (axis 0) or ``"plan"`` (``tensor/_autoplan``); read at
+    each creation (so a forked test rank's env is seen)."""
     return _env.flag("GT_AUTO_SHARD")
 
 
@@ -124,7 +125,10 @@ def intent(shape: Sequence[int]) -> str:
         cfg = lookup(name)
         if cfg is not None and cfg.shard is not None:
             return f"signal {name!r} ({describe(cfg, shape)})"
-    if auto_shard_enabled() and len(shape) > 0 and shape[0] % get_runtime().world_size == 0:
+    auto = auto_shard_enabled()
+    if auto == "plan" and len(shape) > 0:
+        return "auto-shard plan (placement chosen from the ops that use it)"
+    if auto and len(shape) > 0 and shape[0] % get_runtime().world_size == 0:
         return "auto-shard (shard axis 0 over every rank)"
     if name is None:
         return "replicated on every rank (no signal)"
@@ -147,7 +151,7 @@ def describe(cfg: SignalConfig, shape: Sequence[int] = (0,)) -> str:
     return f"{how} over {over}"
 
 
-def creation_target(shape: Sequence[int]) -> Target | None:
+def creation_target(shape: Sequence[int], dtype=None) -> Target | None:
     """Placement for a tensor being created now, on this rank, in the current scope."""
     world = get_runtime().world_size
     if world == 1:
@@ -160,7 +164,19 @@ def creation_target(shape: Sequence[int]) -> Target | None:
         cfg = lookup(name)
         if cfg is not None and cfg.shard is not None:
             return signal_target(cfg, shape)
-    if auto_shard_enabled() and len(shape) > 0 and shape[0] % world == 0:
+    auto = auto_shard_enabled()
+    if auto == "plan" and len(shape) > 0:
+        from spmdgt.runtime._agree import call_site
+        from spmdgt.tensor import _autoplan
+
+        planned = _autoplan.placement_for(call_site(), shape, dtype, world)
+        if planned == _autoplan.R:
+            return None
+        if planned is not None:
+            from torch.distributed.tensor import Shard
+
+            return Target(world_mesh(), (Shard(planned),), None)
+    if auto and len(shape) > 0 and shape[0] % world == 0:
         from torch.distributed.tensor import Shard
 
         return Target(world_mesh(), (Shard(0),), None)

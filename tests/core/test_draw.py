@@ -23,7 +23,7 @@ def _slices(length: int, world: int) -> list[tuple[int, int]]:
 
 
 @pytest.mark.parametrize("fill", [torch.randn, torch.rand])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     "shape, dim",
     [((1003,), 0), ((37, 29), 0), ((37, 29), 1), ((200, 3), 1), ((100, 2), 1), ((9, 3, 5), 2)],
@@ -44,6 +44,31 @@ def test_blocks_draw_what_one_call_draws(monkeypatch, fill, dtype, shape, dim):
     torch.manual_seed(7)  # a rank outside the mesh keeps nothing but still draws everything
     assert _draw.draw_part(fill, shape, dtype, (0,), (), dim).numel() == 0
     assert torch.equal(torch.rand(4), after)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [1003, 1024, 40, 17])
+def test_a_row_split_draws_only_its_rows_with_randn(monkeypatch, dtype, n):
+    """The numbers outside a rank's rows are skipped with ``rand`` (no Box-Muller): randn
+    draws at most the rank's own part rounded out to 16s (32 more), and the values and the
+    generator are still one call's."""
+    drawn = []
+    randn = torch.randn
+
+    def counting(*size, **kw):
+        drawn.append(math.prod(size[0] if isinstance(size[0], tuple) else size))
+        return randn(*size, **kw)
+
+    torch.manual_seed(5)
+    ref, after = torch.randn(n, dtype=dtype), torch.rand(4)
+    for off, size in _slices(n, 4):
+        drawn.clear()
+        torch.manual_seed(5)
+        monkeypatch.setattr(torch, "randn", counting)
+        part = _draw.draw_part(counting, (n,), dtype, (size,), (off,), 0)
+        monkeypatch.setattr(torch, "randn", randn)
+        assert torch.equal(part, ref[off : off + size]) and torch.equal(torch.rand(4), after)
+        assert sum(drawn) <= max(size + 32, 16 + 16), (off, size, drawn)
 
 
 def _sharded_random(rank, world):
