@@ -22,6 +22,7 @@ from spmdgt.train._dryrun._fake import (
     _rebuild_ddp_buckets,
     _wrappable,
 )
+from spmdgt.train._memory import memory_tracker
 from spmdgt.train._strategies import Wrapped, clip_grad_norm, wrap_model
 
 __all__ = []
@@ -86,15 +87,8 @@ def _train_step(
 
 
 def _tracker(wrapped: Wrapped, optimizer: torch.optim.Optimizer) -> tuple[object, str]:
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed._tools.mem_tracker import MemTracker
-    from torch.distributed.fsdp import FSDPModule
-
-    if isinstance(wrapped.module, FSDPModule):
-        return FSDPMemTracker(wrapped.module, optimizer), "FSDPMemTracker"
-    tracker = MemTracker()
-    tracker.track_external(wrapped.module, optimizer)
-    return tracker, "MemTracker"
+    # the real trainer's choice (``_memory``): a dry run and a real run count alike
+    return memory_tracker(wrapped.module, optimizer)
 
 
 def _layout(cfg: TrainConfig, world: int, mesh: object) -> tuple[dict, dict[str, int]]:
