@@ -137,7 +137,8 @@ def mesh_main(
             "tokens_per_sec": s["global_batch"] * args.seq_len / med,
             "collectives_per_step": s["collectives_per_step"],
             "comm_measured_by": s["comm_measured_by"],
-            "max_rss_gb": s["peak_memory_allocated_gb"],
+            "max_rss_gb": s["peak_rss_gb"],
+            "tensor_peak_gb": s["peak_memory_allocated_gb"],
         }
     out["fsdp x tp 2x2 traced"] = {
         "per_dim": traced["per_dim"],

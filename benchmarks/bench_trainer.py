@@ -129,7 +129,7 @@ def _trainer_case(args, ex, strategy, accum=1, trace_collectives=False):
     finally:
         if own:
             interceptor.disable()
-    s["max_rss_gb"] = max(t.last_stats.memory) / 1e9
+    s["max_rss_gb"] = max(t.last_stats.rss) / 1e9  # sampled RSS, as the plain loop's
     # Per kind over the timed steps (the warm-up left out, as in the summary's averages).
     timed_from = t.last_stats.first_step + s["warmup_steps_excluded"]
     timed = [r for r in t.wrapped.log.records if r.step >= timed_from]

@@ -65,7 +65,10 @@ class OpEvent(NamedTuple):
     ``t0_ns`` is ``time.perf_counter_ns()`` at entry; ``level`` is 0 for a torch-level call
     (``torch.mul``, ``Tensor.__mul__``, ``dist.all_reduce``) and 1 for an ATen op seen inside an
     escalated region (DTensor ops, backward) or in ``level="aten"`` mode. ``phase`` is ``fwd``,
-    ``bwd`` or ``opt``. ``nbytes`` is the payload a collective moves on this rank (0 otherwise).
+    ``bwd`` or ``opt``. ``nbytes`` is a collective's buffer on this rank, the larger of its input
+    and output (an all-gather's gathered output, a reduce-scatter's whole input, an
+    all-reduce's tensor: nccl-tests' ``size``; a ring sends ``(n-1)/n`` of it per rank, twice
+    for an all-reduce); 0 for other ops.
     ``group`` is the mesh dim a collective ran on (``tp``, ``dp_shard``, ``world`` for the
     default group: ``_groups.group_label``); ``None`` for other ops and at the native level,
     whose observer sees no process group.

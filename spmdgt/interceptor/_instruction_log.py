@@ -10,7 +10,7 @@ One line per op event, whitespace-separated, every column always present ("-" wh
     $5  phase       fwd | bwd | opt
     $6  kind        matmul | elementwise | reduce | memory | comm | wait | backward
     $7  op          mul, matmul, dist.all_reduce (torch level), aten.mm.default (ATen level)
-    $8  bytes       payload a collective moves on this rank: 4096B (0B for compute)
+    $8  bytes       a collective's buffer: the larger of input and output: 4096B (0B compute)
     $9  dur         wall time inside the op: 12.3us
     $10 level       0 torch-level call, 1 ATen op inside a DTensor op or backward
     $11 signal      active spmdgt signal or -

@@ -145,8 +145,11 @@ class _AtenMode(TorchDispatchMode):
         t0 = _perf_ns()
         out = func(*args, **kwargs) if kwargs else func(*args)
         t1 = _perf_ns()
-        grp = group_of_call(func, args, kwargs) if untracked == _COMM_OP else None
-        ic._record(func, t0, t1 - t0, self.level, _specs(args), _out_specs(out), grp)
+        if untracked == _COMM_OP:
+            grp, nbytes = group_of_call(func, args, kwargs), _comm_bytes(args, kwargs, out)
+        else:
+            grp, nbytes = None, 0
+        ic._record(func, t0, t1 - t0, self.level, _specs(args), _out_specs(out), grp, nbytes)
         return out
 
 
@@ -228,16 +231,16 @@ class _TorchMode(TorchFunctionMode):
             try:
                 with self.aten:
                     out = func(*args, **kwargs) if kwargs else func(*args)
-                grp = group_of_call(func, args, kwargs) if verdict == _COMM else None
-                ic._record(func, t0, _perf_ns() - t0, 0, ins, _out_specs(out), grp)
+                grp, nbytes = _comm_of(verdict, func, args, kwargs, out)
+                ic._record(func, t0, _perf_ns() - t0, 0, ins, _out_specs(out), grp, nbytes)
             finally:
                 ic.phase = old_phase
         else:
             t0 = _perf_ns()
             out = func(*args, **kwargs) if kwargs else func(*args)
             t1 = _perf_ns()
-            grp = group_of_call(func, args, kwargs) if verdict == _COMM else None
-            ic._record(func, t0, t1 - t0, 0, ins, _out_specs(out), grp)
+            grp, nbytes = _comm_of(verdict, func, args, kwargs, out)
+            ic._record(func, t0, t1 - t0, 0, ins, _out_specs(out), grp, nbytes)
         sampler = ic.sampler
         if sampler is not None:  # the compile pass's hot-function detector (``_sampler``)
             sampler.left -= 1
@@ -281,12 +284,22 @@ class Interceptor:
 
     # -- hot path ---------------------------------------------------------------------------
     def _record(
-        self, func, t0: int, dur: int, level: int, ins: tuple, outs: tuple, group=None
+        self,
+        func,
+        t0: int,
+        dur: int,
+        level: int,
+        ins: tuple,
+        outs: tuple,
+        group=None,
+        nbytes: int = 0,
     ) -> None:
-        # ``group``: the mesh dim a collective ran on (``_groups``), None for other ops
+        # ``group``: the mesh dim a collective ran on (``_groups``), None for other ops;
+        # ``nbytes``: a collective's buffer bytes (``_comm_bytes``), 0 for other ops
         self.seq += 1
         buf = self._buf
-        buf.append((self.seq, t0, dur, func, level, self.phase, self._signal(), ins, outs, group))
+        sig = self._signal()
+        buf.append((self.seq, t0, dur, func, level, self.phase, sig, ins, outs, group, nbytes))
         if len(buf) >= self._batch or t0 > self._next_tick:
             self.drain(tick=t0 > self._next_tick)
 
@@ -314,10 +327,9 @@ class Interceptor:
             events = []
             append = events.append
             cache, names = self._names, self._name
-            for seq, t0, dur, func, level, phase, sig, ins, outs, grp in raw:
+            for seq, t0, dur, func, level, phase, sig, ins, outs, grp, nbytes in raw:
                 got = cache.get(func)
                 name, kind = got if got is not None else names(func)
-                nbytes = _comm_bytes(ins, outs) if kind == "comm" else 0
                 append(
                     _tuple_new(
                         OpEvent,
@@ -581,19 +593,35 @@ def _signal_provider() -> Callable[[], str | None]:
     return scope.current
 
 
-def _comm_bytes(ins: tuple, outs: tuple) -> int:
-    """Bytes a collective moves on this rank: the larger of its input and output payloads."""
+def _comm_of(verdict: int, func: Any, args: tuple, kwargs: dict | None, out: Any) -> tuple:
+    """A torch-level call's ``(mesh dim, buffer bytes)`` when it is a collective, else
+    ``(None, 0)``."""
+    if verdict != _COMM:
+        return None, 0
+    return group_of_call(func, args, kwargs), _comm_bytes(args, kwargs, out)
 
-    def size(specs: tuple) -> int:
-        total = 0
-        for s in specs:
-            n = 1
-            for d in s[0]:
-                n *= d
-            total += n * s[1].itemsize
-        return total
 
-    return max(size(ins), size(outs))
+def _payload(value: Any) -> int:
+    """Bytes of a tensor, or of the tensors of a list (of lists) of tensors; 0 otherwise."""
+    if isinstance(value, _Tensor):
+        return value.numel() * value.element_size()
+    if type(value) is list or type(value) is tuple:
+        return sum(_payload(v) for v in value)
+    return 0
+
+
+def _comm_bytes(args: tuple, kwargs: dict | None, out: Any) -> int:
+    """A collective's bytes on this rank: its buffer, the larger of its input and its output
+    payload (an all-gather's gathered output, a reduce-scatter's whole input, an all-reduce's
+    tensor), as nccl-tests' ``size`` and the trainer's ``CollectiveLog`` count it.
+
+    ``dist.*`` and ``c10d.*`` calls take their output buffer as an argument
+    (``all_gather_into_tensor(output, input)``), functional collectives return it: so the
+    largest single argument (a list of tensors counts as one: ``dist.all_gather``'s outputs)
+    or the returned value. Never input plus output, which counted an all-gather's bytes
+    ``(n + 1) / n`` times and a reduce-scatter's as much."""
+    values = (*args, *kwargs.values()) if kwargs else args
+    return max(max((_payload(v) for v in values), default=0), _payload(out))
 
 
 _INTERCEPTOR: Interceptor | None = None

@@ -173,10 +173,9 @@ class profile:  # named like torch.profiler.profile, which it wraps
         w.add_scalar("spmdgt/collective_time_s", (now[2] - self._last[2]) * 1e-9, s)
         w.add_scalar("spmdgt/busy_frac", min((now[3] - self._last[3]) * 1e-9 / dt, 1.0), s)
         w.add_scalar("spmdgt/step_time_s", dt, s)
-        if torch.cuda.is_available():
-            w.add_scalar("spmdgt/memory_bytes", torch.cuda.max_memory_allocated(), s)
-        else:
-            w.add_scalar("spmdgt/memory_bytes", _rss_bytes(), s)
+        if torch.cuda.is_available():  # the tensors' peak, where an allocator counts it
+            w.add_scalar("spmdgt/peak_memory_allocated_bytes", torch.cuda.max_memory_allocated(), s)
+        w.add_scalar("spmdgt/rss_bytes", _rss_bytes(), s)  # the process's, tensors or not
         self._last = now
 
     def __exit__(

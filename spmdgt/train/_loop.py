@@ -35,7 +35,8 @@ from spmdgt.train._batches import (
 from spmdgt.train._compile import compile_seconds
 from spmdgt.train._config import TrainConfig
 from spmdgt.train._data import ResumableDistributedSampler
-from spmdgt.train._profilers import cuda_peaks, current_memory_bytes, peak_memory_bytes
+from spmdgt.train._memory import MemoryMeter
+from spmdgt.train._profilers import cuda_peaks
 from spmdgt.train._run import (
     Run,
     attach_comm_sink,
@@ -88,6 +89,10 @@ class TrainLoop:
             dp=self.layout.dp_size,
             compile_at_start=compile_at_start,
             checked_batch=self.strategy != "placements" and self._tp_group() is None,
+            # a dry run measures with its own trackers (_dryrun), on its fake devices
+            memory=None
+            if self._dry is not None
+            else MemoryMeter(self.device, self.model, self.optimizer, compiled=self._compiles),
         )
 
     def _train_epoch(self, run: Run, loader: Iterable, epoch: int) -> bool:
@@ -102,7 +107,8 @@ class TrainLoop:
             group, source, left = self._next_group(batches, left, epoch)
             if group <= 0:
                 return False
-            loss_sum, samples, tokens = self._train_step(run, source, group)
+            with run.memory.step():  # the tensor peak: MemTracker on CPU's first steps
+                loss_sum, samples, tokens = self._train_step(run, source, group)
             if left is not None:
                 left -= group
             if self._end_step(run, loss_sum, group, samples, tokens):
@@ -289,9 +295,11 @@ class TrainLoop:
         t1 = time.perf_counter()
         n = self._record_step(run, t1, loss_sum, done, samples, tokens)
         if n == 1 or n % self.log_every == 0:  # sampled: a read costs ~60 us on CPU
-            run.stats.sample_memory(current_memory_bytes(self.device))
+            run.stats.sample_memory(run.memory)
         if run.bar.active:
-            run.bar.update(self.global_step, float(loss_sum) / done, t1 - run.t0)
+            run.bar.update(
+                self.global_step, float(loss_sum) / done, window(run.stats, 1, self.throughput)
+            )
         if run.prof is not None:
             run.prof.step()
         if n % self.log_every == 0:
@@ -335,16 +343,16 @@ class TrainLoop:
         stats = run.stats
         n = len(stats.step_times)
         if n and (not stats.memory_steps or stats.memory_steps[-1] != n - 1):
-            stats.sample_memory(current_memory_bytes(self.device))  # the last step too
+            stats.sample_memory(run.memory)  # the last step too
         self._log_metrics(stats, run.metrics)
         ck = run.cfg.checkpoint
         if ck.dir and n and (not ck.every_steps or self.global_step % ck.every_steps != 0):
             self.save_checkpoint()
         summary = build_summary(
             stats,
-            warmup_steps=run.cfg.training.warmup_steps,
-            peak_memory=peak_memory_bytes(self.device),
-            memory_kind="cuda_allocated" if self.device.type == "cuda" else "cpu_rss",
+            warmup_steps=run.warmup_steps,
+            peak_memory=run.memory.peak(),
+            memory_kind=run.memory.kind,
             world_size=self.rt.world_size,
             strategy=self.strategy,
             val_loss=run.val_loss,

@@ -19,14 +19,13 @@ Memory is ``torch.cuda.memory_allocated`` on CUDA and the process's resident set
 from __future__ import annotations
 
 import contextlib
-import os
-import resource
-import sys
 import time
 from collections import defaultdict
 from collections.abc import Iterator
 
 import torch
+
+from spmdgt.train._memory import peak_rss_bytes, rss_bytes
 
 __all__ = ["PerformanceProfiler", "cuda_peaks", "current_memory_bytes", "peak_memory_bytes"]
 
@@ -35,25 +34,20 @@ def current_memory_bytes(device: torch.device | None = None) -> int:
     """Bytes allocated by tensors on CUDA, or the process's resident set size on CPU."""
     if device is not None and device.type == "cuda":
         return torch.cuda.memory_allocated(device)
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return peak_memory_bytes(device)
+    return rss_bytes()
 
 
 def peak_memory_bytes(device: torch.device | None = None) -> int:
     """Peak CUDA allocation, or the process's peak resident set size on CPU."""
     if device is not None and device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
+    return peak_rss_bytes()
 
 
 def cuda_peaks(device: torch.device) -> dict[str, float]:
     """On CUDA, the caching allocator's peaks in GB: ``peak_memory_reserved_gb`` (what the
     process holds from the driver: what must fit) and ``peak_memory_active_gb`` (live blocks);
-    nothing on CPU, where the summary's RSS peak is the figure."""
+    nothing on CPU (the summary's tensor peak comes from ``MemoryMeter``)."""
     if device.type != "cuda":
         return {}
     stats = torch.cuda.memory_stats(device)

@@ -31,6 +31,7 @@ from spmdgt import interceptor
 from spmdgt.interceptor._groups import WORLD, register_mesh
 from spmdgt.train._comm import CollectiveLog, InterceptorCollectiveSink
 from spmdgt.train._config import TrainConfig
+from spmdgt.train._memory import MemoryMeter
 from spmdgt.train._summary import MetricsLogger, ProgressBar, RunStats
 from spmdgt.train._throughput import Throughput
 
@@ -76,6 +77,8 @@ class Run:
     comm_by_dim: dict[str, dict[str, list[float]]] = field(default_factory=dict)
     """Per mesh dim: ``collectives``, ``bytes`` (of their buffers) and ``sec`` per step, by
     step index as ``stats.step_times`` (filled by ``attribute_collectives``)."""
+    memory: MemoryMeter | None = None
+    """The tensor peak's meter (``_memory``): the trainer runs each step in its ``step()``."""
 
     def __post_init__(self) -> None:
         meshes = param_meshes(self.params)
@@ -93,6 +96,13 @@ class Run:
                 interceptor.enable(stats=False, hotpath=False)
             self.sink = interceptor.add_sink(InterceptorCollectiveSink(set(unhooked)))
             self.own_interceptor = own
+
+    @property
+    def warmup_steps(self) -> int:
+        """Steps the timing statistics leave out: the config's warm-up, and at least the
+        steps ``MemoryMeter`` tracked (a dispatch mode slows them)."""
+        tracked = self.memory.tracked_steps if self.memory is not None else 0
+        return max(self.cfg.training.warmup_steps, tracked)
 
     def unmeasured_dims(self) -> list[str]:
         """Mesh dims whose collectives neither torch's hooks nor a sink measure."""
@@ -186,7 +196,7 @@ def comm_dim_summary(run: Run) -> dict[str, float]:
     if not _named_dims(run):
         return {}
     n = len(run.stats.step_times)
-    warm = min(run.cfg.training.warmup_steps, max(n - 1, 0))
+    warm = min(run.warmup_steps, max(n - 1, 0))
     steps = max(n - warm, 1)
     out: dict[str, float] = {}
     for dim, fig in run.comm_by_dim.items():
@@ -233,10 +243,11 @@ def step_scalars(
 ) -> Iterator[tuple[int, dict[str, float | None]]]:
     """TensorBoard's scalars for the steps whose losses were reduced from index ``start`` on:
     ``(global step, {tag: value})``, the tags ``train/*`` and ``perf/*``."""
-    memory = dict(zip(stats.memory_steps, stats.memory))
+    memory = dict(zip(stats.memory_steps, stats.memory)) if stats.memory else {}
+    rss = dict(zip(stats.memory_steps, stats.rss))
     for i in range(start, len(stats.global_losses)):
         dt = stats.step_times[i]
-        mem = memory.get(i)
+        mem, res = memory.get(i), rss.get(i)
         rates = throughput.figures(stats.samples[i], stats.tokens[i], dt)
         yield (
             stats.first_step + i + 1,
@@ -249,18 +260,22 @@ def step_scalars(
                 "perf/tflops_per_device": rates["tflops_per_device"],
                 "perf/mfu": rates["mfu"],
                 "perf/data_wait_share": stats.data_sec[i] / dt if dt else None,
-                "perf/memory_gb": mem / 1e9 if mem is not None else None,
+                "perf/memory_allocated_gb": mem / 1e9 if mem is not None else None,
+                "perf/rss_gb": res / 1e9 if res is not None else None,
             },
         )
 
 
 def window(stats: RunStats, n: int, throughput: Throughput) -> dict[str, float | None]:
-    """The last ``n`` steps' time per step, throughput, MFU and data-wait share: what a
-    progress line prints."""
+    """The last ``n`` steps' time per step, throughput, MFU and data-wait share, and the
+    last memory sample's tensor peak so far (``memory_peak``) and RSS (``rss``), bytes: what
+    a progress line and the bar print."""
     seconds = sum(stats.step_times[-n:])
     out = throughput.figures(sum(stats.samples[-n:]), sum(stats.tokens[-n:]), seconds)
     out["step_time"] = seconds / n if n else None
     out["data_wait_share"] = sum(stats.data_sec[-n:]) / seconds if seconds > 0 else None
+    out["memory_peak"] = stats.peak_memory
+    out["rss"] = stats.rss[-1] if stats.rss else None
     return out
 
 

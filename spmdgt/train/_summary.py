@@ -3,11 +3,13 @@
 Every number is measured on this run: step times by ``perf_counter`` around each optimizer step
 (on CUDA after a device synchronise); losses kept on the device (no ``.item()`` per step) and
 all-reduced across ranks in batches (one small collective every ``log_every`` steps on every
-rank, whoever logs, and at the end); memory sampled
-on the first step, every ``log_every`` steps and the last (a CPU RSS read costs ~60 us); and the
-communication share from the collectives the wrapped model actually issued, or ``None`` where
-nothing measured them (placements without ``profile=True`` or the interceptor on). The first
-``warmup_steps`` steps are left out of the timing statistics and the summary says how many.
+rank, whoever logs, and at the end); memory (``_memory``): the tensor peak, from CUDA's
+allocator or, elsewhere, torch's ``MemTracker`` on the first steps, and the process's RSS apart,
+sampled on the first step, every ``log_every`` steps and the last (a CPU RSS read costs ~60 us);
+and the communication share from the collectives the wrapped model actually issued, or
+``None`` where nothing measured them (placements without ``profile=True`` or the interceptor
+on). The first ``warmup_steps`` steps are left out of the timing statistics and the summary
+says how many.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from spmdgt.train._memory import MemoryMeter, peak_rss_bytes, rss_bytes
 from spmdgt.train._strategies import all_reduce_mean
 from spmdgt.train._throughput import Throughput
 
@@ -40,8 +43,12 @@ class RunStats:
     lrs: list[float] = field(default_factory=list)
     samples: list[int] = field(default_factory=list)  # global samples per step
     tokens: list[int] = field(default_factory=list)  # global tokens per step (0: unknown)
-    memory: list[int] = field(default_factory=list)  # bytes, sampled (see memory_steps)
+    memory: list[int] = field(default_factory=list)
+    """Bytes tensors held at each sample, where an allocator says (CUDA); else empty."""
+    rss: list[int] = field(default_factory=list)  # the process's RSS at each sample, bytes
     memory_steps: list[int] = field(default_factory=list)  # step index of each memory sample
+    peak_memory: int | None = None
+    """The tensor peak so far at the last sample (``MemoryMeter.peak``), bytes."""
     comm_sec: list[float] = field(default_factory=list)  # empty when comm was not measured
     compile_sec: list[float] = field(default_factory=list)
     """torch.compile seconds inside each step (taken out of its step time), 0 when none."""
@@ -50,10 +57,15 @@ class RunStats:
     collectives: list[int] = field(default_factory=list)
     first_step: int = 0  # global step number of the first entry (after a resume)
 
-    def sample_memory(self, nbytes: int) -> None:
-        """Record a memory sample for the latest step."""
-        self.memory.append(nbytes)
+    def sample_memory(self, meter: MemoryMeter) -> None:
+        """Record a memory sample for the latest step: the RSS, the bytes tensors hold (where
+        the allocator says) and the tensor peak so far."""
+        allocated = meter.allocated()
+        if allocated is not None:
+            self.memory.append(allocated)
+        self.rss.append(rss_bytes())
         self.memory_steps.append(len(self.step_times) - 1)
+        self.peak_memory = meter.peak()
 
     def flush_losses(
         self, device: torch.device | str = "cpu", flag: bool | None = None
@@ -88,7 +100,7 @@ def build_summary(
     stats: RunStats,
     *,
     warmup_steps: int,
-    peak_memory: int,
+    peak_memory: int | None,
     memory_kind: str,
     world_size: int,
     strategy: str,
@@ -101,7 +113,12 @@ def build_summary(
     FLOP rule and the peak's source; and the share of step time spent waiting for data).
 
     ``comm_source`` names what measured the collectives (``None``: nothing did, and
-    ``comm_time_share`` / ``collectives_per_step`` are ``None`` rather than a guess)."""
+    ``comm_time_share`` / ``collectives_per_step`` are ``None`` rather than a guess).
+
+    Memory: ``peak_memory_allocated_gb`` is the tensor peak ``peak_memory`` (``None`` where
+    nothing measured it; ``memory_kind`` says what did), ``avg_memory_allocated_gb`` the
+    sampled allocator count (CUDA; ``None`` elsewhere), ``peak_rss_gb`` the process's peak
+    resident set since it started and ``avg_rss_gb`` the sampled RSS: tensors or not."""
     n = len(stats.step_times)
     warm = min(warmup_steps, max(n - 1, 0))
     times = stats.step_times[warm:]
@@ -125,11 +142,11 @@ def build_summary(
         "avg_loss": sum(losses) / len(losses) if losses else float("nan"),
         "final_loss": losses[-1] if losses else float("nan"),
         "losses": list(losses),
-        "peak_memory_allocated_gb": peak_memory / 1e9,
-        "avg_memory_allocated_gb": (sum(stats.memory) / len(stats.memory) / 1e9)
-        if stats.memory
-        else 0.0,
+        "peak_memory_allocated_gb": peak_memory / 1e9 if peak_memory is not None else None,
+        "avg_memory_allocated_gb": _mean(stats.memory) / 1e9 if stats.memory else None,
         "memory_kind": memory_kind,
+        "peak_rss_gb": peak_rss_bytes() / 1e9,
+        "avg_rss_gb": _mean(stats.rss) / 1e9 if stats.rss else None,
         "comm_time_share": (comm / total_time if total_time > 0 else 0.0) if measured else None,
         "collectives_per_step": (
             (sum(stats.collectives[warm:]) / len(times) if times else 0.0) if measured else None
@@ -151,6 +168,10 @@ def build_summary(
     if val_loss is not None:
         out["val_loss"] = val_loss
     return out
+
+
+def _mean(values: list[int]) -> float:
+    return sum(values) / len(values)
 
 
 def format_summary(summary: dict) -> str:
@@ -210,28 +231,23 @@ class ProgressBar:
     def report(self, step: int, losses: list[float], window: dict[str, float | None]) -> None:
         """A progress line after a flush: step, last loss, mean loss, then the flushed steps'
         time per step, tokens/s per device, TFLOP/s per device, MFU and data-wait share
-        (``DistributedTrainer._window``), and elapsed time. Printed by rank 0 when no bar is
-        drawn."""
+        (``_run.window``), the tensor peak and the RSS (``mem``, ``rss``), and elapsed time.
+        Printed by rank 0 when no bar is drawn."""
         if not self.lines or not losses:
             return
         head = f"step {step}/{self.total}" if self.total else f"step {step}"
         mean = sum(losses) / len(losses)
         ms = (window.get("step_time") or float("nan")) * 1e3
-        rates = ""
-        if window.get("tokens_per_sec_per_device") is not None:
-            rates += f" {window['tokens_per_sec_per_device']:,.0f} tok/s/dev"
-        if window.get("tflops_per_device") is not None:
-            rates += f" {window['tflops_per_device']:.3g} TFLOP/s/dev MFU {window['mfu']:.1%}"
-        if window.get("data_wait_share") is not None:
-            rates += f" data {window['data_wait_share']:.0%}"
         elapsed = time.perf_counter() - self._t0
         self.stream.write(
             f"{head} loss {losses[-1]:.4f} (mean of last {len(losses)}: {mean:.4f}) "
-            f"{ms:.1f} ms/step{rates} elapsed {_clock(elapsed)}\n"
+            f"{ms:.1f} ms/step{_figures(window)} elapsed {_clock(elapsed)}\n"
         )
         self.stream.flush()
 
-    def update(self, step: int, loss: float, step_time: float) -> None:
+    def update(self, step: int, loss: float, window: dict[str, float | None]) -> None:
+        """Redraw the bar (rank 0 on a terminal) after a step: the step's loss, time, the
+        same rates, memory and RSS as a progress line (``_run.window`` of that one step)."""
         if not self.active:
             return
         if self.total:
@@ -240,13 +256,32 @@ class ProgressBar:
             head = f"[{bar}] {step}/{self.total}"
         else:
             head = f"step {step}"
-        self.stream.write(f"\r{head} loss {loss:.4f} {step_time * 1e3:.1f} ms/step")
+        ms = (window.get("step_time") or float("nan")) * 1e3
+        self.stream.write(f"\r{head} loss {loss:.4f} {ms:.1f} ms/step{_figures(window)}")
         self.stream.flush()
 
     def close(self) -> None:
         if self.active:
             self.stream.write("\n")
             self.stream.flush()
+
+
+def _figures(window: dict[str, float | None]) -> str:
+    """The rates and memory of a progress line or the bar, each where it was measured:
+    `` 3,012 tok/s/dev 0.00163 TFLOP/s/dev MFU 7.3% data 1% mem 0.012 GB rss 0.41 GB``
+    (``mem``: the tensor peak so far; ``rss``: the process's resident set)."""
+    out = ""
+    if window.get("tokens_per_sec_per_device") is not None:
+        out += f" {window['tokens_per_sec_per_device']:,.0f} tok/s/dev"
+    if window.get("tflops_per_device") is not None:
+        out += f" {window['tflops_per_device']:.3g} TFLOP/s/dev MFU {window['mfu']:.1%}"
+    if window.get("data_wait_share") is not None:
+        out += f" data {window['data_wait_share']:.0%}"
+    if window.get("memory_peak") is not None:
+        out += f" mem {window['memory_peak'] / 1e9:.3g} GB"
+    if window.get("rss") is not None:
+        out += f" rss {window['rss'] / 1e9:.3g} GB"
+    return out
 
 
 def _clock(seconds: float) -> str:

@@ -4,11 +4,19 @@
 ``launch/slurm.sbatch`` under stand-ins for ``srun``/``scontrol`` that start its per-node
 command once per node on this machine, as SLURM would on each node. Both run the quick start
 with its YAML and must print the numbers plain ``python`` prints, and leave a log file per rank.
+
+SLURM itself is not installable here (no ``sbatch`` on PyPI: ``pyslurm`` needs a cluster's
+``libslurm``), so ``slurm.sbatch``'s ``#SBATCH`` lines are read as ``sbatch`` reads them
+(``src/sbatch/opt.c``: directives until the first line that is neither blank nor a comment;
+each line's words as options, ``--name=value``, ``--name value`` or ``-X value``, against
+sbatch's own option names), its output file must be one SLURM can open before the script
+runs, and the ``srun`` it issues must hand each node's torchrun the node's CPUs.
 """
 
 from __future__ import annotations
 
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -101,6 +109,7 @@ def test_slurm_sbatch_starts_one_torchrun_per_node(tmp_path):
         SLURM_JOB_NODELIST="node[1-2]",
         SLURM_JOB_NUM_NODES="2",
         SLURM_GPUS_ON_NODE="1",
+        SLURM_CPUS_ON_NODE="2",
         RDZV_PORT=str(_free_port()),
     )
     env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
@@ -114,10 +123,136 @@ def test_slurm_sbatch_starts_one_torchrun_per_node(tmp_path):
     )
     assert r.returncode == 0, r.stderr[-3000:]
     out = _strip(r.stdout)
-    assert "job 4242: 2 nodes x 1 GPUs, rendezvous 127.0.0.1:" in out
+    assert "job 4242: 2 nodes x 1 GPUs, 2 CPUs per node, rendezvous 127.0.0.1:" in out
     _same_numbers("\n".join(ln for ln in out.splitlines() if not ln.startswith("job ")), ref)
     logs = sorted((tmp_path / "logs" / "4242").rglob("stdout.log"))
     assert len(logs) == 2 and {p.relative_to(tmp_path).parts[2] for p in logs} == {
         "node0",
         "node1",
     }
+
+
+SBATCH = ROOT / "launch" / "slurm.sbatch"
+
+# sbatch's long options (SLURM 23.11 ``man sbatch``): those that take a value ("="), may
+# take one ("?"), or take none (""). getopt would also take an unambiguous prefix; a script
+# should not, so prefixes are refused here.
+_TAKE_A_VALUE = (
+    "account acctg-freq array batch bb bbf begin chdir cluster-constraint clusters comment "
+    "constraint container container-id core-spec cores-per-socket cpu-freq cpus-per-gpu "
+    "cpus-per-task deadline delay-boot dependency distribution error export export-file "
+    "extra extra-node-info gid gpu-bind gpu-freq gpus gpus-per-node gpus-per-socket "
+    "gpus-per-task gres gres-flags hint input job-name licenses mail-type mail-user "
+    "mcs-label mem mem-bind mem-per-cpu mem-per-gpu mincpus network nodefile nodelist "
+    "nodes ntasks ntasks-per-core ntasks-per-gpu ntasks-per-node ntasks-per-socket "
+    "open-mode output partition power prefer priority profile qos reservation signal "
+    "sockets-per-node switches thread-spec threads-per-core time time-min tmp "
+    "tres-per-task uid wckey wrap exclude"
+)
+_MAY_TAKE_ONE = "exclusive get-user-env kill-on-invalid-dep nice propagate"
+_TAKE_NONE = (
+    "contiguous hold ignore-pbs no-kill no-requeue overcommit oversubscribe parsable quiet "
+    "reboot requeue spread-job test-only use-min-nodes verbose wait"
+)
+_SBATCH_LONG = {
+    **dict.fromkeys(_TAKE_A_VALUE.split(), "="),
+    **dict.fromkeys(_MAY_TAKE_ONE.split(), "?"),
+    **dict.fromkeys(_TAKE_NONE.split(), ""),
+}
+_SBATCH_SHORT = {  # short option -> its long name
+    "A": "account", "a": "array", "b": "begin", "B": "extra-node-info", "C": "constraint",
+    "c": "cpus-per-task", "D": "chdir", "d": "dependency", "e": "error", "F": "nodefile",
+    "G": "gpus", "H": "hold", "i": "input", "J": "job-name", "k": "no-kill", "L": "licenses",
+    "M": "clusters", "m": "distribution", "N": "nodes", "n": "ntasks", "O": "overcommit",
+    "o": "output", "p": "partition", "Q": "quiet", "q": "qos", "S": "core-spec",
+    "s": "oversubscribe", "t": "time", "v": "verbose", "W": "wait", "w": "nodelist",
+    "x": "exclude",
+}  # fmt: skip
+
+
+def _sbatch_directives(text: str) -> tuple[dict[str, str | None], list[int]]:
+    """The options sbatch takes from a script's ``#SBATCH`` lines, as ``src/sbatch/opt.c``
+    reads them, and the line numbers it read them from.
+
+    sbatch reads lines from the top; a line starting ``#SBATCH`` holds options (its words up
+    to a ``#`` comment); any other line whose first non-blank character is not ``#`` is a
+    command, and sbatch reads no further. Each option must be sbatch's, with a value where it
+    needs one; an unknown option or a missing value fails the submission."""
+    opts: dict[str, str | None] = {}
+    lines: list[int] = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.startswith("#SBATCH"):
+            if line.strip() and not line.lstrip().startswith("#"):
+                break  # the first command: sbatch stops reading directives here
+            continue
+        lines.append(n)
+        words = shlex.split(line[len("#SBATCH") :], comments=True)
+        while words:
+            word = words.pop(0)
+            if word.startswith("--"):
+                name, eq, value = word[2:].partition("=")
+                arity = _SBATCH_LONG.get(name)
+                assert arity is not None, f"line {n}: sbatch: unrecognized option {word!r}"
+                if arity == "=" and not eq:
+                    assert words, f"line {n}: sbatch: option {word!r} requires an argument"
+                    value = words.pop(0)
+                assert arity or not eq, f"line {n}: sbatch: option {word!r} takes no argument"
+                opts[name] = value if (eq or arity == "=") else None
+            else:
+                assert word.startswith("-") and word[1:2] in _SBATCH_SHORT, (
+                    f"line {n}: sbatch: invalid option {word!r}"
+                )
+                name = _SBATCH_SHORT[word[1]]
+                if _SBATCH_LONG[name] == "=":
+                    value = word[2:] or (words.pop(0) if words else "")
+                    assert value, f"line {n}: sbatch: option {word!r} requires an argument"
+                    opts[name] = value
+                else:
+                    opts[name] = None
+    return opts, lines
+
+
+def test_slurm_sbatch_directives_read_as_sbatch_reads_them():
+    text = SBATCH.read_text()
+    opts, read = _sbatch_directives(text)
+    every = [n for n, ln in enumerate(text.splitlines(), 1) if ln.lstrip().startswith("#SBATCH")]
+    assert read == every, "an #SBATCH line below the first command: sbatch ignores it"
+    assert opts["nodes"] == "2" and opts["gpus-per-node"] == "8"
+    assert opts["ntasks-per-node"] == "1" and "exclusive" in opts
+    # SLURM opens the job's output file before the script runs (on the first node, in the
+    # directory sbatch ran in unless --chdir): its folder must exist then. A folder named by
+    # the job (%j, %x, ...) cannot; the submit directory itself always does.
+    for key in ("output", "error"):
+        folder = os.path.dirname(opts.get(key) or "")
+        assert "%" not in folder, f"--{key}={opts[key]}: SLURM does not make {folder}/"
+        assert not folder or (ROOT / folder).is_dir(), f"--{key}: {folder}/ is not in the repo"
+
+
+@pytest.mark.parametrize(
+    ("env", "cpus"), [({"SLURM_CPUS_ON_NODE": "32"}, "32"), ({"SLURM_CPUS_PER_TASK": "12"}, "12")]
+)
+def test_slurm_srun_gets_the_nodes_cpus(env, cpus, tmp_path):
+    # SLURM >= 22.05: srun does not inherit the job's --cpus-per-task, and a step's task
+    # gets one CPU unless srun asks: torchrun and all its ranks would share it.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho node1\necho node2\n")
+    (bin_dir / "srun").write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {tmp_path}/srun.args\n')
+    for tool in ("scontrol", "srun"):
+        (bin_dir / tool).chmod(0o755)
+    slurm = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_JOB_NUM_NODES": "2"}
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    r = subprocess.run(
+        ["bash", str(SBATCH), "train.py"],
+        env={**base, **slurm, **env, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    args = (tmp_path / "srun.args").read_text().splitlines()
+    srun_opts = args[: args.index("bash")]  # srun's own options, before the per-node command
+    assert f"--cpus-per-task={cpus}" in srun_opts, srun_opts
+    assert "--ntasks-per-node=1" in srun_opts and "--kill-on-bad-exit=1" in srun_opts
+    assert f"{cpus} CPUs per node" in r.stdout

@@ -39,6 +39,9 @@ SUMMARY_KEYS = {
     "final_loss",
     "peak_memory_allocated_gb",
     "avg_memory_allocated_gb",
+    "memory_kind",
+    "peak_rss_gb",
+    "avg_rss_gb",
     "warmup_steps_excluded",
     "comm_time_share",
 }
@@ -150,7 +153,8 @@ def test_tensorboard_scalars_and_profiler_traces(tmp_path):
     acc = EventAccumulator(str(tmp_path))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    assert {"train/loss", "train/lr", "perf/step_time_sec", "perf/memory_gb"} <= tags
+    assert {"train/loss", "train/lr", "perf/step_time_sec", "perf/rss_gb"} <= tags
+    assert "perf/memory_allocated_gb" not in tags  # on CPU no allocator count: RSS, named so
     assert {"perf/throughput_samples_per_sec"} <= tags
     loss = [e.value for e in acc.Scalars("train/loss")]
     assert loss == pytest.approx(t.last_stats.global_losses)
@@ -173,6 +177,7 @@ def test_progress_lines_when_stdout_is_not_a_terminal(capsys):
         assert line.startswith(f"step {2 * i + 2}/6 loss {window[-1]:.4f} ")
         assert f"(mean of last 2: {mean:.4f})" in line and " ms/step " in line
         assert " TFLOP/s/dev MFU " in line and " elapsed " in line
+        assert " mem " in line and " GB rss " in line  # the tensor peak, and the RSS apart
     assert out.index(lines[-1]) < out.index("Training Summary")
 
 
@@ -199,21 +204,24 @@ def test_progress_bar_only_on_a_tty():
     tty, pipe = TTY(), io.StringIO()
     for stream in (tty, pipe):
         bar = ProgressBar(4, True, stream)
-        bar.update(2, 0.5, 0.01)
         window = {"step_time": 0.02, "tokens_per_sec_per_device": 1234.0}
         window |= {"tflops_per_device": 0.0125, "mfu": 0.0312, "data_wait_share": 0.04}
+        window |= {"memory_peak": 1.5e9, "rss": 2.25e9}
+        bar.update(2, 0.5, window)
         bar.report(2, [0.75, 0.5], window)
         bar.close()
-    assert "2/4" in tty.getvalue() and "loss 0.5000" in tty.getvalue()
+    assert tty.getvalue().startswith("\r[" + "#" * 15 + "-" * 15 + "] 2/4 loss 0.5000 20.0 ms/step")
+    # the bar shows what a progress line shows: rates, MFU, the tensor peak and the RSS
+    assert tty.getvalue().endswith("MFU 3.1% data 4% mem 1.5 GB rss 2.25 GB\n")
     assert "mean of last" not in tty.getvalue()  # the bar shows progress on a terminal
     assert pipe.getvalue().startswith(
         "step 2/4 loss 0.5000 (mean of last 2: 0.6250) 20.0 ms/step 1,234 tok/s/dev "
-        "0.0125 TFLOP/s/dev MFU 3.1% data 4% elapsed"
+        "0.0125 TFLOP/s/dev MFU 3.1% data 4% mem 1.5 GB rss 2.25 GB elapsed"
     )
     assert pipe.getvalue().count("\n") == 1 and "[" not in pipe.getvalue()
     for off in (TTY(), io.StringIO()):  # not rank 0: neither
         bar = ProgressBar(4, False, off)
-        bar.update(1, 0.1, 0.1)
+        bar.update(1, 0.1, {"step_time": 0.1})
         bar.report(1, [0.1], {"step_time": 0.1})
         assert off.getvalue() == ""
 

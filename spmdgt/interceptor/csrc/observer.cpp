@@ -19,6 +19,7 @@
 #include <Python.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -315,6 +316,24 @@ inline int64_t tensor_bytes(const at::Tensor& t) {
                      : 0;
 }
 
+// One argument's payload: a tensor, a list of tensors, or a list of lists (c10d.allgather_'s
+// Tensor[][] outputs). A collective's bytes are its buffer, the largest such argument or
+// output (an all-gather's gathered output, a reduce-scatter's whole input): c10d ops take the
+// output buffer as an argument (_allgather_base_(output, input)), and input plus output would
+// count an all-gather (n + 1) / n times. The same rule as _mode._comm_bytes.
+int64_t payload_bytes(const c10::IValue& v) {
+  if (v.isTensor()) return tensor_bytes(v.toTensor());
+  int64_t total = 0;
+  if (v.isTensorList()) {
+    for (const at::Tensor& t : v.toTensorVector()) total += tensor_bytes(t);
+  } else if (v.isList()) {
+    for (const c10::IValue& x : v.toListRef()) total += payload_bytes(x);
+  } else if (v.isTuple()) {
+    for (const c10::IValue& x : v.toTupleRef().elements()) total += payload_bytes(x);
+  }
+  return total;
+}
+
 std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   if (t_in_callback || g_paused.load(std::memory_order_relaxed)) return nullptr;
   const CacheSlot& slot = name_id(fn);
@@ -338,16 +357,15 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   int64_t nbytes = 0;
   if (fn.needsInputs()) {
     for (const auto& v : fn.inputs()) {
+      if (comm) nbytes = std::max(nbytes, payload_bytes(v));
       if (v.isTensor()) {
         const auto& t = v.toTensor();
         if (!t.defined()) continue;
         if (n < kMaxSpecs) fill_spec(ctx->in[n++], t);
-        if (comm) nbytes += tensor_bytes(t);
       } else if (v.isTensorList()) {
         for (const at::Tensor& t : v.toTensorVector()) {
           if (!t.defined()) continue;
           if (n < kMaxSpecs) fill_spec(ctx->in[n++], t);
-          if (comm) nbytes += tensor_bytes(t);
         }
       }
       if (n >= kMaxSpecs && !comm) break;
@@ -513,11 +531,8 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* c) {
       }
       if (no >= 2) break;
     }
-    if (r.nbytes > 0) {
-      int64_t ob = 0;
-      for (const auto& v : fn.outputs())
-        if (v.isTensor()) ob += tensor_bytes(v.toTensor());
-      if (ob > r.nbytes) r.nbytes = ob;
+    if (r.nbytes > 0) {  // a functional collective returns its output buffer
+      for (const auto& v : fn.outputs()) r.nbytes = std::max(r.nbytes, payload_bytes(v));
     }
   }
   r.nout = no;

@@ -39,6 +39,7 @@ from spmdgt.train._dryrun._fake import (
     _wrappable,
     fake_world,
 )
+from spmdgt.train._memory import memory_tracker
 
 __all__ = ["DrySession", "active_session"]
 
@@ -208,15 +209,8 @@ class DrySession:
 
 
 def _tracker(wrapped: object, optimizer: torch.optim.Optimizer) -> tuple[object, str]:
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed._tools.mem_tracker import MemTracker
-    from torch.distributed.fsdp import FSDPModule
-
-    if isinstance(wrapped.module, FSDPModule):
-        return FSDPMemTracker(wrapped.module, optimizer), "FSDPMemTracker"
-    tracker = MemTracker()
-    tracker.track_external(wrapped.module, optimizer)
-    return tracker, "MemTracker"
+    # the real trainer's choice (``_memory``): a dry run and a real run count alike
+    return memory_tracker(wrapped.module, optimizer)
 
 
 @contextlib.contextmanager
