@@ -257,19 +257,31 @@ def _read(t: DTensor, what: str) -> torch.Tensor:
     if _scope.lazy_sync is not None and "_gt_lazy" in t.__dict__:
         _scope.lazy_sync(what)
     if _agree.active() and not _tracing(t):
-        dtype = str(t.dtype).removeprefix("torch.")
-        members = mesh_ranks(t.device_mesh)
-        placements = f" {tuple(t.placements)}"
-        # on a sub-mesh, a rank outside it keeps no placement alike: shown, not compared
-        whole = len(members) == get_runtime().world_size
-        spec = (
-            f"{dtype}{list(t.shape)}{placements if whole else ''} on {describe_mesh(t.device_mesh)}"
-        )
-        _agree.agree(f"{what} of {spec}", detail="" if whole else placements)
+        spec, detail = _spec_text(t._spec)
+        _agree.agree(f"{what} of {spec}", detail=detail)
     try:
         return global_value(t)
     except Exception as e:
         raise _agree.translate(e, what)  # noqa: B904 (e, or a timeout error caused by e)
+
+
+def _spec_text(spec) -> tuple[str, str]:
+    """What a read compares of a tensor with DTensor spec ``spec``: ``float32[1000, 1000]
+    (Shard(dim=0),) on ranks [0, 1]``, and what it shows without comparing (on a sub-mesh,
+    a rank outside it keeps no placement alike: the placements). Read from the spec's own
+    fields (a tensor's ``.shape`` and ``.dtype`` each take the per-op hop) and kept on the
+    spec, with the fields it was made from: a read in a loop formats nothing."""
+    meta, placements, mesh = spec.tensor_meta, spec.placements, spec.mesh
+    kept = spec.__dict__.get("_gt_read")
+    if kept is not None and kept[0] is meta and kept[1] is placements and kept[2] is mesh:
+        return kept[3], kept[4]
+    dtype = str(meta.dtype).removeprefix("torch.")
+    shown = f" {tuple(placements)}"
+    whole = len(mesh_ranks(mesh)) == get_runtime().world_size
+    text = f"{dtype}{list(meta.shape)}{shown if whole else ''} on {describe_mesh(mesh)}"
+    detail = "" if whole else shown
+    spec.__dict__["_gt_read"] = (meta, placements, mesh, text, detail)
+    return text, detail
 
 
 def _read_only(arr):
