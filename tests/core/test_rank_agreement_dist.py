@@ -118,3 +118,39 @@ def test_one_word_carries_fingerprint_flag_and_proposals(tmp_path, world):
         assert r["proposals"] == [[f"hot on rank {k}" for k in range(world) if k != 1]], r
         assert r["subset"] == list(range(world)), r
         assert r["after"], r
+
+
+def _reads(rank, world):
+    """Host reads of sharded layouts, each equal to one process's value on every rank."""
+    import torch
+
+    import spmdgt as gt
+
+    gt.register_config("rows", gt.SignalConfig(shard=gt.ShardConfig(axis=0)))
+    gt.register_config("cols", gt.SignalConfig(shard=gt.ShardConfig(axis=1)))
+    torch.manual_seed(0)
+    values = {
+        "float rows 7x3": ("rows", torch.randn(7, 3)),
+        "float cols 3x7": ("cols", torch.randn(3, 7)),
+        "an empty shard 2x3": ("rows", torch.randn(2, 3)),  # 1/1/0 rows on 3 ranks
+        "int64 rows": ("rows", torch.arange(21).reshape(7, 3)),
+        "bool rows": ("rows", torch.arange(7) % 3 == 0),
+        "complex rows": ("rows", torch.randn(7, 2, dtype=torch.complex64)),
+    }
+    out = {}
+    for name, (signal, full) in values.items():
+        with gt.signal.context(signal):
+            x = gt.tensor(full)
+        out[name] = [
+            bool((x.numpy() == full.numpy()).all()),
+            x.tolist() == full.tolist(),
+            # a transposed view: its shard is not contiguous (Shard(0) <-> Shard(1))
+            bool((x.mT.numpy() == full.mT.numpy()).all()) if full.dim() == 2 else True,
+        ]
+    return out
+
+
+@pytest.mark.parametrize(("world", "check"), [(2, "0"), (3, "0"), (3, "1")])
+def test_host_reads_of_sharded_layouts_equal_torch(tmp_path, world, check):
+    for r in run_ranks(_reads, world, tmp_path, env={"GT_CHECK_RANKS": check}, timeout=90):
+        assert all(all(v) for v in r.values()), r
