@@ -7,7 +7,8 @@ error on every rank that says what each rank was doing and where.
 
 Always on (a world of more than one):
 
-- Every *agreement point* exchanges a small fingerprint over a gloo side group made at
+- Every *agreement point* exchanges a small fingerprint (one OR-reduced 64-bit word a rank,
+  the smallest all-reduce gloo runs: see ``_exchange``) over a gloo side group made at
   ``init()``: creating a tensor (``gt.randn``, ``gt.tensor``, ...: global shape, dtype, signal,
   placement and mesh), each host read of a sharded tensor (``.numpy()``, ``.item()``,
   ``.tolist()``, ``print``: the read, shape, dtype, placement and the user's call site), and the
