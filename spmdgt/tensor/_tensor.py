@@ -271,9 +271,9 @@ def _spec_text(spec) -> tuple[str, str, bool]:
     """What a read compares of a tensor with DTensor spec ``spec``: ``float32[1000, 1000]
     (Shard(dim=0),) on ranks [0, 1]``; what it shows without comparing (on a sub-mesh, a rank
     outside it keeps no placement alike: the placements); whether the mesh is 1-D over every
-    rank. Read from the spec's own fields (a tensor's ``.shape`` and ``.dtype`` each take the
-    per-op hop) and kept on the spec with the fields it was made from: a read in a loop
-    formats nothing."""
+    rank, more than one. Read from the spec's own fields (a tensor's ``.shape`` and ``.dtype``
+    each take the per-op hop) and kept on the spec with the fields it was made from: a read
+    in a loop formats nothing."""
     meta, placements, mesh = spec.tensor_meta, spec.placements, spec.mesh
     kept = spec.__dict__.get("_gt_read")
     if kept is not None and kept[0] is meta and kept[1] is placements and kept[2] is mesh:
@@ -282,7 +282,7 @@ def _spec_text(spec) -> tuple[str, str, bool]:
     shown = f" {tuple(placements)}"
     whole = len(mesh_ranks(mesh)) == get_runtime().world_size
     text = f"{dtype}{list(meta.shape)}{shown if whole else ''} on {describe_mesh(mesh)}"
-    kept = (text, "" if whole else shown, whole and mesh.ndim == 1)
+    kept = (text, "" if whole else shown, whole and mesh.ndim == 1 and mesh.size() > 1)
     spec.__dict__["_gt_read"] = (meta, placements, mesh, kept)
     return kept
 
