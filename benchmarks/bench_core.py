@@ -7,8 +7,9 @@
 Each pair runs interleaved in one process (A, B, A, B ... best of rounds), so machine noise
 hits both sides alike. Targets: small-op loop <= 1.3x torch, seed 000's baseline
 <= 1.05x, MLP step <= 1.05x, 2-rank sharded per-op cost no worse than DTensor's own.
-Rank agreement: the header a host read carries, on a 1000x1000 ``.numpy()`` at 2
-ranks, and what ``GT_CHECK_RANKS=1`` costs a read, a redistributing matmul and a local op.
+Rank agreement: one agreement point against the smallest all-reduce its side group runs
+(<= 1.2x), a 1000x1000 ``.numpy()`` at 2 ranks, header included, against DTensor's read
+(<= 1.1x), and what ``GT_CHECK_RANKS=1`` costs a read, a redistributing matmul and a local op.
 Errors on one rank: what the watchdog costs an op, and what an error every rank raises costs.
 """
 
@@ -263,11 +264,13 @@ def _two_rank(rank: int, world: int, q: bool) -> list | None:
         5,
         1e6,
     )
-    # the header alone (one agreement point) against the smallest collective gloo runs
-    tiny = torch.zeros(2, dtype=torch.int64)
+    # the header alone (one agreement point) against the smallest all-reduce its side group
+    # runs: one int64, on the group's gloo backend as the agreement calls it (two or more
+    # elements take gloo's ring 1.5-2x as long; dist.all_reduce adds its Python on top)
+    one = torch.zeros(1, dtype=torch.int64)
     run(
-        "2 ranks: one agreement point vs 16 B all_reduce",
-        lambda: dist.all_reduce(tiny),
+        "2 ranks: one agreement point vs 8 B all-reduce",
+        lambda: _agree._backend.allreduce([one]).wait(),
         lambda: _agree.agree("bench", site="bench"),
         50,
         1e6,
@@ -380,6 +383,8 @@ def two_rank_vs_dtensor(q: bool) -> None:
             base = "off"
         print(f"{name:<46} {base:<7} {tb:9.2f} us   spmdgt {to:9.2f} us   ratio {to / tb:5.2f}x")
         target = 1.0 if base == "DTensor" else None  # no worse than DTensor's own
+        if "agreement point" in name or "header" in name:  # issue 25: 1.2x and 1.1x
+            target = 1.2 if "agreement point" in name else 1.1
         record(name, base if base != "spmdgt" else "spmdgt, check off", tb, to, "us", target)
         if name.startswith("2 ranks: sum()"):
             print(f"{'':<46} target: no worse than DTensor (ratio ~1.0 within noise)")

@@ -7,7 +7,8 @@ error on every rank that says what each rank was doing and where.
 
 Always on (a world of more than one):
 
-- Every *agreement point* exchanges a small fingerprint over a gloo side group made at
+- Every *agreement point* exchanges a small fingerprint (one OR-reduced 64-bit word a rank,
+  the smallest all-reduce gloo runs: see ``_exchange``) over a gloo side group made at
   ``init()``: creating a tensor (``gt.randn``, ``gt.tensor``, ...: global shape, dtype, signal,
   placement and mesh), each host read of a sharded tensor (``.numpy()``, ``.item()``,
   ``.tolist()``, ``print``: the read, shape, dtype, placement and the user's call site), and the
@@ -101,15 +102,33 @@ _group: Any = None  # the gloo side group for agreement points; None: no exchang
 # Its gloo backend, called directly: agreement traffic is spmdgt's own, not the program's, so
 # it bypasses the dispatcher and torch functions that the interceptor's levels record.
 _backend: Any = None
-_MAX = dist.AllreduceOptions()
-_MAX.reduceOp = dist.ReduceOp.MAX
 _rank = 0
 _world = 1
 _count = 0  # agreement points passed on this rank
-_last: tuple[int, str] = (0, "none yet")  # this rank's last agreed point, for messages
-# (fingerprint, -fingerprint), see _exchange: written and read through numpy, so no torch op
-_mine_np = numpy.zeros(3, dtype=numpy.int64)
-_mine = torch.from_numpy(_mine_np)
+# this rank's last agreed point, for messages: (number, what, detail, call site)
+_last: tuple[int, str, str, str] = (0, "none yet", "", "")
+# One exchange is one 64-bit word a rank, all-reduced with bitwise OR: the smallest all-reduce
+# gloo runs (one element; two or more cost 1.5-2x its round trip on gloo's ring, see
+# docs/benchmarks.md). Bits 31-61 hold x, 31 bits of the point's fingerprint, and bits 0-30
+# its complement; the OR of every rank's word is then (OR of the x's, NOT (AND of the x's)),
+# whose halves are complements iff every rank sent the same x. That test reads exchanged data
+# only, so every rank decides alike. Bit 62: some rank has proposals waiting (``propose``);
+# bit 63: ``any_rank``'s flag. Written and read through numpy, so no torch op runs.
+_BITS = 31
+_MASK = (1 << _BITS) - 1
+_PENDING = 1 << 62
+_FLAG = 1 << 63
+_OR = dist.AllreduceOptions()
+_OR.reduceOp = dist.ReduceOp.BOR
+_word_np = numpy.zeros(1, dtype=numpy.int64)
+_word_u = _word_np.view(numpy.uint64)  # the same memory, read and written as unsigned
+_word = torch.from_numpy(_word_np)
+_GOLDEN = 0x9E3779B1  # odd: n -> n * _GOLDEN is one-to-one modulo 2**31 (the point's number)
+# (what, site) or (what, id of the user's code object, line) -> (that code object, the 31-bit
+# hash of the description and call site, the call site's text). A pure function of its key,
+# so a hit and a miss give the same fingerprint on every rank; emptied past _PRINTS_MAX.
+_prints: dict[tuple, tuple[Any, int, str]] = {}
+_PRINTS_MAX = 4096
 # Set once the ranks may no longer pair up their exchanges (a timeout, a peer that did not
 # answer, a divergence some rank met at its end of the program): (the error class, what
 # happened, each rank's description). Every later agreement point raises it without
@@ -152,7 +171,8 @@ def setup(rank: int, world: int) -> None:
     kwargs = {"timeout": timeout()} if timeout() is not None else {}
     _group = dist.new_group(backend="gloo", **kwargs)
     _backend = _group._get_backend(torch.device("cpu"))
-    _rank, _world, _count, _last, _out_of_step = rank, world, 0, (0, "none yet"), None
+    _rank, _world, _count, _out_of_step = rank, world, 0, None
+    _last = (0, "none yet", "", "")
     _check = check
     if _check:
         _install_redistribute_check()
@@ -175,18 +195,51 @@ def forget() -> None:
 def call_site() -> str:
     """``file:line in function`` of the innermost frame outside spmdgt, torch and the standard
     library: the user's line that led here (``<no user frame>`` on a thread of torch's)."""
-    f = sys._getframe(1)
+    f = _user_frame(sys._getframe(1))
+    return "<no user frame>" if f is None else _site_text(f)
+
+
+def _user_frame(f: Any) -> Any:
+    """The innermost frame from ``f`` outward outside spmdgt, torch and the standard library."""
     while f is not None:
         name = f.f_code.co_filename
         if not name.startswith(_ROOTS) and not name.startswith("<"):
-            return f"{name}:{f.f_lineno} in {f.f_code.co_name}"
+            return f
         f = f.f_back
-    return "<no user frame>"
+    return None
+
+
+def _site_text(f: Any) -> str:
+    return f"{f.f_code.co_filename}:{f.f_lineno} in {f.f_code.co_name}"
 
 
 def _fingerprint(text: str) -> int:
     digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 2  # 62 bits: its negation fits an int64
+    return int.from_bytes(digest, "little") & _MASK
+
+
+def _print(what: str, site: str | None) -> tuple[int, str]:
+    """(the fingerprint of ``what`` at ``site``, ``site``), ``site`` None meaning the user's
+    call site. Hashed once per description and call site (``_prints``): a point reached again
+    (a read in a loop) costs a dictionary look-up. The hash takes the file's base name:
+    checkouts on different nodes differ in path."""
+    code = f = None
+    if site is None:
+        f = _user_frame(sys._getframe(2))
+        if f is None:
+            site = "<no user frame>"
+        else:
+            code = f.f_code
+    key = (what, site) if code is None else (what, id(code), f.f_lineno)
+    entry = _prints.get(key)
+    if entry is None or entry[0] is not code:  # new, or another code object at the same id
+        text = site if f is None else _site_text(f)
+        path, _, rest = text.partition(":")
+        entry = (code, _fingerprint(f"{what}@{os.path.basename(path)}:{rest}"), text)
+        if len(_prints) >= _PRINTS_MAX:
+            _prints.clear()
+        _prints[key] = entry
+    return entry[1], entry[2]
 
 
 def agree(what: str, site: str | None = None, detail: str = "") -> None:
@@ -197,20 +250,24 @@ def agree(what: str, site: str | None = None, detail: str = "") -> None:
     sub-mesh). No-op without a side group (a world of one)."""
     if _group is None:
         return
-    site = call_site() if site is None else site
+    h, site = _print(what, site)
     if _out_of_step is not None:
-        raise _stopped(_out_of_step, f"{what}{detail} at {site}" if site else f"{what}{detail}")
-    _exchange(what, site, barrier=_check, detail=detail)
+        raise _stopped(_out_of_step, _doing(what, detail, site))
+    _exchange(what, site, h, barrier=_check, detail=detail)
 
 
 def before_collective(what: str) -> None:
     """Under ``GT_CHECK_RANKS=1``: agree on ``what`` before a collective, naming a rank that
     does not arrive within ``GT_TIMEOUT`` (a gloo monitored barrier)."""
     if _check and _group is not None:
-        site = call_site()
+        h, site = _print(what, None)
         if _out_of_step is not None:
             raise _stopped(_out_of_step, f"{what} at {site}")
-        _exchange(what, site, barrier=True)
+        _exchange(what, site, h, barrier=True)
+
+
+def _doing(what: str, detail: str, site: str) -> str:
+    return f"{what}{detail} at {site}" if site else f"{what}{detail}"
 
 
 def _stopped(state: tuple[type[RuntimeError], str, dict[int, str]], doing: str) -> RuntimeError:
@@ -228,32 +285,35 @@ def _stopped(state: tuple[type[RuntimeError], str, dict[int, str]], doing: str) 
     return RankDivergenceError(message, rows) if kind is RankDivergenceError else kind(message)
 
 
-def _exchange(what: str, site: str, barrier: bool, detail: str = "") -> None:
+def _exchange(
+    what: str, site: str, h: int, barrier: bool, detail: str = "", flag: bool = False
+) -> bool:
+    """One exchange (see ``_word``): agreed, or every rank raises. Returns whether ``flag``
+    holds on any rank."""
     global _count, _last
-    doing = f"{what}{detail} at {site}" if site else f"{what}{detail}"
     with _lock:
         _count += 1
         n = _count
-        # One fingerprint a rank: a hash of the point's number, description and call site
-        # (with the file's base name: checkouts on different nodes differ in path). One
-        # all-reduce (max) of (h, -h) gives (max h, -min h): the ranks agree iff both are h.
-        # The third slot says whether any rank has proposals waiting (see ``propose``).
-        path, _, rest = site.partition(":")
-        h = _fingerprint(f"{n}|{what}@{os.path.basename(path)}:{rest}")
-        _mine_np[0], _mine_np[1], _mine_np[2] = h, -h, 1 if _proposals else 0
+        # the point's number takes part: a rank that skipped a point pairs its next one with
+        # another number, so even the same read at the same line does not agree
+        x = (h ^ (n * _GOLDEN)) & _MASK
+        _word_u[0] = (
+            (x << _BITS) | (~x & _MASK) | (_PENDING if _proposals else 0) | (_FLAG if flag else 0)
+        )
         try:
             if barrier:
                 dist.monitored_barrier(_group, timeout=timeout(), wait_all_ranks=True)
-            _backend.allreduce([_mine], _MAX).wait()
+            _backend.allreduce([_word], _OR).wait()
         except RuntimeError as e:
-            _fail_timeout(e, doing, n)
-        top, low, pending = _mine_np.tolist()
-        if top == h and low == -h:
-            _last = (n, doing)
-            if pending:
+            _fail_timeout(e, _doing(what, detail, site), n)
+        got = int(_word_u[0])
+        if (got >> _BITS) & _MASK == x and got & _MASK == ~x & _MASK:
+            _last = (n, what, detail, site)
+            if got & _PENDING:
                 _settle_proposals()
-            return
-        _diverged(n, doing)
+            return bool(got & _FLAG)
+        _diverged(n, _doing(what, detail, site))
+        raise AssertionError("unreachable: _diverged raises")
 
 
 # -- proposals: per-rank observations turned into one decision at an agreement point -------------
@@ -312,15 +372,14 @@ def all_ranks(value: Any) -> list[Any]:
 
 def any_rank(flag: bool, what: str, site: str) -> bool:
     """Whether ``flag`` holds on any rank: an agreement point on ``what`` at ``site`` (the
-    same decision on every rank, else ``RankDivergenceError``), then one MAX all-reduce of
-    the flag on the side group. This rank's ``flag`` in a world of one."""
+    same decision on every rank, else ``RankDivergenceError``) whose exchange carries the
+    flag too (one all-reduce). This rank's ``flag`` in a world of one."""
     if _group is None:
         return flag
-    agree(what, site=site)
-    with torch._C.DisableTorchFunction():  # the agreement's own ops: no hook sees them
-        t = torch.tensor([1 if flag else 0], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_group)
-        return bool(t.item())
+    h, site = _print(what, site)
+    if _out_of_step is not None:
+        raise _stopped(_out_of_step, _doing(what, "", site))
+    return _exchange(what, site, h, barrier=_check, flag=flag)
 
 
 def _settle_proposals() -> None:
@@ -391,8 +450,9 @@ def _fail_timeout(e: BaseException, doing: str, n: int) -> None:
     ) from e
 
 
-def _said(point: tuple[int, str]) -> str:
-    return f"#{point[0]}: {point[1]}"
+def _said(point: tuple[int, str, str, str]) -> str:
+    n, what, detail, site = point
+    return f"#{n}: {_doing(what, detail, site)}"
 
 
 def _waited() -> str:
@@ -411,7 +471,7 @@ def end() -> None:
     if _group is None or _out_of_step is not None or not dist.is_initialized():
         return
     try:
-        _exchange(_END, "", barrier=_check)
+        _exchange(_END, "", _fingerprint(f"{_END}@"), barrier=_check)
     finally:
         forget()
 

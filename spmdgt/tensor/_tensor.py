@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 import torch.autograd.forward_ad as _fwad
-from torch.distributed.tensor import DTensor
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from spmdgt._core import scope as _scope
 from spmdgt.runtime import _agree
@@ -256,20 +257,61 @@ def _read(t: DTensor, what: str) -> torch.Tensor:
     and mesh, and the user's call site; then its global value."""
     if _scope.lazy_sync is not None and "_gt_lazy" in t.__dict__:
         _scope.lazy_sync(what)
-    if _agree.active() and not _tracing(t):
-        dtype = str(t.dtype).removeprefix("torch.")
-        members = mesh_ranks(t.device_mesh)
-        placements = f" {tuple(t.placements)}"
-        # on a sub-mesh, a rank outside it keeps no placement alike: shown, not compared
-        whole = len(members) == get_runtime().world_size
-        spec = (
-            f"{dtype}{list(t.shape)}{placements if whole else ''} on {describe_mesh(t.device_mesh)}"
-        )
-        _agree.agree(f"{what} of {spec}", detail="" if whole else placements)
+    tracing = _tracing(t)
+    if _agree.active() and not tracing:
+        text, detail, _ = _spec_text(t._spec)
+        _agree.agree(f"{what} of {text}", detail=detail)
     try:
-        return global_value(t)
+        return global_value(t) if tracing else _host_value(t)
     except Exception as e:
         raise _agree.translate(e, what)  # noqa: B904 (e, or a timeout error caused by e)
+
+
+def _spec_text(spec) -> tuple[str, str, bool]:
+    """What a read compares of a tensor with DTensor spec ``spec``: ``float32[1000, 1000]
+    (Shard(dim=0),) on ranks [0, 1]``; what it shows without comparing (on a sub-mesh, a rank
+    outside it keeps no placement alike: the placements); whether the mesh is 1-D over every
+    rank, more than one. Read from the spec's own fields (a tensor's ``.shape`` and ``.dtype``
+    each take the per-op hop) and kept on the spec with the fields it was made from: a read
+    in a loop formats nothing."""
+    meta, placements, mesh = spec.tensor_meta, spec.placements, spec.mesh
+    kept = spec.__dict__.get("_gt_read")
+    if kept is not None and kept[0] is meta and kept[1] is placements and kept[2] is mesh:
+        return kept[3]
+    dtype = str(meta.dtype).removeprefix("torch.")
+    shown = f" {tuple(placements)}"
+    whole = len(mesh_ranks(mesh)) == get_runtime().world_size
+    text = f"{dtype}{list(meta.shape)}{shown if whole else ''} on {describe_mesh(mesh)}"
+    kept = (text, "" if whole else shown, whole and mesh.ndim == 1 and mesh.size() > 1)
+    spec.__dict__["_gt_read"] = (meta, placements, mesh, kept)
+    return kept
+
+
+def _host_value(t: DTensor) -> torch.Tensor:
+    """``global_value(t)`` for a host read, by DTensor's own step where one step does it.
+
+    A 1-D mesh over every rank holding a ``Shard``: the value is what ``full_tensor()`` gets,
+    the same ``Shard._to_replicate_tensor`` (pad, all-gather, unpad) that
+    ``redistribute_local_tensor`` runs for this layout, without the autograd function, plan
+    and wrapping around it, which cost a 1000x1000 read ~20% (docs/benchmarks.md). Every
+    other layout (a sub-mesh, n-D, partial, a stale view) takes ``global_value``.
+    Decided from the spec, the same on every rank."""
+    spec = t._spec
+    placements = spec.placements
+    if (
+        len(placements) == 1
+        and type(placements[0]) is Shard
+        and getattr(t, "_gt_view", None) is None
+        and _spec_text(spec)[2]
+    ):
+        if _agree.checking():  # GT_CHECK_RANKS: as DTensor's redistribution is checked
+            _agree.before_collective(f"the all-gather of a host read of {_spec_text(spec)[0]}")
+        with torch.no_grad():
+            out = placements[0]._to_replicate_tensor(
+                t._local_tensor, spec.mesh, 0, spec.tensor_meta.shape
+            )
+        return out.wait() if isinstance(out, AsyncCollectiveTensor) else out
+    return global_value(t)
 
 
 def _read_only(arr):

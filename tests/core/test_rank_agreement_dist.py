@@ -56,3 +56,101 @@ def test_every_rank_names_the_disagreement(tmp_path, name, check):
         assert phrase in r["error"], (phrase, r["error"])
         assert sorted(r["rows"]) == [0, 1]
     assert results[0]["error"] == results[1]["error"]  # one message, the same on every rank
+
+
+def _one_word(rank, world):
+    """The exchange is one OR-reduced word a rank (``_agree._exchange``): what it must carry."""
+    import torch
+
+    import spmdgt as gt
+    from spmdgt.runtime import _agree
+
+    out = {}
+    gt.register_config("rows", gt.SignalConfig(shard=gt.ShardConfig(axis=0)))
+    gt.register_config("sub", gt.SignalConfig(shard=gt.ShardConfig(axis=0, workers=[0, 1])))
+    torch.manual_seed(0)
+    full = torch.randn(7, 3)  # 4/3 rows on 2 ranks, 3/3/1 on 3
+    with gt.signal.context("rows"):
+        x = gt.tensor(full)
+    with gt.signal.context("sub"):
+        s = gt.tensor(full)
+    # reads in a loop: the second and later hit the kept fingerprint and spec text
+    out["reads"] = [bool((x.numpy() == full.numpy()).all()) for _ in range(3)]
+    out["sub reads"] = [bool((s.numpy() == full.numpy()).all()) for _ in range(2)]
+    out["item"] = abs(x.sum().item() - full.sum().item()) < 1e-5  # summed in another order
+    # any_rank's flag travels in the same word: set on the last rank alone, seen everywhere
+    out["any"] = [
+        _agree.any_rank(rank == world - 1, "flag on the last rank", "here"),
+        _agree.any_rank(False, "flag nowhere", "here"),
+    ]
+    # a proposal of some ranks reaches every rank's listener at the next point
+    got = []
+    handle = _agree.on_agreed(lambda keys: got.append(sorted(keys)))
+    if rank != 1:
+        _agree.propose(f"hot on rank {rank}")
+    _agree.agree("settle", site="here")
+    handle.remove()
+    out["proposals"] = got
+    # fingerprints whose bits one rank's covers (3 and 1): an OR of the fingerprints alone
+    # equals rank 0's and would let it go on while the others raise; every rank must raise
+    real = _agree._fingerprint
+    x_of_rank = 3 if rank == 0 else 1
+    _agree._fingerprint = lambda text: (
+        (x_of_rank ^ ((_agree._count + 1) * _agree._GOLDEN)) & (_agree._MASK)
+    )
+    try:
+        _agree.agree("bits of one rank's covering the others'", site="here")
+        out["subset"] = "agreed"
+    except gt.RankDivergenceError as e:
+        out["subset"] = sorted(e.rows)
+    finally:
+        _agree._fingerprint = real
+    # every rank raised there, so the exchanges still pair: the next read agrees
+    out["after"] = bool((x.numpy() == full.numpy()).all())
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_one_word_carries_fingerprint_flag_and_proposals(tmp_path, world):
+    for r in run_ranks(_one_word, world, tmp_path, timeout=90):
+        assert r["reads"] == [True] * 3 and r["sub reads"] == [True] * 2 and r["item"], r
+        assert r["any"] == [True, False], r
+        assert r["proposals"] == [[f"hot on rank {k}" for k in range(world) if k != 1]], r
+        assert r["subset"] == list(range(world)), r
+        assert r["after"], r
+
+
+def _reads(rank, world):
+    """Host reads of sharded layouts, each equal to one process's value on every rank."""
+    import torch
+
+    import spmdgt as gt
+
+    gt.register_config("rows", gt.SignalConfig(shard=gt.ShardConfig(axis=0)))
+    gt.register_config("cols", gt.SignalConfig(shard=gt.ShardConfig(axis=1)))
+    torch.manual_seed(0)
+    values = {
+        "float rows 7x3": ("rows", torch.randn(7, 3)),
+        "float cols 3x7": ("cols", torch.randn(3, 7)),
+        "an empty shard 2x3": ("rows", torch.randn(2, 3)),  # 1/1/0 rows on 3 ranks
+        "int64 rows": ("rows", torch.arange(21).reshape(7, 3)),
+        "bool rows": ("rows", torch.arange(7) % 3 == 0),
+        "complex rows": ("rows", torch.randn(7, 2, dtype=torch.complex64)),
+    }
+    out = {}
+    for name, (signal, full) in values.items():
+        with gt.signal.context(signal):
+            x = gt.tensor(full)
+        out[name] = [
+            bool((x.numpy() == full.numpy()).all()),
+            x.tolist() == full.tolist(),
+            # a transposed view: its shard is not contiguous (Shard(0) <-> Shard(1))
+            bool((x.mT.numpy() == full.mT.numpy()).all()) if full.dim() == 2 else True,
+        ]
+    return out
+
+
+@pytest.mark.parametrize(("world", "check"), [(2, "0"), (3, "0"), (3, "1")])
+def test_host_reads_of_sharded_layouts_equal_torch(tmp_path, world, check):
+    for r in run_ranks(_reads, world, tmp_path, env={"GT_CHECK_RANKS": check}, timeout=90):
+        assert all(all(v) for v in r.values()), r
