@@ -108,9 +108,6 @@ def enable(
         atexit.register(disable)
         _atexit = True
     _provide()
-    if _regions is not None:  # see enable_regions
-        _note("hot functions on: lazy regions off (the two together are not exact yet)")
-        _stop_regions()
     _note(
         f"compile pass on (hot functions, backend {p.backend_name}, a sample every {p.every} ops, "
         f"hot at {p.hot_at} samples, interceptor level {ic.level})"
@@ -166,18 +163,11 @@ def enable_regions(
 ) -> bool:
     """Turn lazy regions on for this rank: lazy regions inside ``compile: true`` scopes, and, with
     ``batch`` (``GT_WORKER_BATCH_SIZE``), everywhere, a region running at ``batch`` recorded
-    ops at most. Returns whether it is on: not with ``GT_COMPILE=0`` nor while the hot-function
-    half runs."""
+    ops at most. Returns whether it is on (not with ``GT_COMPILE=0``)."""
     global _regions, _regions_refused
     _regions_refused = False
-    # Not while the hot-function half runs: the OpInfo sweep with both on (every op recorded) found
-    # hangs
-    # and rare wrong values on sub-meshes and empty shards, each half alone none.
-    if compile_disabled() or _hot is not None:
-        _note(
-            "lazy regions off: "
-            + ("GT_COMPILE=0" if _hot is None else "the hot-function half is on")
-        )
+    if compile_disabled():
+        _note("lazy regions off: GT_COMPILE=0")
         return False
     if _regions is not None:
         return True
@@ -286,21 +276,11 @@ def maybe_enable_from_env() -> bool:
     """``GT_AUTO_COMPILE=1``: ``enable()``; else ``GT_WORKER_BATCH_SIZE=n``:
     ``enable_regions(n)`` (neither with ``GT_COMPILE=0``; hot functions wins when both are set).
     Returns whether the hot-function half is on."""
+    if _env.flag("GT_AUTO_COMPILE"):
+        enable()
     batch = _env.integer("GT_WORKER_BATCH_SIZE")  # None when unset
-    if not _env.flag("GT_AUTO_COMPILE"):
-        if batch is not None:
-            enable_regions(batch=batch)
-        return False
-    if batch is not None and not compile_disabled():
-        import warnings
-
-        warnings.warn(
-            f"spmdgt: GT_WORKER_BATCH_SIZE={batch} is ignored while GT_AUTO_COMPILE is on: the "
-            "two halves of the compile pass do not run together yet (docs/compilation.md, "
-            "Known limits)",
-            stacklevel=2,
-        )
-    enable()
+    if batch is not None:
+        enable_regions(batch=batch)
     return is_enabled()
 
 

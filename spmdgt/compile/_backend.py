@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from spmdgt._core import scope as _scope
 from spmdgt.compile._stats import CompileStats, first_line
 
 __all__ = ["CountingBackend"]
@@ -70,6 +71,12 @@ class _Runner:
         self._first = True
 
     def __call__(self, *args: Any) -> Any:
+        sync = _scope.lazy_sync
+        if sync is not None:
+            # lazy regions run too: an input may be a pending placeholder, which the graph
+            # would read from C++ unfilled. Dynamo picked this graph by guards on the
+            # placeholder's metadata, which equals the filled result's (``_region``)
+            sync("a hot function's graph")
         st = self._owner._stats
         st.graph_runs += 1
         st.compiled_ops += self._ops

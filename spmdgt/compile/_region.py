@@ -195,11 +195,16 @@ class Region:
         adesc = [self._commit(d) for d in adesc]
         kdesc = [(k, self._commit(d)) for k, d in kdesc]
         node = _Node(func, tuple(adesc), tuple(kdesc), meta, rg, len(self.nodes), self)
+        # a placeholder that will need grad says so already: dynamo picks a hot function's
+        # graph by guards on ``requires_grad`` (checked in C++, before the graph's runner fills
+        # the region), so a pending input must show what the filled one will
         if mesh is None:
             with torch._C.DisableTorchFunction():
                 p = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+                if rg:
+                    p.requires_grad_()
         else:
-            p = _sharded.placeholder(spec, lshape, lstride, device)
+            p = _sharded.placeholder(spec, lshape, lstride, device, rg)
         p._gt_lazy = node
         node.ref = weakref.ref(p)
         self.nodes.append(node)
@@ -343,6 +348,8 @@ def fill(plan: Plan, results: Any) -> None:
     with torch._C.DisableTorchFunction():
         for p, out in pairs:
             p.__dict__.pop("_gt_lazy", None)
+            if p.requires_grad:  # a leaf until now (see ``record``): the result decides
+                p.requires_grad_(False)
             if out.requires_grad:
                 with torch.enable_grad():
                     p.copy_(out)  # grad_fn: CopyBackwards into the graph's backward
