@@ -58,7 +58,7 @@ class Plan:
     """What a region computes, ready to be keyed (``base`` and ``floats``) and built."""
 
     __slots__ = ("base", "comm", "float_dtypes", "floats", "grad", "inputs", "mesh", "nodes",
-                 "ops", "outputs")  # fmt: skip
+                 "ops", "outputs", "rng", "rng_state")  # fmt: skip
 
     def __init__(self) -> None:
         self.nodes: list[tuple] = []  # (func, args, kwargs) with descriptors remapped
@@ -71,6 +71,8 @@ class Plan:
         self.ops = 0
         self.mesh: Any = None  # sharded plans: the inputs' mesh (see _sharded)
         self.comm = False  # a sharded plan holds collectives
+        self.rng: Any = None  # random calls: the generator and its state at the first
+        self.rng_state: Any = None
 
 
 def _ckey(v: Any) -> Any:
@@ -96,6 +98,11 @@ class Region:
         self.device: torch.device | None = None
         self.mesh: Any = None  # the mesh of a sharded region (None: plain)
         self.comm = False  # a sharded region's calls move data between ranks
+        # random calls: the generator they draw from, its state at the first one, and their
+        # placeholders held (a draw whose result is dropped still moves the generator)
+        self.rng: Any = None
+        self.rng_state: Any = None
+        self.keep: list[torch.Tensor] = []
 
     def record(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """The placeholder for ``func(*args, **kwargs)``; ``NOFLUSH`` for a small pure call
@@ -116,34 +123,38 @@ class Region:
         # lifts it (its gradient stays plain), which a graph does not; others are replicated
         # values in both
         plain = False
-        for a in (*args, *kwargs.values()):
-            if isinstance(a, torch.Tensor):
-                node = a.__dict__.get("_gt_lazy")
-                if type(a) not in _PLAIN:
-                    if not isinstance(a, DTensor) or getattr(a, "_gt_view", None) is not None:
-                        return None
-                    m = a._spec.mesh
-                    if mesh is None:
-                        mesh = m
-                    elif m is not mesh:
-                        return None
-                elif node is None and a.requires_grad:
-                    plain = True
-                if node is not None:
-                    lazy = True
-                    rg = rg or node.rg
-                else:
-                    rg = rg or a.requires_grad
-                    # per rank of the mesh, from global sizes: the same on every rank
-                    n = a.numel() if mesh is None or type(a) in _PLAIN else a.numel() // m.size()
-                    if n >= self.min_numel:
-                        big = True
-                if device is None:
-                    device = a.device
-                elif a.device != device:
+        for a in _tensors(args, kwargs):
+            node = a.__dict__.get("_gt_lazy")
+            if type(a) not in _PLAIN:
+                if not isinstance(a, DTensor) or getattr(a, "_gt_view", None) is not None:
                     return None
+                m = a._spec.mesh
+                if mesh is None:
+                    mesh = m
+                elif m is not mesh:
+                    return None
+            elif node is None and a.requires_grad:
+                plain = True
+            if node is not None:
+                lazy = True
+                rg = rg or node.rg
+            else:
+                rg = rg or a.requires_grad
+                # per rank of the mesh, from global sizes: the same on every rank
+                n = a.numel() if mesh is None or type(a) in _PLAIN else a.numel() // m.size()
+                if n >= self.min_numel:
+                    big = True
+            if device is None:
+                device = a.device
+            elif a.device != device:
+                return None
+        random = func in _lazy_ops.RANDOM
+        if random and (not _lazy_ops.drops(args, kwargs) or mesh is not None):
+            return None  # eager: it aliases its input, or draws per shard on gt.Tensors
         if not lazy and not big:
-            return NOFLUSH
+            # a small pure call runs eagerly, the region goes on; a small draw may not (it
+            # would draw before the region's own draws): the region runs first
+            return None if random and self.rng is not None else NOFLUSH
         if device is None or (self.device is not None and device != self.device):
             return None
         if mesh is not None and (plain or not _sharded.recordable(func, mesh)):
@@ -187,6 +198,9 @@ class Region:
             shape, stride, dtype = tuple(tm.shape), tuple(tm.stride), tm.dtype
             meta = (shape, stride, dtype)
         rg = grad and rg and (dtype.is_floating_point or dtype.is_complex)
+        if random and self.rng is None:
+            self.rng = _generator(device)
+            self.rng_state = self.rng.get_state()  # the region's draws start from here
         if mesh is not None:
             self.comm = self.comm or comm
         self.grad = grad
@@ -208,10 +222,17 @@ class Region:
         p._gt_lazy = node
         node.ref = weakref.ref(p)
         self.nodes.append(node)
+        if random:  # every draw runs, in order, even if its result is dropped
+            self.keep.append(p)
         return p
 
     def _desc(self, a: Any, dyn_float: bool) -> tuple | None:
         """A tentative descriptor (nothing is added to the region until ``_commit``)."""
+        if type(a) in (list, tuple) and a and isinstance(a[0], torch.Tensor):
+            ds = tuple(self._desc(x, False) for x in a)
+            if not all(d is not None and d[0] in ("I", "n") for d in ds):
+                return None
+            return ("L", ds)
         if isinstance(a, torch.Tensor):
             node = a.__dict__.get("_gt_lazy")
             if node is not None:
@@ -228,6 +249,8 @@ class Region:
 
     def _commit(self, d: tuple) -> tuple:
         kind, v = d
+        if kind == "L":
+            return ("L", tuple(self._commit(x) for x in v))
         if kind == "I":
             k = self._pos.get(id(v))
             if k is None:
@@ -247,6 +270,7 @@ class Region:
         self._pos = {}
         self.device = None
         mesh, comm, self.mesh, self.comm = self.mesh, self.comm, None, False
+        keep, self.keep = self.keep, []  # held until the plan holds them as outputs
         live = {}
         for n in nodes:
             p = n.ref()
@@ -266,10 +290,11 @@ class Region:
         needed = set(live)
         for n in reversed(nodes):
             if n.index in needed:
-                for d in (*n.args, *(d for _, d in n.kwargs)):
+                for d in _flat((*n.args, *(d for _, d in n.kwargs))):
                     if d[0] == "n":
                         needed.add(d[1])
         plan = Plan()
+        plan.rng, plan.rng_state, self.rng, self.rng_state = self.rng, self.rng_state, None, None
         plan.grad = self.grad
         plan.mesh = mesh
         plan.comm = comm
@@ -280,6 +305,8 @@ class Region:
 
         def desc(d: tuple, n: _Node) -> tuple:
             kind, v = d
+            if kind == "L":
+                return ("L", tuple(desc(x, n) for x in v))
             if kind == "n":
                 return ("n", remap[v])
             if kind == "i":
@@ -307,6 +334,7 @@ class Region:
             if n.index in live:
                 outs.append(remap[n.index])
                 plan.outputs.append(live[n.index])
+        del keep
         ins = tuple(_inkey(t) for t in plan.inputs)
         plan.base = (tuple(keyed), ins, tuple(outs), plan.grad, tuple(plan.float_dtypes))
         plan.ops = len(plan.nodes)
@@ -321,10 +349,43 @@ def _inkey(t: torch.Tensor) -> tuple:
 
 
 def _dkey(d: tuple) -> Any:
+    if d[0] == "L":
+        return ("L", tuple(_dkey(x) for x in d[1]))
     return ("c", _ckey(d[1])) if d[0] == "c" else d
 
 
+def _flat(descs: Any) -> Any:
+    """The descriptors, those inside a list's descriptor included."""
+    for d in descs:
+        if d[0] == "L":
+            yield from d[1]
+        else:
+            yield d
+
+
+def _tensors(args: tuple, kwargs: dict) -> Any:
+    """The call's tensor arguments, those in a list or tuple included (``cat``, ``stack``)."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif type(a) in (list, tuple):
+            for x in a:
+                if isinstance(x, torch.Tensor):
+                    yield x
+
+
+def _generator(device: torch.device) -> torch.Generator:
+    """The default generator a random call on ``device`` draws from."""
+    if device.type == "cpu":
+        return torch.default_generator
+    module = torch.get_device_module(device.type)
+    index = device.index if device.index is not None else module.current_device()
+    return module.default_generators[index]
+
+
 def _mkey(a: Any, d: tuple) -> Any:
+    if d[0] == "L":
+        return ("L", tuple(_mkey(x, dx) for x, dx in zip(a, d[1], strict=True)))
     if d[0] in ("I", "n"):
         spec = _sharded.layout(a)
         return ("t", tuple(a.shape), a.stride(), a.dtype) if spec is None else ("d", spec)

@@ -110,6 +110,8 @@ def out_spec(key: Any, func: Any, args: tuple, kwargs: dict) -> tuple | None:
             loc = a._local_tensor
             m = torch.empty_strided(loc.shape, loc.stride(), dtype=loc.dtype, device="meta")
             return DTensor(m, a._spec, requires_grad=False)
+        if type(a) in (list, tuple):
+            return [meta(x) for x in a]
         return a
 
     from torch.distributed.tensor.debug import CommDebugMode

@@ -226,30 +226,28 @@ def test_two_ranks_sharded_region_and_a_one_rank_compile_failure(tmp_path):
             assert n == 1 and "only rank 1 fails" in reason and st["eager_runs"] == 1
 
 
-def test_lazy_regions_stay_off_while_hot_functions_run(regions):
-    # the OpInfo sweep with both halves on found hangs and rare wrong values on sub-meshes and
-    # empty shards (each half alone: none), so they do not run together yet
+def test_lazy_regions_run_while_hot_functions_run(regions):
+    # both halves at once (tests/compile/test_both_halves_dist.py runs them on several ranks)
     regions(batch=64)
-    assert gt_compile.regions_enabled()
     gt_compile.enable(backend="aot_eager")
     try:
-        assert gt_compile.is_enabled() and not gt_compile.regions_enabled()
-        assert not gt_compile.enable_regions(batch=64)
+        assert gt_compile.is_enabled() and gt_compile.regions_enabled()
+        assert gt_compile.enable_regions(batch=64)
         x = torch.randn(300, 300)
         y = torch.sin(x) * 0.5
-        assert "_gt_lazy" not in y.__dict__ and torch.equal(y, torch.sin(x) * 0.5)
+        assert "_gt_lazy" in y.__dict__  # recorded
+        assert torch.equal(y, torch.sin(x) * 0.5)
     finally:
         gt_compile.disable()
         _control.disable()  # hot functions turned the interceptor on
 
 
-def test_both_variables_set_warns_that_lazy_regions_are_ignored(monkeypatch):
+def test_both_variables_set_turn_both_halves_on(monkeypatch):
     monkeypatch.setenv("GT_AUTO_COMPILE", "1")
     monkeypatch.setenv("GT_WORKER_BATCH_SIZE", "16")
     try:
-        with pytest.warns(UserWarning, match="GT_WORKER_BATCH_SIZE=16 is ignored"):
-            assert gt_compile.maybe_enable_from_env() is True
-        assert not gt_compile.regions_enabled()
+        assert gt_compile.maybe_enable_from_env() is True
+        assert gt_compile.regions_enabled()
     finally:
-        gt_compile.disable()
+        spmdgt.session.reset("compile")
         _control.disable()
