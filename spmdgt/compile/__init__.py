@@ -18,7 +18,9 @@ Lazy regions (YAML ``compile: true`` scopes, ``GT_WORKER_BATCH_SIZE=N`` or
 placeholders, and at a sync point the region runs as one compiled graph (``_lazy_regions``: the hook
 and sync points; ``_region``: recording and placeholders; ``_sharded``: layouts, agreement and
 autograd of graphs over DTensors; ``_graphs``: keys, caps, compile, fallback; ``_lazy_ops``:
-what may be recorded). The lazy-region half stays off while the hot-function half runs.
+what may be recorded). Both halves may run at once: a hot function's graph and compile run the
+open region first (``_backend``, ``_hot_functions``), and placeholders show the
+``requires_grad`` dynamo's guards check.
 
 Environment (read by ``maybe_enable_from_env``, which ``import spmdgt`` reaches through the
 interceptor's start-up; with none of these set nothing here is imported):

@@ -18,11 +18,10 @@ removed after, so the rest of the program pays nothing.
 
 While a region holds ops, ``torch.compiler`` is set to the ``force_eager`` stance: a function
 the user compiled, called with a pending result, would otherwise read it from C++ before it is
-filled; run eagerly, its ops reach the hook, which fills the result first. The lazy-region half
-stays off
-while hot functions (``GT_AUTO_COMPILE``) runs: dynamo's frames of hot functions read their inputs
-from C++ and pick graphs by guards no hook sees, and the OpInfo sweep with both on found hangs
-and rare wrong values on sub-meshes and empty shards.
+filled; run eagerly, its ops reach the hook, which fills the result first. Hot functions
+(``GT_AUTO_COMPILE``) may run too: their frames are entered from C++ (guards, then the graph),
+so their graph runner and their compile run the open region first (``sync``), and placeholders
+that will need grad show ``requires_grad`` from the start, as dynamo's guards check it.
 
 Ops on ``gt.Tensor``s of a mesh spanning the world are recorded too (``_sharded``: placements
 from a meta run, collectives inside the graph); their graphs have their own cache, which sees
