@@ -1,6 +1,6 @@
 """The compile pass against eager and hand-written ``torch.compile``, side by side.
 
-    python benchmarks/bench_compile.py [--rounds 5] [--backend inductor] [--json PATH]
+    python benchmarks/bench_compile.py [--rounds 5] [--backend inductor] [--both] [--json PATH]
 
 One process, 1 CPU thread. Every case times its variants in alternation (``--rounds`` rounds,
 best round kept), after a warm-up that is not timed; compile times are reported apart. Targets:
@@ -14,6 +14,10 @@ best round kept), after a warm-up that is not timed; compile times are reported 
 - ``scope2``: the chain in a ``compile: true`` scope (lazy regions): sharded on 2 forked ranks
   against eager on 2 ranks, and on 1 process (plain tensors) against eager and hand compile.
 - ``transformer`` (a training step): a hook for the trainer's ``compile=True``.
+
+``--both``: both halves at once, as ``GT_AUTO_COMPILE=1 GT_WORKER_BATCH_SIZE=256`` gives them:
+lazy regions everywhere beside hot functions in every "pass" variant, and hot functions on in
+``scope2``'s ranks.
 
 How the pass is toggled between variants without recompiling: the pass stays alive; "off" is
 its frame hook out and the interceptor off (pure eager), "on" is the interceptor back on (the
@@ -29,6 +33,7 @@ import sys
 import time
 import types
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -75,17 +80,24 @@ def _copy(fn: Callable, name: str) -> Callable:
 class _Pass:
     """The pass, switched on and off between timed variants (see the module docstring)."""
 
-    def __init__(self, backend: str) -> None:
+    def __init__(self, backend: str, both: bool = False) -> None:
         import spmdgt.compile as gt_compile
 
         os.environ.pop("GT_COMPILE", None)
         gt_compile.enable(backend=backend)
         self.p = gt_compile._hot
         self.level = self.p._ic.level
+        self.both = both
+        self.regions: Any = None
+        if both:  # lazy regions everywhere too; their hook goes with "off"
+            assert gt_compile.enable_regions(batch=256, backend=backend)
+            self.regions = gt_compile._regions
 
     def on(self) -> None:
         from spmdgt.interceptor import _control
 
+        if self.regions is not None:
+            self.regions._hook(True)
         if not self.p._ic.active:
             _control.enable(stats=False, hotpath=False, level=self.level, sampling_only=True)
         if self.p.hook.hot:
@@ -95,6 +107,9 @@ class _Pass:
         from spmdgt.interceptor import _control
 
         self.p.hook.uninstall()
+        if self.regions is not None:
+            self.regions.flush("bench off")
+            self.regions._hook(False)
         _control.disable()
 
     def stats(self) -> dict:
@@ -274,16 +289,21 @@ def case_module(pss: _Pass, rounds: int) -> Case:
     ], figs
 
 
-def _scope_rank(rank: int, world: int, rounds: int, backend: str) -> dict[str, float]:
-    """One rank of ``scope2`` (a forked child: hot functions, inherited from the parent, goes off;
-    the lazy-region half stays off while the hot-function half runs). World 2: the chain on a
-    sharded gt.Tensor (1M rows
-    over the ranks) in a ``compile: true`` scope and in a plain one. World 1: plain tensors,
-    eager, hand ``torch.compile`` and the scope. Alternating rounds; a host read ends a call."""
+def _scope_rank(
+    rank: int, world: int, rounds: int, backend: str, both: bool = False
+) -> dict[str, float]:
+    """One rank of ``scope2`` (a forked child: hot functions, inherited from the parent, goes
+    off; ``both``: a fresh one on, beside the lazy regions). World 2: the chain on a sharded
+    gt.Tensor (1M rows over the ranks) in a ``compile: true`` scope and in a plain one. World 1:
+    plain tensors, eager, hand ``torch.compile`` and the scope. Alternating rounds; a host read
+    ends a call."""
     import spmdgt as gt
     import spmdgt.compile as gt_compile
 
+    gt_compile.disable_regions()
     gt_compile.disable()
+    if both:
+        gt_compile.enable(backend=backend)
     torch.set_num_threads(1)
     assert gt_compile.enable_regions(backend=backend)
     gt.register_config("rows", gt.SignalConfig(shard=gt.ShardConfig(axis=0)))
@@ -335,7 +355,7 @@ def case_scope2(pss: _Pass, rounds: int) -> Case:
     env = {"TORCHINDUCTOR_COMPILE_THREADS": "1", "OMP_NUM_THREADS": "1"}
     lines = []
     with tempfile.TemporaryDirectory() as tmp:
-        two = run_ranks(_scope_rank, 2, Path(tmp), rounds, backend, env=env, timeout=600)
+        two = run_ranks(_scope_rank, 2, Path(tmp), rounds, backend, pss.both, env=env, timeout=600)
     for r, b in enumerate(two):
         lines.append(
             f"scope2  rank {r}/2 sharded: eager {b['eager'] * 1e3:8.2f} ms  hand compile "
@@ -345,7 +365,7 @@ def case_scope2(pss: _Pass, rounds: int) -> Case:
             f"(ops captured {b['captured']}, graphs {b['compiled']}, fallbacks {b['fallbacks']})"
         )
     with tempfile.TemporaryDirectory() as tmp:
-        [b] = run_ranks(_scope_rank, 1, Path(tmp), rounds, backend, env=env, timeout=600)
+        [b] = run_ranks(_scope_rank, 1, Path(tmp), rounds, backend, pss.both, env=env, timeout=600)
     lines.append(
         f"scope1  1 rank plain: eager {b['eager'] * 1e3:8.2f} ms  hand compile "
         f"{b['hand'] * 1e3:8.2f} ms ({b['eager'] / b['hand']:.2f}x)  compile: true scope "
@@ -400,9 +420,10 @@ def main() -> None:
     ap.add_argument("--backend", default="inductor")
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated: " + ",".join(CASES))
     ap.add_argument("--json", metavar="PATH", help="write the figures to PATH")
+    ap.add_argument("--both", action="store_true", help="lazy regions everywhere too")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    pss = _Pass(args.backend)
+    pss = _Pass(args.backend, args.both)
     print(
         f"bench_compile: torch {torch.__version__}, 1 thread, backend {args.backend}, "
         f"interceptor level {pss.level}, best of {args.rounds} alternating rounds"

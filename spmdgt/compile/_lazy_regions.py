@@ -41,6 +41,7 @@ from spmdgt.compile._stats import RegionStats
 
 __all__ = ["LazyPass"]
 
+_verdict, _SAFE, _CAPTURE = _lazy_ops.verdict, _lazy_ops.SAFE, _lazy_ops.CAPTURE
 MIN_NUMEL = 65536  # elements; the study's break-even for one compiled graph over eager ops
 DEFAULT_BATCH = 256  # ops a region holds at most when GT_WORKER_BATCH_SIZE is not set
 
@@ -119,18 +120,18 @@ class LazyPass:
 
         if self.busy:
             return PASS
-        v = _lazy_ops.verdict(func, kwargs)
-        if v == _lazy_ops.SAFE:
+        v = _verdict(func, kwargs)
+        if v == _SAFE:
             return PASS
         reg = self.region
-        if v == _lazy_ops.CAPTURE:
-            got = reg.record(func, args, kwargs or {})
+        if v == _CAPTURE:
+            got = reg.record(func, args, kwargs)
             if got is NOFLUSH:
                 return PASS
             if got is None and reg.nodes:
                 self.flush("grad mode" if reg.grad != _grad() else f"uncapturable {_name(func)}")
                 reg = self.region
-                got = reg.record(func, args, kwargs or {})  # it may start the next region
+                got = reg.record(func, args, kwargs)  # it may start the next region
             if got is None or got is NOFLUSH:
                 return PASS
             self.stats.ops_captured += 1

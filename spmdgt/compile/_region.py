@@ -38,16 +38,30 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _NoSubclass = torch._C.DisableTorchFunctionSubclass
 _CONST = (int, bool, str, type(None), torch.dtype)
 NOFLUSH = object()  # ``record``: not captured, and pure: no need to end the region
+_SLOW = object()  # ``_fast``: not its case, ``_record`` decides
+_Tensor = torch.Tensor
+_NoTorchFunction = torch._C.DisableTorchFunction
+_DYNAMIC = _lazy_ops.DYNAMIC_FLOAT
+_RANDOM = _lazy_ops.RANDOM
+_FKEY = (float,)
+_grad_on = torch.is_grad_enabled
+_inference = torch.is_inference_mode_enabled
+_autocast = torch.is_autocast_enabled
+_empty_strided = torch.empty_strided
+_mode_depth = torch._C._len_torch_function_stack
+_weakref = weakref.ref
+_fast_meta: dict[tuple, tuple] = {}  # ``_fast``'s keys -> (shape, stride, dtype)
 
 
 class _Node:
-    __slots__ = ("args", "func", "index", "kwargs", "meta", "ref", "region", "rg")
+    __slots__ = ("args", "func", "index", "kwargs", "meta", "mkey", "ref", "region", "rg")
 
     def __init__(self, func, args, kwargs, meta, rg, index, region) -> None:
         self.func = func
         self.args = args
         self.kwargs = kwargs
         self.meta = meta  # (shape, stride, dtype)
+        self.mkey = ("t", *meta)  # its part of a later call's metadata key (``_mkey``)
         self.rg = rg
         self.ref: Any = None
         self.index = index
@@ -104,14 +118,99 @@ class Region:
         self.rng_state: Any = None
         self.keep: list[torch.Tensor] = []
 
-    def record(self, func: Any, args: tuple, kwargs: dict) -> Any:
+    def record(self, func: Any, args: tuple, kwargs: dict | None) -> Any:
         """The placeholder for ``func(*args, **kwargs)``; ``NOFLUSH`` for a small pure call
         on real tensors (it runs eagerly, the region goes on); None when the call cannot be
         captured (the caller ends the region and runs it eagerly)."""
+        if not kwargs and self.mesh is None:
+            got = self._fast(func, args)
+            if got is not _SLOW:
+                return got
         # metadata reads of a gt.Tensor (shape, stride, numel) would each run its
         # __torch_function__: read them as the DTensor's own
         with _NoSubclass():
-            return self._record(func, args, kwargs)
+            return self._record(func, args, kwargs or {})
+
+    def _fast(self, func: Any, args: tuple) -> Any:
+        """``_record`` for the common calls of a plain region: positional arguments only,
+        each a plain tensor (pending here, or real) or a constant; recorded when one is
+        pending (and the real ones are on the region's device), ``NOFLUSH`` when all are real
+        and small; ``_SLOW`` for anything else (``_record`` then decides,
+        as it always did). One pass builds the descriptors and the metadata key; a float is
+        keyed by its type only (its value never changes a result's shape, strides or dtype).
+        Written for speed: it runs once per recorded op (``benchmarks/bench_compile.py``,
+        ``record``)."""
+        key: list[Any] = [func]
+        descs: list[tuple] = []
+        lazy = rg = commit = big = elsewhere = False
+        least = self.min_numel
+        dyn = 2 if func in _DYNAMIC else 0  # the first two float slots become graph inputs
+        device = self.device
+        for a in args:
+            t = type(a)
+            if t is _Tensor:
+                node = a.__dict__.get("_gt_lazy")
+                if node is None:
+                    big = big or a.numel() >= least
+                    elsewhere = elsewhere or a.device != device
+                    rg = rg or a.requires_grad
+                    key.append(("t", tuple(a.shape), a.stride(), a.dtype))
+                    descs.append(("I", a))
+                    commit = True
+                elif node.region is self:
+                    lazy = True
+                    rg = rg or node.rg
+                    key.append(node.mkey)
+                    descs.append(("n", node.index))
+                else:
+                    return _SLOW
+            elif t is float:
+                key.append(_FKEY)
+                if dyn > len(descs):
+                    descs.append(("F", a))
+                    commit = True
+                else:
+                    descs.append(("c", a))
+            elif t is int or t is bool:
+                key.append((t, a))
+                descs.append(("c", a))
+            else:
+                return _SLOW
+        if not lazy:  # real tensors only: small ones run eagerly, the region goes on
+            return NOFLUSH if not big and func not in _RANDOM else _SLOW
+        if elsewhere or func in _RANDOM:
+            return _SLOW
+        grad = _grad_on()
+        if grad != self.grad or _inference() or _autocast(device.type):
+            return _SLOW
+        key = tuple(key)
+        meta = _fast_meta.get(key)
+        if meta is None:
+            try:
+                meta = _lazy_ops.out_meta(key, func, args, {})
+            except Exception:
+                meta = None
+            if meta is None:
+                return None  # eager runs it (and raises the program's own error)
+            _fast_meta[key] = meta
+            if len(_fast_meta) > 4096:
+                _fast_meta.clear()
+        shape, stride, dtype = meta
+        rg = grad and rg and (dtype.is_floating_point or dtype.is_complex)
+        if commit:  # nothing is added to the region before the call is known to be recorded
+            descs = [self._commit(d) for d in descs]
+        node = _Node(func, tuple(descs), (), meta, rg, len(self.nodes), self)
+        if _mode_depth():  # another function mode below the hook's: it must not see this
+            with _NoTorchFunction():
+                p = _empty_strided(shape, stride, dtype=dtype, device=device)
+        else:
+            p = _empty_strided(shape, stride, dtype=dtype, device=device)
+        if rg:
+            p.requires_grad_()  # see ``_record``
+        p._gt_lazy = node
+        node.ref = _weakref(p)
+        self.nodes.append(node)
+        return p
 
     def _record(self, func: Any, args: tuple, kwargs: dict) -> Any:
         big = False

@@ -128,6 +128,33 @@ def test_dropped_results_are_not_computed_and_ids_do_not_confuse(regions):
     assert st["regions_seen"] == 1 and st["ops_captured"] == 5
 
 
+def _random_program():
+    import torch.nn.functional as F
+
+    torch.manual_seed(5)
+    a = torch.randn(N, N)
+    b = torch.cat([a * 2.0, torch.sin(a)], 0)
+    d = F.dropout(b, 0.3)
+    F.dropout(a * 3.0, 0.5)  # dropped: it still moves the generator, as in eager
+    s = torch.stack([d, b * 0.5]).sum(0)
+    recorded = ["_gt_lazy" in t.__dict__ for t in (b, d, s)]
+    small = F.dropout(torch.ones(4, 4), 0.5)  # a small draw: the region's draws run first
+    t = F.dropout(s, 0.5) + 1.0
+    torch.manual_seed(7)  # moves the generator behind the region (no hook sees it)
+    return [b, d, s, small, t, torch.rand(3)], recorded
+
+
+def test_cat_stack_and_dropout_are_recorded_with_eager_random_numbers(regions):
+    want, _ = _random_program()
+    regions()
+    for _ in range(2):  # the compile's call, then a cache hit
+        got, recorded = _random_program()
+        assert all(recorded), recorded
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g, w)
+    assert gt_compile.stats()["regions"]["graph_runs"] >= 2
+
+
 def test_inplace_and_views_flush_and_stay_exact(regions):
     x = torch.ones(N, N)
     regions()
