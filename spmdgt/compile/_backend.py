@@ -91,6 +91,12 @@ class _Runner:
             # would read from C++ unfilled. Dynamo picked this graph by guards on the
             # placeholder's metadata, which equals the filled result's (``_region``)
             sync("a hot function's graph")
+            from spmdgt.compile._before_op import without_hooks
+
+            return without_hooks(self._run, args)
+        return self._run(args)
+
+    def _run(self, args: tuple) -> Any:
         st = self._owner._stats
         st.graph_runs += 1
         st.compiled_ops += self._ops
