@@ -275,9 +275,9 @@ def compile_disabled() -> bool:
 
 
 def maybe_enable_from_env() -> bool:
-    """``GT_AUTO_COMPILE=1``: ``enable()``; else ``GT_WORKER_BATCH_SIZE=n``:
-    ``enable_regions(n)`` (neither with ``GT_COMPILE=0``; hot functions wins when both are set).
-    Returns whether the hot-function half is on."""
+    """``GT_AUTO_COMPILE=1``: ``enable()``; ``GT_WORKER_BATCH_SIZE=n``: ``enable_regions(n)``;
+    both may be set (neither runs with ``GT_COMPILE=0``). Returns whether the hot-function half
+    is on."""
     if _env.flag("GT_AUTO_COMPILE"):
         enable()
     batch = _env.integer("GT_WORKER_BATCH_SIZE")  # None when unset
