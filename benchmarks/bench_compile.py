@@ -1,6 +1,6 @@
 """The compile pass against eager and hand-written ``torch.compile``, side by side.
 
-    python benchmarks/bench_compile.py [--rounds 5] [--backend inductor] [--json PATH]
+    python benchmarks/bench_compile.py [--rounds 5] [--backend inductor] [--both] [--json PATH]
 
 One process, 1 CPU thread. Every case times its variants in alternation (``--rounds`` rounds,
 best round kept), after a warm-up that is not timed; compile times are reported apart. Targets:
@@ -14,6 +14,10 @@ best round kept), after a warm-up that is not timed; compile times are reported 
 - ``scope2``: the chain in a ``compile: true`` scope (lazy regions): sharded on 2 forked ranks
   against eager on 2 ranks, and on 1 process (plain tensors) against eager and hand compile.
 - ``transformer`` (a training step): a hook for the trainer's ``compile=True``.
+
+``--both``: both halves at once, as ``GT_AUTO_COMPILE=1 GT_WORKER_BATCH_SIZE=256`` gives them:
+lazy regions everywhere beside hot functions in every "pass" variant, and hot functions on in
+``scope2``'s ranks.
 
 How the pass is toggled between variants without recompiling: the pass stays alive; "off" is
 its frame hook out and the interceptor off (pure eager), "on" is the interceptor back on (the
@@ -29,6 +33,7 @@ import sys
 import time
 import types
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -75,17 +80,24 @@ def _copy(fn: Callable, name: str) -> Callable:
 class _Pass:
     """The pass, switched on and off between timed variants (see the module docstring)."""
 
-    def __init__(self, backend: str) -> None:
+    def __init__(self, backend: str, both: bool = False) -> None:
         import spmdgt.compile as gt_compile
 
         os.environ.pop("GT_COMPILE", None)
         gt_compile.enable(backend=backend)
         self.p = gt_compile._hot
         self.level = self.p._ic.level
+        self.both = both
+        self.regions: Any = None
+        if both:  # lazy regions everywhere too; their hook goes with "off"
+            assert gt_compile.enable_regions(batch=256, backend=backend)
+            self.regions = gt_compile._regions
 
     def on(self) -> None:
         from spmdgt.interceptor import _control
 
+        if self.regions is not None:
+            self.regions._hook(True)
         if not self.p._ic.active:
             _control.enable(stats=False, hotpath=False, level=self.level, sampling_only=True)
         if self.p.hook.hot:
@@ -95,10 +107,34 @@ class _Pass:
         from spmdgt.interceptor import _control
 
         self.p.hook.uninstall()
+        if self.regions is not None:
+            self.regions.flush("bench off")
+            self.regions._hook(False)
         _control.disable()
 
     def stats(self) -> dict:
         return self.p.snapshot()
+
+    def done(self, fn: Callable[[], object]) -> Callable[[], object]:
+        """``fn`` whose result is computed when it returns: with ``--both`` a call may leave
+        its ops recorded in an open region (a result never read is never computed)."""
+        if self.regions is None:
+            return fn
+        regions = self.regions
+
+        def call() -> object:
+            out = fn()
+            regions.flush("bench")
+            return out
+
+        return call
+
+    def compiled(self) -> int:
+        """Functions compiled by hot functions, and with ``--both`` region graphs too."""
+        n = self.stats()["compiled"]
+        if self.regions is not None:
+            n += self.regions.snapshot()["compiled"]
+        return n
 
 
 def _best(fn: Callable[[], object], calls: int) -> float:
@@ -118,11 +154,12 @@ def _rounds(variants: dict[str, Callable[[], float]], rounds: int) -> dict[str, 
 
 def _warm_until_compiled(pss: _Pass, fn: Callable[[], object], limit: int = 2000) -> float:
     """Call ``fn`` with the pass on until the pass has compiled it; returns the seconds."""
-    before = pss.stats()["compiled"]
+    before = pss.compiled()
+    fn = pss.done(fn)
     t0 = time.perf_counter()
     for _ in range(limit):
         fn()
-        if pss.stats()["compiled"] > before:
+        if pss.compiled() > before:
             fn()  # one compiled run: the first run of a graph is part of its compile
             return time.perf_counter() - t0
     raise RuntimeError("the pass did not compile the function: is it hot? (GT_DEBUG_COMPILE=1)")
@@ -142,7 +179,9 @@ def case_chain_and_user(pss: _Pass, rounds: int) -> Case:
     user(x)
     pss.on()
     t_pass = _warm_until_compiled(pss, lambda: pass_fn(x))
-    pass_compile = pss.stats()["compile_time_s"]
+    pass_compile = pss.stats()["compile_time_s"] + (
+        pss.regions.snapshot()["compile_time_s"] if pss.regions is not None else 0.0
+    )
     user(x)  # under the interceptor and the pass: must not recompile
 
     def off(fn):
@@ -163,9 +202,9 @@ def case_chain_and_user(pss: _Pass, rounds: int) -> Case:
         {
             "eager": off(lambda: chain(x)),
             "hand": off(lambda: hand(x)),
-            "pass": on(lambda: pass_fn(x)),
+            "pass": on(pss.done(lambda: pass_fn(x))),
             "user_off": off(lambda: user(x)),
-            "user_on": on(lambda: user(x)),
+            "user_on": on(pss.done(lambda: user(x))),
         },
         rounds,
     )
@@ -217,7 +256,7 @@ def case_small(pss: _Pass, rounds: int) -> Case:
 
     def on():
         pss.on()
-        return _best(lambda: fn(a, b), 300)
+        return _best(pss.done(lambda: fn(a, b)), 300)
 
     best = _rounds({"eager": eager, "pass": on}, rounds)
     pss.off()
@@ -253,7 +292,7 @@ def case_module(pss: _Pass, rounds: int) -> Case:
     def on():
         pss.on()
         pss.p.hook.uninstall()  # "nothing hot": the hook is not in
-        return _best(run_loop, 3) / (2 * n)
+        return _best(pss.done(run_loop), 3) / (2 * n)
 
     best = _rounds({"eager": eager, "pass": on}, rounds)
     pss.off()
@@ -274,16 +313,21 @@ def case_module(pss: _Pass, rounds: int) -> Case:
     ], figs
 
 
-def _scope_rank(rank: int, world: int, rounds: int, backend: str) -> dict[str, float]:
-    """One rank of ``scope2`` (a forked child: hot functions, inherited from the parent, goes off;
-    the lazy-region half stays off while the hot-function half runs). World 2: the chain on a
-    sharded gt.Tensor (1M rows
-    over the ranks) in a ``compile: true`` scope and in a plain one. World 1: plain tensors,
-    eager, hand ``torch.compile`` and the scope. Alternating rounds; a host read ends a call."""
+def _scope_rank(
+    rank: int, world: int, rounds: int, backend: str, both: bool = False
+) -> dict[str, float]:
+    """One rank of ``scope2`` (a forked child: hot functions, inherited from the parent, goes
+    off; ``both``: a fresh one on, beside the lazy regions). World 2: the chain on a sharded
+    gt.Tensor (1M rows over the ranks) in a ``compile: true`` scope and in a plain one. World 1:
+    plain tensors, eager, hand ``torch.compile`` and the scope. Alternating rounds; a host read
+    ends a call."""
     import spmdgt as gt
     import spmdgt.compile as gt_compile
 
+    gt_compile.disable_regions()
     gt_compile.disable()
+    if both:
+        gt_compile.enable(backend=backend)
     torch.set_num_threads(1)
     assert gt_compile.enable_regions(backend=backend)
     gt.register_config("rows", gt.SignalConfig(shard=gt.ShardConfig(axis=0)))
@@ -335,7 +379,7 @@ def case_scope2(pss: _Pass, rounds: int) -> Case:
     env = {"TORCHINDUCTOR_COMPILE_THREADS": "1", "OMP_NUM_THREADS": "1"}
     lines = []
     with tempfile.TemporaryDirectory() as tmp:
-        two = run_ranks(_scope_rank, 2, Path(tmp), rounds, backend, env=env, timeout=600)
+        two = run_ranks(_scope_rank, 2, Path(tmp), rounds, backend, pss.both, env=env, timeout=600)
     for r, b in enumerate(two):
         lines.append(
             f"scope2  rank {r}/2 sharded: eager {b['eager'] * 1e3:8.2f} ms  hand compile "
@@ -345,7 +389,7 @@ def case_scope2(pss: _Pass, rounds: int) -> Case:
             f"(ops captured {b['captured']}, graphs {b['compiled']}, fallbacks {b['fallbacks']})"
         )
     with tempfile.TemporaryDirectory() as tmp:
-        [b] = run_ranks(_scope_rank, 1, Path(tmp), rounds, backend, env=env, timeout=600)
+        [b] = run_ranks(_scope_rank, 1, Path(tmp), rounds, backend, pss.both, env=env, timeout=600)
     lines.append(
         f"scope1  1 rank plain: eager {b['eager'] * 1e3:8.2f} ms  hand compile "
         f"{b['hand'] * 1e3:8.2f} ms ({b['eager'] / b['hand']:.2f}x)  compile: true scope "
@@ -400,9 +444,10 @@ def main() -> None:
     ap.add_argument("--backend", default="inductor")
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated: " + ",".join(CASES))
     ap.add_argument("--json", metavar="PATH", help="write the figures to PATH")
+    ap.add_argument("--both", action="store_true", help="lazy regions everywhere too")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    pss = _Pass(args.backend)
+    pss = _Pass(args.backend, args.both)
     print(
         f"bench_compile: torch {torch.__version__}, 1 thread, backend {args.backend}, "
         f"interceptor level {pss.level}, best of {args.rounds} alternating rounds"

@@ -18,7 +18,9 @@ Lazy regions (YAML ``compile: true`` scopes, ``GT_WORKER_BATCH_SIZE=N`` or
 placeholders, and at a sync point the region runs as one compiled graph (``_lazy_regions``: the hook
 and sync points; ``_region``: recording and placeholders; ``_sharded``: layouts, agreement and
 autograd of graphs over DTensors; ``_graphs``: keys, caps, compile, fallback; ``_lazy_ops``:
-what may be recorded). The lazy-region half stays off while the hot-function half runs.
+what may be recorded). Both halves may run at once: a hot function's graph and compile run the
+open region first (``_backend``, ``_hot_functions``), and placeholders show the
+``requires_grad`` dynamo's guards check.
 
 Environment (read by ``maybe_enable_from_env``, which ``import spmdgt`` reaches through the
 interceptor's start-up; with none of these set nothing here is imported):
@@ -108,9 +110,6 @@ def enable(
         atexit.register(disable)
         _atexit = True
     _provide()
-    if _regions is not None:  # see enable_regions
-        _note("hot functions on: lazy regions off (the two together are not exact yet)")
-        _stop_regions()
     _note(
         f"compile pass on (hot functions, backend {p.backend_name}, a sample every {p.every} ops, "
         f"hot at {p.hot_at} samples, interceptor level {ic.level})"
@@ -166,18 +165,11 @@ def enable_regions(
 ) -> bool:
     """Turn lazy regions on for this rank: lazy regions inside ``compile: true`` scopes, and, with
     ``batch`` (``GT_WORKER_BATCH_SIZE``), everywhere, a region running at ``batch`` recorded
-    ops at most. Returns whether it is on: not with ``GT_COMPILE=0`` nor while the hot-function
-    half runs."""
+    ops at most. Returns whether it is on (not with ``GT_COMPILE=0``)."""
     global _regions, _regions_refused
     _regions_refused = False
-    # Not while the hot-function half runs: the OpInfo sweep with both on (every op recorded) found
-    # hangs
-    # and rare wrong values on sub-meshes and empty shards, each half alone none.
-    if compile_disabled() or _hot is not None:
-        _note(
-            "lazy regions off: "
-            + ("GT_COMPILE=0" if _hot is None else "the hot-function half is on")
-        )
+    if compile_disabled():
+        _note("lazy regions off: GT_COMPILE=0")
         return False
     if _regions is not None:
         return True
@@ -283,24 +275,14 @@ def compile_disabled() -> bool:
 
 
 def maybe_enable_from_env() -> bool:
-    """``GT_AUTO_COMPILE=1``: ``enable()``; else ``GT_WORKER_BATCH_SIZE=n``:
-    ``enable_regions(n)`` (neither with ``GT_COMPILE=0``; hot functions wins when both are set).
-    Returns whether the hot-function half is on."""
+    """``GT_AUTO_COMPILE=1``: ``enable()``; ``GT_WORKER_BATCH_SIZE=n``: ``enable_regions(n)``;
+    both may be set (neither runs with ``GT_COMPILE=0``). Returns whether the hot-function half
+    is on."""
+    if _env.flag("GT_AUTO_COMPILE"):
+        enable()
     batch = _env.integer("GT_WORKER_BATCH_SIZE")  # None when unset
-    if not _env.flag("GT_AUTO_COMPILE"):
-        if batch is not None:
-            enable_regions(batch=batch)
-        return False
-    if batch is not None and not compile_disabled():
-        import warnings
-
-        warnings.warn(
-            f"spmdgt: GT_WORKER_BATCH_SIZE={batch} is ignored while GT_AUTO_COMPILE is on: the "
-            "two halves of the compile pass do not run together yet (docs/compilation.md, "
-            "Known limits)",
-            stacklevel=2,
-        )
-    enable()
+    if batch is not None:
+        enable_regions(batch=batch)
     return is_enabled()
 
 

@@ -18,9 +18,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from spmdgt._core import scope as _scope
 from spmdgt.compile._stats import CompileStats, first_line
 
-__all__ = ["CountingBackend"]
+__all__ = ["CountingBackend", "eager_random"]
 
 _OP_NODES = ("call_function", "call_method", "call_module")
 
@@ -48,13 +49,27 @@ class CountingBackend:
 
         # the backward too, now: a failure is then a compile error of this frame (agreed on
         # every rank, run eagerly), never an error inside the program's backward(), and its
-        # time is the compile's
-        with functorch_config.patch(force_non_lazy_backward_lowering=True):
+        # time is the compile's; random ops draw eager's numbers (``eager_random``)
+        with functorch_config.patch(force_non_lazy_backward_lowering=True), eager_random():
             compiled = self._real(gm, example_inputs)
         ops = sum(1 for n in gm.graph.nodes if n.op in _OP_NODES)
         self._stats.graphs += 1
         self._stats.graph_ops += ops
         return _Runner(compiled, gm, ops, self.code, self)
+
+
+def eager_random() -> Any:
+    """Inductor lowers random ops (dropout, ``rand``...) with eager's kernels, reading torch's
+    generator as eager does (``fallback_random``): by default it draws from its own seeds, so a
+    compiled dropout would keep other elements than one process does. A context manager around
+    a backend's compile; a no-op where inductor is not installed."""
+    import contextlib
+
+    try:
+        import torch._inductor.config as inductor_config
+    except ImportError:
+        return contextlib.nullcontext()
+    return inductor_config.patch(fallback_random=True)
 
 
 class _Runner:
@@ -70,6 +85,18 @@ class _Runner:
         self._first = True
 
     def __call__(self, *args: Any) -> Any:
+        sync = _scope.lazy_sync
+        if sync is not None:
+            # lazy regions run too: an input may be a pending placeholder, which the graph
+            # would read from C++ unfilled. Dynamo picked this graph by guards on the
+            # placeholder's metadata, which equals the filled result's (``_region``)
+            sync("a hot function's graph")
+            from spmdgt.compile._before_op import without_hooks
+
+            return without_hooks(self._run, args)
+        return self._run(args)
+
+    def _run(self, args: tuple) -> Any:
         st = self._owner._stats
         st.graph_runs += 1
         st.compiled_ops += self._ops

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["PASS", "add_before_op_hook", "remove_before_op_hook"]
+__all__ = ["PASS", "add_before_op_hook", "remove_before_op_hook", "without_hooks"]
 
 # A hook sees a torch-level call *before* it runs and may answer it instead (the compile
 # pass's lazy regions record ops and hand back placeholders). They run in their own function
@@ -67,3 +67,22 @@ def remove_before_op_hook(hook: Callable[..., Any]) -> None:
     if _get_current_function_mode() is _hook_mode:
         _hook_mode.__exit__(None, None, None)  # modes leave in LIFO order
         _hook_mode = None
+
+
+def without_hooks(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` with the hooks' mode off (popped while it is the innermost mode, pushed
+    back after). A hot function's compiled graph runs this way: its runtime wrappers make a
+    few torch-level calls per run (grad mode, aliases of outputs) that no hook needs, and the
+    mode's Python dispatch of each cost more than the graph of a small function itself."""
+    mode = _hook_mode
+    if mode is None or torch._C._len_torch_function_stack() == 0:
+        return fn(*args)
+    from torch.overrides import _get_current_function_mode
+
+    if _get_current_function_mode() is not mode:
+        return fn(*args)
+    torch._C._pop_torch_function_stack()
+    try:
+        return fn(*args)
+    finally:
+        torch._C._push_on_torch_function_stack(mode)

@@ -66,6 +66,21 @@ class Graphs:
 
     def run(self, plan: Plan, region: str) -> Any:
         """The plan's results (a sequence, one per live placeholder)."""
+        rng = plan.rng
+        if rng is None:
+            return self._run(plan, region)
+        # the region's draws start from the state its first draw was recorded at, as eager's
+        # did; if the program moved the generator since (``manual_seed``, which no hook sees),
+        # eager's draws came before that and the program's state is kept
+        now = rng.get_state()
+        rng.set_state(plan.rng_state)
+        try:
+            return self._run(plan, region)
+        finally:
+            if not torch.equal(now, plan.rng_state):
+                rng.set_state(now)
+
+    def _run(self, plan: Plan, region: str) -> Any:
         key, dyn = self._key(plan)
         st = self.stats
         entry = self._cache.get(key)
@@ -98,6 +113,8 @@ class Graphs:
                         f"{first_line(e)}); it cannot be rerun eagerly on one rank. Run with "
                         "GT_COMPILE=0 to run it eagerly on every rank."
                     ) from e
+                if plan.rng is not None:  # the rerun draws what the graph would have
+                    plan.rng.set_state(plan.rng_state)
                 out = entry.gm(*args)  # raises the program's own error if it is one
                 entry.fn = None
                 self._fallback(f"runtime error: {type(e).__name__}: {first_line(e)}", region)
@@ -138,9 +155,12 @@ class Graphs:
             try:
                 from torch._dynamo.backends.registry import lookup_backend
 
+                from spmdgt.compile._backend import eager_random
+
                 with (
                     torch._C.DisableTorchFunction(),
                     _paused(),
+                    eager_random(),
                     torch.set_grad_enabled(plan.grad),
                     _layouts(plan),
                 ):
@@ -204,6 +224,8 @@ def _build(plan: Plan, dyn: tuple[bool, ...]) -> Any:
 
     def arg(d: tuple) -> Any:
         kind, v = d
+        if kind == "L":
+            return [arg(x) for x in v]
         if kind == "n":
             return vals[v]
         if kind == "i":

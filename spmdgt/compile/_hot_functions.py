@@ -365,7 +365,15 @@ class HotFunctionPass:
         result: Any = None
         self.backend.code = code
         paused = self._ic.paused() if self._ic is not None else _null()
+        from spmdgt._core import scope as _scope
         from spmdgt.runtime import _agree
+
+        if _scope.lazy_sync is not None:
+            # lazy regions run too: the open region runs before dynamo reads the frame, so it
+            # traces filled tensors and no region is open while it traces (a region open on
+            # some ranks only, or flushed at another point of the trace, would put a sharded
+            # graph's compile agreement at different places on different ranks)
+            _scope.lazy_sync("a hot function's compile")
 
         with paused:
             # The ranks check that they all compile this function *before* any spends the

@@ -1,11 +1,14 @@
 """Which torch-level calls a lazy region may record, and the shape of their results.
 
-Only calls that are *pure* (a fresh result, no mutation, no aliasing of an input, no RNG) and
-return one tensor are capturable: running them later, inside a compiled graph, gives what
-running them now would. Everything else reaching the region (in-place ops, views, ``out=``,
-random ops, host reads, collectives, calls this table does not know) is a sync point: the
-region runs first, then the call runs eagerly. ``SAFE`` calls read metadata a placeholder
-already has (shape, dtype, device) and need no sync.
+Only calls that are *pure* (a fresh result, no mutation, no aliasing of an input) and return
+one tensor are capturable: running them later, inside a compiled graph, gives what running them
+now would. Their tensor arguments may come in a list (``cat``, ``stack``). Dropout is
+capturable too (``RANDOM``): its draws are eager's when the region runs them in order from the
+generator state the first one was recorded at (``_region``, ``_graphs``). Everything else
+reaching the region (in-place ops, views, ``out=``, other random ops, host reads, collectives,
+calls this table does not know) is a sync point: the region runs first, then the call runs
+eagerly. ``SAFE`` calls read metadata a placeholder already has (shape, dtype, device) and
+need no sync.
 
 Result metadata (shape, dtype, strides) comes from running the call on meta tensors once per
 (call, input metadata, constants) and is cached (``out_meta``), so a placeholder costs one
@@ -20,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["CAPTURE", "DYNAMIC_FLOAT", "OTHER", "SAFE", "out_meta", "verdict"]
+__all__ = ["CAPTURE", "DYNAMIC_FLOAT", "OTHER", "RANDOM", "SAFE", "out_meta", "verdict"]
 
 CAPTURE, SAFE, OTHER = 0, 1, 2
 
@@ -89,6 +92,8 @@ _POINTWISE = [
 ]
 # reductions: fused by inductor (the order of a float sum may change: see the tolerance)
 _REDUCE = ["sum", "mean", "amax", "amin", "softmax", "log_softmax"]
+# tensors in a list: a fresh result of their values
+_LISTS = ["cat", "concat", "concatenate", "stack", "hstack", "vstack"]
 # matrix products: not fused themselves, but the pointwise ops around them are (a bias and an
 # activation ride along); on sharded tensors DTensor's collectives come into the graph
 _MATMUL = ["matmul", "mm", "bmm", "addmm"]
@@ -103,7 +108,7 @@ _DUNDER = (
 
 def _build() -> dict[Any, int]:
     table: dict[Any, int] = {}
-    for name in _POINTWISE + _REDUCE + _MATMUL:
+    for name in _POINTWISE + _REDUCE + _MATMUL + _LISTS:
         for owner in (torch, _T):
             fn = getattr(owner, name, None)
             if fn is not None:
@@ -123,6 +128,11 @@ def _build() -> dict[Any, int]:
 
 
 _TABLE = _build()
+# calls that draw from torch's generator (dropout: a fresh result only when it drops, see
+# ``verdict``); recorded in plain regions, which run them in order from the recorded state
+RANDOM = frozenset({F.dropout})
+for _fn in RANDOM:
+    _TABLE[_fn] = CAPTURE
 # add/sub/mul/div: a Python float argument becomes a graph input (a 0-d tensor of the result's
 # dtype) once its value changes, as dynamo's automatic dynamic does. The arithmetic is the
 # same: eager casts the scalar to the result's dtype (float32/float64) before the kernel too.
@@ -144,6 +154,16 @@ def verdict(func: Any, kwargs: dict | None) -> int:
     return v
 
 
+def drops(args: tuple, kwargs: dict) -> bool:
+    """Whether ``F.dropout(*args, **kwargs)`` draws and returns a fresh tensor: training, not
+    in place, ``0 < p``; else eager returns its input itself (or mutates it), which a recorded
+    result would not."""
+    names = ("input", "p", "training", "inplace")
+    got = dict(zip(names, args)) | kwargs
+    p, training, inplace = got.get("p", 0.5), got.get("training", True), got.get("inplace", False)
+    return type(p) in (int, float) and p > 0 and training is True and inplace is False
+
+
 _META_CAP = 4096
 _MISSING = object()
 _meta: OrderedDict[Any, Any] = OrderedDict()
@@ -161,6 +181,8 @@ def out_meta(key: Any, func: Any, args: tuple, kwargs: dict) -> tuple | None:
     def meta(a: Any) -> Any:
         if isinstance(a, torch.Tensor):
             return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
+        if type(a) in (list, tuple):
+            return [meta(x) for x in a]
         return a
 
     with torch._C.DisableTorchFunction():

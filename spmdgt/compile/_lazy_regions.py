@@ -18,11 +18,10 @@ removed after, so the rest of the program pays nothing.
 
 While a region holds ops, ``torch.compiler`` is set to the ``force_eager`` stance: a function
 the user compiled, called with a pending result, would otherwise read it from C++ before it is
-filled; run eagerly, its ops reach the hook, which fills the result first. The lazy-region half
-stays off
-while hot functions (``GT_AUTO_COMPILE``) runs: dynamo's frames of hot functions read their inputs
-from C++ and pick graphs by guards no hook sees, and the OpInfo sweep with both on found hangs
-and rare wrong values on sub-meshes and empty shards.
+filled; run eagerly, its ops reach the hook, which fills the result first. Hot functions
+(``GT_AUTO_COMPILE``) may run too: their frames are entered from C++ (guards, then the graph),
+so their graph runner and their compile run the open region first (``sync``), and placeholders
+that will need grad show ``requires_grad`` from the start, as dynamo's guards check it.
 
 Ops on ``gt.Tensor``s of a mesh spanning the world are recorded too (``_sharded``: placements
 from a meta run, collectives inside the graph); their graphs have their own cache, which sees
@@ -42,6 +41,7 @@ from spmdgt.compile._stats import RegionStats
 
 __all__ = ["LazyPass"]
 
+_verdict, _SAFE, _CAPTURE = _lazy_ops.verdict, _lazy_ops.SAFE, _lazy_ops.CAPTURE
 MIN_NUMEL = 65536  # elements; the study's break-even for one compiled graph over eager ops
 DEFAULT_BATCH = 256  # ops a region holds at most when GT_WORKER_BATCH_SIZE is not set
 
@@ -120,18 +120,18 @@ class LazyPass:
 
         if self.busy:
             return PASS
-        v = _lazy_ops.verdict(func, kwargs)
-        if v == _lazy_ops.SAFE:
+        v = _verdict(func, kwargs)
+        if v == _SAFE:
             return PASS
         reg = self.region
-        if v == _lazy_ops.CAPTURE:
-            got = reg.record(func, args, kwargs or {})
+        if v == _CAPTURE:
+            got = reg.record(func, args, kwargs)
             if got is NOFLUSH:
                 return PASS
             if got is None and reg.nodes:
                 self.flush("grad mode" if reg.grad != _grad() else f"uncapturable {_name(func)}")
                 reg = self.region
-                got = reg.record(func, args, kwargs or {})  # it may start the next region
+                got = reg.record(func, args, kwargs)  # it may start the next region
             if got is None or got is NOFLUSH:
                 return PASS
             self.stats.ops_captured += 1

@@ -38,16 +38,30 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _NoSubclass = torch._C.DisableTorchFunctionSubclass
 _CONST = (int, bool, str, type(None), torch.dtype)
 NOFLUSH = object()  # ``record``: not captured, and pure: no need to end the region
+_SLOW = object()  # ``_fast``: not its case, ``_record`` decides
+_Tensor = torch.Tensor
+_NoTorchFunction = torch._C.DisableTorchFunction
+_DYNAMIC = _lazy_ops.DYNAMIC_FLOAT
+_RANDOM = _lazy_ops.RANDOM
+_FKEY = (float,)
+_grad_on = torch.is_grad_enabled
+_inference = torch.is_inference_mode_enabled
+_autocast = torch.is_autocast_enabled
+_empty_strided = torch.empty_strided
+_mode_depth = torch._C._len_torch_function_stack
+_weakref = weakref.ref
+_fast_meta: dict[tuple, tuple] = {}  # ``_fast``'s keys -> (shape, stride, dtype)
 
 
 class _Node:
-    __slots__ = ("args", "func", "index", "kwargs", "meta", "ref", "region", "rg")
+    __slots__ = ("args", "func", "index", "kwargs", "meta", "mkey", "ref", "region", "rg")
 
     def __init__(self, func, args, kwargs, meta, rg, index, region) -> None:
         self.func = func
         self.args = args
         self.kwargs = kwargs
         self.meta = meta  # (shape, stride, dtype)
+        self.mkey = ("t", *meta)  # its part of a later call's metadata key (``_mkey``)
         self.rg = rg
         self.ref: Any = None
         self.index = index
@@ -58,7 +72,7 @@ class Plan:
     """What a region computes, ready to be keyed (``base`` and ``floats``) and built."""
 
     __slots__ = ("base", "comm", "float_dtypes", "floats", "grad", "inputs", "mesh", "nodes",
-                 "ops", "outputs")  # fmt: skip
+                 "ops", "outputs", "rng", "rng_state")  # fmt: skip
 
     def __init__(self) -> None:
         self.nodes: list[tuple] = []  # (func, args, kwargs) with descriptors remapped
@@ -71,6 +85,8 @@ class Plan:
         self.ops = 0
         self.mesh: Any = None  # sharded plans: the inputs' mesh (see _sharded)
         self.comm = False  # a sharded plan holds collectives
+        self.rng: Any = None  # random calls: the generator and its state at the first
+        self.rng_state: Any = None
 
 
 def _ckey(v: Any) -> Any:
@@ -96,15 +112,105 @@ class Region:
         self.device: torch.device | None = None
         self.mesh: Any = None  # the mesh of a sharded region (None: plain)
         self.comm = False  # a sharded region's calls move data between ranks
+        # random calls: the generator they draw from, its state at the first one, and their
+        # placeholders held (a draw whose result is dropped still moves the generator)
+        self.rng: Any = None
+        self.rng_state: Any = None
+        self.keep: list[torch.Tensor] = []
 
-    def record(self, func: Any, args: tuple, kwargs: dict) -> Any:
+    def record(self, func: Any, args: tuple, kwargs: dict | None) -> Any:
         """The placeholder for ``func(*args, **kwargs)``; ``NOFLUSH`` for a small pure call
         on real tensors (it runs eagerly, the region goes on); None when the call cannot be
         captured (the caller ends the region and runs it eagerly)."""
+        if not kwargs and self.mesh is None:
+            got = self._fast(func, args)
+            if got is not _SLOW:
+                return got
         # metadata reads of a gt.Tensor (shape, stride, numel) would each run its
         # __torch_function__: read them as the DTensor's own
         with _NoSubclass():
-            return self._record(func, args, kwargs)
+            return self._record(func, args, kwargs or {})
+
+    def _fast(self, func: Any, args: tuple) -> Any:
+        """``_record`` for the common calls of a plain region: positional arguments only,
+        each a plain tensor (pending here, or real) or a constant; recorded when one is
+        pending (and the real ones are on the region's device), ``NOFLUSH`` when all are real
+        and small; ``_SLOW`` for anything else (``_record`` then decides,
+        as it always did). One pass builds the descriptors and the metadata key; a float is
+        keyed by its type only (its value never changes a result's shape, strides or dtype).
+        Written for speed: it runs once per recorded op (``benchmarks/bench_compile.py``,
+        ``record``)."""
+        key: list[Any] = [func]
+        descs: list[tuple] = []
+        lazy = rg = commit = big = elsewhere = False
+        least = self.min_numel
+        dyn = 2 if func in _DYNAMIC else 0  # the first two float slots become graph inputs
+        device = self.device
+        for a in args:
+            t = type(a)
+            if t is _Tensor:
+                node = a.__dict__.get("_gt_lazy")
+                if node is None:
+                    big = big or a.numel() >= least
+                    elsewhere = elsewhere or a.device != device
+                    rg = rg or a.requires_grad
+                    key.append(("t", tuple(a.shape), a.stride(), a.dtype))
+                    descs.append(("I", a))
+                    commit = True
+                elif node.region is self:
+                    lazy = True
+                    rg = rg or node.rg
+                    key.append(node.mkey)
+                    descs.append(("n", node.index))
+                else:
+                    return _SLOW
+            elif t is float:
+                key.append(_FKEY)
+                if dyn > len(descs):
+                    descs.append(("F", a))
+                    commit = True
+                else:
+                    descs.append(("c", a))
+            elif t is int or t is bool:
+                key.append((t, a))
+                descs.append(("c", a))
+            else:
+                return _SLOW
+        if not lazy:  # real tensors only: small ones run eagerly, the region goes on
+            return NOFLUSH if not big and func not in _RANDOM else _SLOW
+        if elsewhere or func in _RANDOM:
+            return _SLOW
+        grad = _grad_on()
+        if grad != self.grad or _inference() or _autocast(device.type):
+            return _SLOW
+        key = tuple(key)
+        meta = _fast_meta.get(key)
+        if meta is None:
+            try:
+                meta = _lazy_ops.out_meta(key, func, args, {})
+            except Exception:
+                meta = None
+            if meta is None:
+                return None  # eager runs it (and raises the program's own error)
+            _fast_meta[key] = meta
+            if len(_fast_meta) > 4096:
+                _fast_meta.clear()
+        shape, stride, dtype = meta
+        rg = grad and rg and (dtype.is_floating_point or dtype.is_complex)
+        if commit:  # nothing is added to the region before the call is known to be recorded
+            descs = [self._commit(d) for d in descs]
+        node = _Node(func, tuple(descs), (), meta, rg, len(self.nodes), self)
+        if _mode_depth():  # another function mode below the hook's: it must not see this
+            with _NoTorchFunction():
+                p = _empty_strided(shape, stride, dtype=dtype, device=device)
+        else:
+            p = _empty_strided(shape, stride, dtype=dtype, device=device)
+        if rg:
+            p.requires_grad_()  # see ``_record``
+        p._gt_lazy = node
+        node.ref = _weakref(p)
+        self.nodes.append(node)
+        return p
 
     def _record(self, func: Any, args: tuple, kwargs: dict) -> Any:
         big = False
@@ -116,34 +222,38 @@ class Region:
         # lifts it (its gradient stays plain), which a graph does not; others are replicated
         # values in both
         plain = False
-        for a in (*args, *kwargs.values()):
-            if isinstance(a, torch.Tensor):
-                node = a.__dict__.get("_gt_lazy")
-                if type(a) not in _PLAIN:
-                    if not isinstance(a, DTensor) or getattr(a, "_gt_view", None) is not None:
-                        return None
-                    m = a._spec.mesh
-                    if mesh is None:
-                        mesh = m
-                    elif m is not mesh:
-                        return None
-                elif node is None and a.requires_grad:
-                    plain = True
-                if node is not None:
-                    lazy = True
-                    rg = rg or node.rg
-                else:
-                    rg = rg or a.requires_grad
-                    # per rank of the mesh, from global sizes: the same on every rank
-                    n = a.numel() if mesh is None or type(a) in _PLAIN else a.numel() // m.size()
-                    if n >= self.min_numel:
-                        big = True
-                if device is None:
-                    device = a.device
-                elif a.device != device:
+        for a in _tensors(args, kwargs):
+            node = a.__dict__.get("_gt_lazy")
+            if type(a) not in _PLAIN:
+                if not isinstance(a, DTensor) or getattr(a, "_gt_view", None) is not None:
                     return None
+                m = a._spec.mesh
+                if mesh is None:
+                    mesh = m
+                elif m is not mesh:
+                    return None
+            elif node is None and a.requires_grad:
+                plain = True
+            if node is not None:
+                lazy = True
+                rg = rg or node.rg
+            else:
+                rg = rg or a.requires_grad
+                # per rank of the mesh, from global sizes: the same on every rank
+                n = a.numel() if mesh is None or type(a) in _PLAIN else a.numel() // m.size()
+                if n >= self.min_numel:
+                    big = True
+            if device is None:
+                device = a.device
+            elif a.device != device:
+                return None
+        random = func in _lazy_ops.RANDOM
+        if random and (not _lazy_ops.drops(args, kwargs) or mesh is not None):
+            return None  # eager: it aliases its input, or draws per shard on gt.Tensors
         if not lazy and not big:
-            return NOFLUSH
+            # a small pure call runs eagerly, the region goes on; a small draw may not (it
+            # would draw before the region's own draws): the region runs first
+            return None if random and self.rng is not None else NOFLUSH
         if device is None or (self.device is not None and device != self.device):
             return None
         if mesh is not None and (plain or not _sharded.recordable(func, mesh)):
@@ -187,6 +297,9 @@ class Region:
             shape, stride, dtype = tuple(tm.shape), tuple(tm.stride), tm.dtype
             meta = (shape, stride, dtype)
         rg = grad and rg and (dtype.is_floating_point or dtype.is_complex)
+        if random and self.rng is None:
+            self.rng = _generator(device)
+            self.rng_state = self.rng.get_state()  # the region's draws start from here
         if mesh is not None:
             self.comm = self.comm or comm
         self.grad = grad
@@ -195,18 +308,30 @@ class Region:
         adesc = [self._commit(d) for d in adesc]
         kdesc = [(k, self._commit(d)) for k, d in kdesc]
         node = _Node(func, tuple(adesc), tuple(kdesc), meta, rg, len(self.nodes), self)
+        # a placeholder that will need grad says so already: dynamo picks a hot function's
+        # graph by guards on ``requires_grad`` (checked in C++, before the graph's runner fills
+        # the region), so a pending input must show what the filled one will
         if mesh is None:
             with torch._C.DisableTorchFunction():
                 p = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+                if rg:
+                    p.requires_grad_()
         else:
-            p = _sharded.placeholder(spec, lshape, lstride, device)
+            p = _sharded.placeholder(spec, lshape, lstride, device, rg)
         p._gt_lazy = node
         node.ref = weakref.ref(p)
         self.nodes.append(node)
+        if random:  # every draw runs, in order, even if its result is dropped
+            self.keep.append(p)
         return p
 
     def _desc(self, a: Any, dyn_float: bool) -> tuple | None:
         """A tentative descriptor (nothing is added to the region until ``_commit``)."""
+        if type(a) in (list, tuple) and a and isinstance(a[0], torch.Tensor):
+            ds = tuple(self._desc(x, False) for x in a)
+            if not all(d is not None and d[0] in ("I", "n") for d in ds):
+                return None
+            return ("L", ds)
         if isinstance(a, torch.Tensor):
             node = a.__dict__.get("_gt_lazy")
             if node is not None:
@@ -223,6 +348,8 @@ class Region:
 
     def _commit(self, d: tuple) -> tuple:
         kind, v = d
+        if kind == "L":
+            return ("L", tuple(self._commit(x) for x in v))
         if kind == "I":
             k = self._pos.get(id(v))
             if k is None:
@@ -242,6 +369,7 @@ class Region:
         self._pos = {}
         self.device = None
         mesh, comm, self.mesh, self.comm = self.mesh, self.comm, None, False
+        keep, self.keep = self.keep, []  # held until the plan holds them as outputs
         live = {}
         for n in nodes:
             p = n.ref()
@@ -261,10 +389,11 @@ class Region:
         needed = set(live)
         for n in reversed(nodes):
             if n.index in needed:
-                for d in (*n.args, *(d for _, d in n.kwargs)):
+                for d in _flat((*n.args, *(d for _, d in n.kwargs))):
                     if d[0] == "n":
                         needed.add(d[1])
         plan = Plan()
+        plan.rng, plan.rng_state, self.rng, self.rng_state = self.rng, self.rng_state, None, None
         plan.grad = self.grad
         plan.mesh = mesh
         plan.comm = comm
@@ -275,6 +404,8 @@ class Region:
 
         def desc(d: tuple, n: _Node) -> tuple:
             kind, v = d
+            if kind == "L":
+                return ("L", tuple(desc(x, n) for x in v))
             if kind == "n":
                 return ("n", remap[v])
             if kind == "i":
@@ -302,6 +433,7 @@ class Region:
             if n.index in live:
                 outs.append(remap[n.index])
                 plan.outputs.append(live[n.index])
+        del keep
         ins = tuple(_inkey(t) for t in plan.inputs)
         plan.base = (tuple(keyed), ins, tuple(outs), plan.grad, tuple(plan.float_dtypes))
         plan.ops = len(plan.nodes)
@@ -316,10 +448,43 @@ def _inkey(t: torch.Tensor) -> tuple:
 
 
 def _dkey(d: tuple) -> Any:
+    if d[0] == "L":
+        return ("L", tuple(_dkey(x) for x in d[1]))
     return ("c", _ckey(d[1])) if d[0] == "c" else d
 
 
+def _flat(descs: Any) -> Any:
+    """The descriptors, those inside a list's descriptor included."""
+    for d in descs:
+        if d[0] == "L":
+            yield from d[1]
+        else:
+            yield d
+
+
+def _tensors(args: tuple, kwargs: dict) -> Any:
+    """The call's tensor arguments, those in a list or tuple included (``cat``, ``stack``)."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif type(a) in (list, tuple):
+            for x in a:
+                if isinstance(x, torch.Tensor):
+                    yield x
+
+
+def _generator(device: torch.device) -> torch.Generator:
+    """The default generator a random call on ``device`` draws from."""
+    if device.type == "cpu":
+        return torch.default_generator
+    module = torch.get_device_module(device.type)
+    index = device.index if device.index is not None else module.current_device()
+    return module.default_generators[index]
+
+
 def _mkey(a: Any, d: tuple) -> Any:
+    if d[0] == "L":
+        return ("L", tuple(_mkey(x, dx) for x, dx in zip(a, d[1], strict=True)))
     if d[0] in ("I", "n"):
         spec = _sharded.layout(a)
         return ("t", tuple(a.shape), a.stride(), a.dtype) if spec is None else ("d", spec)
@@ -343,6 +508,8 @@ def fill(plan: Plan, results: Any) -> None:
     with torch._C.DisableTorchFunction():
         for p, out in pairs:
             p.__dict__.pop("_gt_lazy", None)
+            if p.requires_grad:  # a leaf until now (see ``record``): the result decides
+                p.requires_grad_(False)
             if out.requires_grad:
                 with torch.enable_grad():
                     p.copy_(out)  # grad_fn: CopyBackwards into the graph's backward

@@ -110,6 +110,8 @@ def out_spec(key: Any, func: Any, args: tuple, kwargs: dict) -> tuple | None:
             loc = a._local_tensor
             m = torch.empty_strided(loc.shape, loc.stride(), dtype=loc.dtype, device="meta")
             return DTensor(m, a._spec, requires_grad=False)
+        if type(a) in (list, tuple):
+            return [meta(x) for x in a]
         return a
 
     from torch.distributed.tensor.debug import CommDebugMode
@@ -130,15 +132,18 @@ def out_spec(key: Any, func: Any, args: tuple, kwargs: dict) -> tuple | None:
     return got
 
 
-def placeholder(spec: Any, shape: tuple, stride: tuple, device: torch.device) -> torch.Tensor:
-    """A ``gt.Tensor`` of ``spec`` over an unfilled local tensor."""
+def placeholder(
+    spec: Any, shape: tuple, stride: tuple, device: torch.device, requires_grad: bool = False
+) -> torch.Tensor:
+    """A ``gt.Tensor`` of ``spec`` over an unfilled local tensor (``requires_grad``: a leaf
+    until ``fill``, as ``_region`` explains)."""
     from spmdgt.tensor._tensor import Tensor
 
     with torch._C.DisableTorchFunction():
         loc = torch.empty_strided(shape, stride, dtype=spec.tensor_meta.dtype, device=device)
     # DTensor's own constructor (C++), without the call of DTensor.__init__, which does nothing
     # but costs a torch._disable_dynamo wrapper (~3 us) per placeholder
-    return DTensor.__new__(Tensor, loc, spec, requires_grad=False)
+    return DTensor.__new__(Tensor, loc, spec, requires_grad=requires_grad)
 
 
 def _like(t: torch.Tensor) -> tuple:
@@ -186,6 +191,8 @@ def fill(plan: Any, results: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
                 results[i] = o
         for p, out in zip(plan.outputs, results, strict=True):
             p.__dict__.pop("_gt_lazy", None)
+            if p.requires_grad:  # a leaf until now (see ``placeholder``): the result decides
+                p.requires_grad_(False)
             if tuple(out._spec.placements) != tuple(p._spec.placements):
                 out = out.redistribute(p._spec.mesh, p._spec.placements)  # same on every rank
             if out.requires_grad:

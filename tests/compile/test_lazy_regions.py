@@ -128,6 +128,33 @@ def test_dropped_results_are_not_computed_and_ids_do_not_confuse(regions):
     assert st["regions_seen"] == 1 and st["ops_captured"] == 5
 
 
+def _random_program():
+    import torch.nn.functional as F
+
+    torch.manual_seed(5)
+    a = torch.randn(N, N)
+    b = torch.cat([a * 2.0, torch.sin(a)], 0)
+    d = F.dropout(b, 0.3)
+    F.dropout(a * 3.0, 0.5)  # dropped: it still moves the generator, as in eager
+    s = torch.stack([d, b * 0.5]).sum(0)
+    recorded = ["_gt_lazy" in t.__dict__ for t in (b, d, s)]
+    small = F.dropout(torch.ones(4, 4), 0.5)  # a small draw: the region's draws run first
+    t = F.dropout(s, 0.5) + 1.0
+    torch.manual_seed(7)  # moves the generator behind the region (no hook sees it)
+    return [b, d, s, small, t, torch.rand(3)], recorded
+
+
+def test_cat_stack_and_dropout_are_recorded_with_eager_random_numbers(regions):
+    want, _ = _random_program()
+    regions()
+    for _ in range(2):  # the compile's call, then a cache hit
+        got, recorded = _random_program()
+        assert all(recorded), recorded
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g, w)
+    assert gt_compile.stats()["regions"]["graph_runs"] >= 2
+
+
 def test_inplace_and_views_flush_and_stay_exact(regions):
     x = torch.ones(N, N)
     regions()
@@ -226,30 +253,28 @@ def test_two_ranks_sharded_region_and_a_one_rank_compile_failure(tmp_path):
             assert n == 1 and "only rank 1 fails" in reason and st["eager_runs"] == 1
 
 
-def test_lazy_regions_stay_off_while_hot_functions_run(regions):
-    # the OpInfo sweep with both halves on found hangs and rare wrong values on sub-meshes and
-    # empty shards (each half alone: none), so they do not run together yet
+def test_lazy_regions_run_while_hot_functions_run(regions):
+    # both halves at once (tests/compile/test_both_halves_dist.py runs them on several ranks)
     regions(batch=64)
-    assert gt_compile.regions_enabled()
     gt_compile.enable(backend="aot_eager")
     try:
-        assert gt_compile.is_enabled() and not gt_compile.regions_enabled()
-        assert not gt_compile.enable_regions(batch=64)
+        assert gt_compile.is_enabled() and gt_compile.regions_enabled()
+        assert gt_compile.enable_regions(batch=64)
         x = torch.randn(300, 300)
         y = torch.sin(x) * 0.5
-        assert "_gt_lazy" not in y.__dict__ and torch.equal(y, torch.sin(x) * 0.5)
+        assert "_gt_lazy" in y.__dict__  # recorded
+        assert torch.equal(y, torch.sin(x) * 0.5)
     finally:
         gt_compile.disable()
         _control.disable()  # hot functions turned the interceptor on
 
 
-def test_both_variables_set_warns_that_lazy_regions_are_ignored(monkeypatch):
+def test_both_variables_set_turn_both_halves_on(monkeypatch):
     monkeypatch.setenv("GT_AUTO_COMPILE", "1")
     monkeypatch.setenv("GT_WORKER_BATCH_SIZE", "16")
     try:
-        with pytest.warns(UserWarning, match="GT_WORKER_BATCH_SIZE=16 is ignored"):
-            assert gt_compile.maybe_enable_from_env() is True
-        assert not gt_compile.regions_enabled()
+        assert gt_compile.maybe_enable_from_env() is True
+        assert gt_compile.regions_enabled()
     finally:
-        gt_compile.disable()
+        spmdgt.session.reset("compile")
         _control.disable()

@@ -10,7 +10,8 @@ A fresh pytest process each, so the pass is on from ``import spmdgt`` as a user'
 - lazy regions: ``GT_WORKER_BATCH_SIZE=16`` with ``GT_LAZY_MIN_NUMEL=1``, so the tests' small
 tensors
   are recorded too, plain and sharded (hundreds of regions: ``aot_eager`` keeps the compiles
-  short).
+  short);
+- both halves at once (lazy regions as above, hot functions with ``aot_eager``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ _LAZY_REGIONS = {
 MODES = {  # the environment, and what GT_DEBUG_COMPILE prints when that half did compile
     "hot_functions": ({"GT_AUTO_COMPILE": "1"}, ["] compiled "]),
     "lazy_regions": (_LAZY_REGIONS, ["region batch: compiled", "(sharded)"]),
+    "both_halves": ({**_LAZY_REGIONS, "GT_AUTO_COMPILE": "1"}, ["] compiled ", "(sharded)"]),
 }
 
 
