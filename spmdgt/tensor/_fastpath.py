@@ -46,6 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from spmdgt._core import scope as _scope
+from spmdgt.tensor import _overlap
 
 __all__ = ["MAX_ENTRIES", "clear", "counts", "enabled", "learn", "lookup", "replay"]
 
@@ -69,6 +70,8 @@ _grad_enabled = torch.is_grad_enabled
 _compiling = torch.compiler.is_compiling
 _autocast = torch._C._is_any_autocast_enabled
 _inference = torch.is_inference_mode_enabled
+_bump = torch._C._increment_version
+_is_alias_of = torch._C._is_alias_of
 _Tensor = torch.Tensor
 _SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format)
 
@@ -155,10 +158,24 @@ def _local(a, gt):
 
 
 def replay(entry, func, args, kwargs):
-    """A hit: ``func`` on the local shards, wrapped with the learned spec(s)."""
+    """A hit: ``func`` on the local shards, wrapped with the learned spec(s); an in-place
+    op writes ``self``'s shard, bumps ``self``'s version as torch would, and returns it."""
     counts["hits"] += 1
     gt = _gt_tensor[0]
     specs, many = entry
+    if many is None:  # in place, on self
+        if _may_alias(args, kwargs, gt):  # then torch's way (_overlap), as the usual path
+            out = _overlap.through_model(func, args, kwargs)
+            if out is not NotImplemented:
+                return out
+        with _DisableSubclass():
+            largs = [_local(a, gt) for a in args]
+            if kwargs:
+                func(*largs, **{k: _local(v, gt) for k, v in kwargs.items()})
+            else:
+                func(*largs)
+            _bump((args[0],))
+        return args[0]
     with _DisableSubclass():
         largs = [_local(a, gt) for a in args]
         if kwargs:
@@ -170,6 +187,19 @@ def replay(entry, func, args, kwargs):
     return type(res)(_new(gt, r, s, requires_grad=False) for r, s in zip(res, specs))
 
 
+def _may_alias(args, kwargs, gt) -> bool:
+    """Might an operand share memory with ``self`` (``args[0]``, no ``_gt_view``: the key
+    says so)? Yes for a view spmdgt copied (``_overlap`` follows it to its base) and for an
+    operand on ``self``'s wrapper storage; ``_overlap.through_model`` then decides."""
+    w = args[0]
+    with _DisableSubclass():
+        for a in (*args[1:], *kwargs.values()) if kwargs else args[1:]:
+            for b in a if type(a) is list or type(a) is tuple else (a,):
+                if type(b) is gt and b is not w and (b._gt_view is not None or _is_alias_of(b, w)):
+                    return True
+    return False
+
+
 # -- learning a key ---------------------------------------------------------------------------
 
 
@@ -177,8 +207,9 @@ class _Record(TorchDispatchMode):
     """Records each ATen op as (op, its arguments with tensors named by ``name``); tensors
     nobody named make the record unusable (``ok`` False)."""
 
-    def __init__(self, names: dict, on_dtensor: bool) -> None:
+    def __init__(self, names: dict, on_dtensor: bool, inplace: bool = False) -> None:
         super().__init__()
+        self.inplace = inplace
         self.names = names  # id(tensor) -> ("in", i) or ("tmp", op index, output index)
         self.keep: list = []  # the named tensors, alive while ids are compared
         self.ops: list = []
@@ -200,7 +231,7 @@ class _Record(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self.ok:
-            self.ok = _local_op(func, args, kwargs) if self.on_dtensor else True
+            self.ok = _local_op(func, args, kwargs, self.inplace) if self.on_dtensor else True
             self.ops.append((func, tree_map(self.name, (args, kwargs))))
         out = func(*args, **kwargs)
         if self.ok:
@@ -213,12 +244,29 @@ class _Record(TorchDispatchMode):
         return out
 
 
-def _local_op(func, args, kwargs) -> bool:
+def _writes_self_only(func) -> bool:
+    """Is ``func`` an in-place op that writes its first argument and nothing else?"""
+    a = func._schema.arguments
+    return (
+        bool(a)
+        and a[0].alias_info is not None
+        and a[0].alias_info.is_write
+        and not any(x.alias_info is not None and x.alias_info.is_write for x in a[1:])
+    )
+
+
+def _local_op(func, args, kwargs, inplace: bool) -> bool:
     """Did DTensor run ``func`` as ``func(local args)``, with nothing of spmdgt's hook? (An
-    op on plain tensors only, a replicated weight's ``t()``, runs alike in the local call.)"""
+    op on plain tensors only, a replicated weight's ``t()``, runs alike in the local call.)
+    A mutation only where ``inplace``: one writing a DTensor ``self`` only, whose layout it
+    keeps (DTensor then returns ``self`` as it is)."""
     from spmdgt.tensor import _hook, _random
 
-    if not isinstance(func, torch._ops.OpOverload) or func._schema.is_mutable:
+    if not isinstance(func, torch._ops.OpOverload):
+        return False
+    if func._schema.is_mutable and not (
+        inplace and _writes_self_only(func) and args and isinstance(args[0], DTensor)
+    ):
         return False
     if torch.Tag.nondeterministic_seeded in func.tags:
         return False  # draws random numbers
@@ -239,6 +287,8 @@ def _local_op(func, args, kwargs) -> bool:
     if sharding.needs_redistribute or sharding.output_spec is None:
         return False
     specs = tree_flatten(sharding.output_spec)[0]
+    if func._schema.is_mutable and sharding.output_spec != args[0]._spec:
+        return False
     return all(isinstance(s, DTensorSpec) for s in specs)
 
 
@@ -265,20 +315,60 @@ def _outputs(out, gt):
     return None
 
 
-def learn(key, func, args, kwargs, slow):
+def learn(key, func, args, kwargs, slow, inplace: bool = False):
     """A new key: the usual path ``slow`` under a record, then the proof (see the module
-    docstring); its result either way."""
+    docstring); its result either way. ``inplace``: an in-place op (``_optable.INPLACE``),
+    whose local call the proof makes on copies of the shards."""
     counts["misses"] += 1
     gt = _gt_tensor[0]
-    rec = _Record(_inputs(args, kwargs or {}, gt, False), True)
+    kwargs = kwargs or {}
+    before = _copies(args, kwargs, gt) if inplace else None
+    rec = _Record(_inputs(args, kwargs, gt, False), True, inplace)
     with rec:
         out = slow(func, args, kwargs)
     entry = None
     try:
-        entry = _prove(rec, func, args, kwargs or {}, out, gt)
+        if inplace:
+            entry = _prove_inplace(rec, func, args, kwargs, out, gt, before)
+        else:
+            entry = _prove(rec, func, args, kwargs, out, gt)
     finally:
         _store(key, func, entry)
     return out
+
+
+def _copies(args, kwargs, gt):
+    """The call's arguments with each gt.Tensor's shard as a copy (the in-place proof's
+    local call must not write the real shards), and the names of those copies."""
+    with _DisableSubclass():
+
+        def copy(a):
+            if type(a) is gt:
+                return a._local_tensor.clone()
+            if type(a) is list or type(a) is tuple:
+                return type(a)(copy(b) for b in a)
+            return a
+
+        cargs = [copy(a) for a in args]
+        ckw = {k: copy(v) for k, v in kwargs.items()}
+    return cargs, ckw, _inputs(cargs, ckw, gt, False)
+
+
+def _prove_inplace(rec, func, args, kwargs, out, gt, before):
+    """The proof for an in-place op: one recorded op, writing ``self`` and keeping its
+    layout (``_local_op``), returning ``self``; the local call on copies records the same."""
+    if not rec.ok or len(rec.ops) != 1 or out is not args[0] or type(out) is not gt:
+        return None
+    with _DisableSubclass():
+        if out.requires_grad and _grad_enabled():
+            return None
+    cargs, ckw, names = before
+    local = _Record(names, False)
+    with _DisableSubclass(), local:
+        res = func(*cargs, **ckw)
+    if not local.ok or local.ops != rec.ops or res is not cargs[0]:
+        return None
+    return (out._spec, None)
 
 
 def _prove(rec, func, args, kwargs, out, gt):

@@ -58,11 +58,12 @@ class Tensor(DTensor):
             route = _routes.get(func)
             if route is None:
                 route = _optable.route(func)
-            if route == 0:  # DTENSOR
+            if route == 0 or route == _INPLACE:  # DTENSOR, or a pointwise one proven
                 key, entry = _fastpath.lookup(func, args, kwargs)
                 if key is not None:
                     if entry is _FP_MISSING:
-                        return _fastpath.learn(key, func, args, kwargs, _dispatch)
+                        inplace = route == _INPLACE
+                        return _fastpath.learn(key, func, args, kwargs, _dispatch, inplace)
                     if entry is not None:
                         return _fastpath.replay(entry, func, args, kwargs)
         return _dispatch(func, args, kwargs)
@@ -334,6 +335,7 @@ def _retag(out):
 
 _routes = _optable._routes  # read on every op: one dict lookup
 _AUTOGRAD = _optable.AUTOGRAD
+_INPLACE = _optable.INPLACE
 _fp_on = _fastpath.enabled
 _FP_MISSING = _fastpath._MISSING
 _rng = _random.state  # [drew in this call, DTensor drew outside our calls]: read per call
