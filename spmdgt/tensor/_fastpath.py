@@ -132,13 +132,17 @@ def lookup(func, args, kwargs):
     gt = _gt_tensor[0]
     with _DisableSubclass():  # attribute reads on gt.Tensor without its __torch_function__
         parts = [_arg_key(a, gt) for a in args]
+        for p in parts:
+            if p is _NO:
+                return None, None
         if kwargs:
             if "out" in kwargs:
                 return None, None
-            parts += [(k, _arg_key(v, gt)) for k, v in kwargs.items()]
-    for p in parts:
-        if p is _NO or (type(p) is tuple and p[1] is _NO):  # (name, _NO): a keyword's
-            return None, None
+            for k, v in kwargs.items():
+                p = _arg_key(v, gt)
+                if p is _NO:
+                    return None, None
+                parts.append((k, p))
     key = (func, _scope.stack[-1] if _scope.stack else None, *parts)
     try:
         return key, _cache.get(key, _MISSING)
