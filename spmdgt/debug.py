@@ -66,6 +66,14 @@ def _local_stats() -> dict[str, Any]:
     # tensor exists, so a world of one reads an empty dict without importing DTensor.
     fallback = sys.modules.get("spmdgt.tensor._fallback")
     entry["fallbacks"] = dict(fallback.counts) if fallback is not None else {}
+    # The dispatch fast path's cache (spmdgt.tensor._fastpath): hits, misses, evictions and
+    # keys found not cacheable, this rank's (keys are alike on every rank).
+    fastpath = sys.modules.get("spmdgt.tensor._fastpath")
+    entry["fastpath"] = (
+        dict(fastpath.counts)
+        if fastpath is not None
+        else {"hits": 0, "misses": 0, "evictions": 0, "uncacheable": 0}
+    )
     if _compilation_provider is not None:
         c = dict(_compilation_provider())
         compiled = int(c.get("compiled_ops", 0))
@@ -82,7 +90,8 @@ def _local_stats() -> dict[str, Any]:
 
 def get_worker_stats() -> dict[int, dict[str, Any]]:
     """One stats dict per rank, keyed by rank as GT's was (``stats[0]``), with GT's fields plus
-    collective counters and ``fallbacks`` (ops spmdgt ran on gathered global values, by op).
+    collective counters, ``fallbacks`` (ops spmdgt ran on gathered global values, by op) and
+    ``fastpath`` (the dispatch fast path's cache: hits, misses, evictions, uncacheable keys).
 
     Collective when the world has more than one rank: every rank must call it, in the same order
     relative to other collectives (it does an object all-gather), or the job hangs.

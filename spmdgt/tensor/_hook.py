@@ -25,7 +25,15 @@ from torch.distributed.tensor import DTensor
 
 from spmdgt.tensor._shards import nested_uneven
 
-__all__ = ["NoRule", "check_torch", "install", "installed", "running_backward", "uninstall"]
+__all__ = [
+    "NoRule",
+    "check_torch",
+    "install",
+    "installed",
+    "intervenes",
+    "running_backward",
+    "uninstall",
+]
 
 
 class NoRule(RuntimeError):
@@ -419,6 +427,20 @@ def _scalar(t):
     from spmdgt.tensor._moves import global_value
 
     return global_value(t).item()
+
+
+def intervenes(op_call) -> bool:
+    """Might the hook run ``op_call`` otherwise than DTensor's rule says (a decomposition, a
+    rewrite, a mask placed, a scalar read)? The dispatch fast path (``_fastpath``) never
+    caches such an op."""
+    from spmdgt.tensor import _attention
+
+    return (
+        op_call in _SCALAR_READS
+        or op_call in _REWRITES
+        or op_call in (_attention.CPU_FLASH, _attention.CPU_FLASH_BACKWARD)
+        or _own_decomposition(op_call) is not None
+    )
 
 
 _backward = [0]  # > 0 while spmdgt runs the autograd engine (``backward``/``autograd.grad``)

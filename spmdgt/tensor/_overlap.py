@@ -168,8 +168,38 @@ def run_aliased(func, args, kwargs, name: str):
 def through_model(func, args, kwargs):
     """``func`` run by ``run_aliased`` when an operand aliases the tensor it writes; else (or
     where the model only checks) NotImplemented: the op takes its usual path. On every
-    in-place op: the common case (no operand but tensors of their own memory) costs one
-    storage lookup an operand."""
+    in-place op, so the common case (``self`` written, no ``out=``) is one pass over the
+    arguments and one storage lookup per DTensor operand other than ``self``."""
+    if kwargs and kwargs.get("out") is not None:
+        return _through_model_out(func, args, kwargs)
+    w = args[0] if args else None
+    if not isinstance(w, DTensor):
+        return NotImplemented
+    others = None
+    for a in (*args[1:], *kwargs.values()) if kwargs else args[1:]:
+        if isinstance(a, DTensor):
+            if a is not w:
+                others = [a] if others is None else [*others, a]
+        elif type(a) is list or type(a) is tuple:
+            for b in a:
+                if isinstance(b, DTensor) and b is not w:
+                    others = [b] if others is None else [*others, b]
+    if others is None:
+        return NotImplemented
+    with _DisableSubclass():
+        key = _key(w)
+        for a in others:
+            if _key(a) == key:
+                break
+        else:
+            return NotImplemented
+    from spmdgt.tensor._fallback import op_name
+
+    return run_aliased(func, args, kwargs, op_name(func))
+
+
+def _through_model_out(func, args, kwargs):
+    """``through_model`` for an ``out=`` call (every tensor written is checked)."""
     written = written_of(args, kwargs)
     if not written:
         return NotImplemented

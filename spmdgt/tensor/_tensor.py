@@ -26,6 +26,7 @@ from spmdgt.tensor import (
     _assign,
     _dynamo,
     _fallback,
+    _fastpath,
     _hook,
     _moves,
     _optable,
@@ -52,102 +53,21 @@ class Tensor(DTensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        # The per-op path: one pass over the arguments (one list level deep, for torch.cat)
-        # notes meshes and plain tensors and turns our tensors into plain DTensors for the
-        # call, so DTensor's C++ fast path dispatches them; then the classes are restored.
-        swapped = []
-        views = None
-        plain = False
-        mesh = None
-        many = False
-        for a in args:
-            if isinstance(a, DTensor):
-                if type(a) is Tensor:
-                    if a._gt_view is not None:  # a copy DTensor made for a view: fresh?
-                        views = [a] if views is None else [*views, a]
-                    a.__class__ = DTensor
-                    swapped.append(a)
-                m = a._spec.mesh
-                if mesh is None:
-                    mesh = m
-                elif m is not mesh:
-                    many = True
-            elif isinstance(a, torch.Tensor):
-                if a.dim() or a.requires_grad:  # a 0-d one is a scalar unless it learns
-                    plain = True
-            elif type(a) is list or type(a) is tuple:
-                for b in a:
-                    if isinstance(b, DTensor):
-                        if type(b) is Tensor:
-                            b.__class__ = DTensor
-                            swapped.append(b)
-                        m = b._spec.mesh
-                        if mesh is None:
-                            mesh = m
-                        elif m is not mesh:
-                            many = True
-                    elif isinstance(b, torch.Tensor) and (b.dim() or b.requires_grad):
-                        plain = True
-        if kwargs:
-            for a in kwargs.values():
-                if isinstance(a, DTensor):
-                    if type(a) is Tensor:
-                        a.__class__ = DTensor
-                        swapped.append(a)
-                elif isinstance(a, torch.Tensor):
-                    if a.dim() or a.requires_grad:
-                        plain = True
-                elif type(a) is list or type(a) is tuple:  # backward(inputs=[...])
-                    for b in a:
-                        if type(b) is Tensor:
-                            b.__class__ = DTensor
-                            swapped.append(b)
-        else:
-            kwargs = {}
-        route = _routes.get(func)
-        if route is None:
-            route = _optable.route(func)
-        implicit = _get_implicit()
-        if not implicit:
-            # plain tensors are replicated values, only inside our calls; the flag also tells
-            # the propagation hook (_optable) that a missing rule means the exact fallback
-            _set_implicit(True)
-            if _rng[1]:  # DTensor drew outside our calls: its cached sharding goes (_random)
-                _random.settle()
-        try:
-            if _fwad._current_level >= 0 or _functorch_active():  # two cheap reads
-                _transforms.check(func, args, kwargs)  # torch.func / dual tensors: refused
-            if views is not None:
-                for v in views:
-                    _moves.refresh(v)
-            # backward()/autograd.grad take their tensors as they are: a moved or lifted copy
-            # of an input is not the tensor asked about (grad w.r.t. a plain parameter)
-            if mesh is not None and (many or _scope.stack) and route != _AUTOGRAD:
-                args, kwargs = _moves.align_meshes(args, kwargs, route == _optable.INPLACE)
-            if plain and mesh is not None and torch.is_grad_enabled() and route != _AUTOGRAD:
-                args, kwargs = _moves.lift_grad_plain(mesh, args, kwargs)
-            if route == 0 and "out" not in kwargs:  # DTENSOR, the common case: inlined
-                try:
-                    out = func(*args, **kwargs)
-                except NoRule as e:
-                    out = _fallback.run_global(func, args, kwargs, e.reason())
-            else:
-                out = _optable.run(func, args, kwargs, route)
-        except Exception as e:  # a collective's timeout names the op (GT_TIMEOUT); free if none
-            raise _agree.translate(e, func)  # noqa: B904 (e, or a timeout error caused by e)
-        finally:
-            if not implicit:
-                _set_implicit(False)
-                _rng[0] = False  # the next call starts with nothing drawn (_random.drew)
-            for a in swapped:
-                a.__class__ = Tensor
-        if type(out) is DTensor:
-            out.__class__ = Tensor
-        elif isinstance(out, (tuple, list)):
-            for o in out:
-                if type(o) is DTensor:
-                    o.__class__ = Tensor
-        return out
+        # A key seen before whose op was proven local runs on the local shards (_fastpath);
+        # a new key learns under a record; everything else takes the usual path below.
+        if _fp_on[0] and not _rng[1]:
+            route = _routes.get(func)
+            if route is None:
+                route = _optable.route(func)
+            if route == 0 or route == _INPLACE:  # DTENSOR, or a pointwise one proven
+                key, entry = _fastpath.lookup(func, args, kwargs)
+                if key is not None:
+                    if entry is _FP_MISSING:
+                        inplace = route == _INPLACE
+                        return _fastpath.learn(key, func, args, kwargs, _dispatch, inplace)
+                    if entry is not None:
+                        return _fastpath.replay(entry, func, args, kwargs)
+        return _dispatch(func, args, kwargs)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -244,6 +164,106 @@ class Tensor(DTensor):
 
     def __bool__(self) -> bool:
         return bool(_read(self, "bool()").item())
+
+
+def _dispatch(func, args, kwargs):
+    """The usual path of an op on ``gt.Tensor``s (``Tensor.__torch_function__``)."""
+    # The per-op path: one pass over the arguments (one list level deep, for torch.cat)
+    # notes meshes and plain tensors and turns our tensors into plain DTensors for the
+    # call, so DTensor's C++ fast path dispatches them; then the classes are restored.
+    swapped = []
+    views = None
+    plain = False
+    mesh = None
+    many = False
+    for a in args:
+        if isinstance(a, DTensor):
+            if type(a) is Tensor:
+                if a._gt_view is not None:  # a copy DTensor made for a view: fresh?
+                    views = [a] if views is None else [*views, a]
+                a.__class__ = DTensor
+                swapped.append(a)
+            m = a._spec.mesh
+            if mesh is None:
+                mesh = m
+            elif m is not mesh:
+                many = True
+        elif isinstance(a, torch.Tensor):
+            if a.dim() or a.requires_grad:  # a 0-d one is a scalar unless it learns
+                plain = True
+        elif type(a) is list or type(a) is tuple:
+            for b in a:
+                if isinstance(b, DTensor):
+                    if type(b) is Tensor:
+                        b.__class__ = DTensor
+                        swapped.append(b)
+                    m = b._spec.mesh
+                    if mesh is None:
+                        mesh = m
+                    elif m is not mesh:
+                        many = True
+                elif isinstance(b, torch.Tensor) and (b.dim() or b.requires_grad):
+                    plain = True
+    if kwargs:
+        for a in kwargs.values():
+            if isinstance(a, DTensor):
+                if type(a) is Tensor:
+                    a.__class__ = DTensor
+                    swapped.append(a)
+            elif isinstance(a, torch.Tensor):
+                if a.dim() or a.requires_grad:
+                    plain = True
+            elif type(a) is list or type(a) is tuple:  # backward(inputs=[...])
+                for b in a:
+                    if type(b) is Tensor:
+                        b.__class__ = DTensor
+                        swapped.append(b)
+    else:
+        kwargs = {}
+    route = _routes.get(func)
+    if route is None:
+        route = _optable.route(func)
+    implicit = _get_implicit()
+    if not implicit:
+        # plain tensors are replicated values, only inside our calls; the flag also tells
+        # the propagation hook (_optable) that a missing rule means the exact fallback
+        _set_implicit(True)
+        if _rng[1]:  # DTensor drew outside our calls: its cached sharding goes (_random)
+            _random.settle()
+    try:
+        if _fwad._current_level >= 0 or _functorch_active():  # two cheap reads
+            _transforms.check(func, args, kwargs)  # torch.func / dual tensors: refused
+        if views is not None:
+            for v in views:
+                _moves.refresh(v)
+        # backward()/autograd.grad take their tensors as they are: a moved or lifted copy
+        # of an input is not the tensor asked about (grad w.r.t. a plain parameter)
+        if mesh is not None and (many or _scope.stack) and route != _AUTOGRAD:
+            args, kwargs = _moves.align_meshes(args, kwargs, route == _optable.INPLACE)
+        if plain and mesh is not None and torch.is_grad_enabled() and route != _AUTOGRAD:
+            args, kwargs = _moves.lift_grad_plain(mesh, args, kwargs)
+        if route == 0 and "out" not in kwargs:  # DTENSOR, the common case: inlined
+            try:
+                out = func(*args, **kwargs)
+            except NoRule as e:
+                out = _fallback.run_global(func, args, kwargs, e.reason())
+        else:
+            out = _optable.run(func, args, kwargs, route)
+    except Exception as e:  # a collective's timeout names the op (GT_TIMEOUT); free if none
+        raise _agree.translate(e, func)  # noqa: B904 (e, or a timeout error caused by e)
+    finally:
+        if not implicit:
+            _set_implicit(False)
+            _rng[0] = False  # the next call starts with nothing drawn (_random.drew)
+        for a in swapped:
+            a.__class__ = Tensor
+    if type(out) is DTensor:
+        out.__class__ = Tensor
+    elif isinstance(out, (tuple, list)):
+        for o in out:
+            if type(o) is DTensor:
+                o.__class__ = Tensor
+    return out
 
 
 def _tracing(t: DTensor) -> bool:
@@ -357,9 +377,13 @@ def _retag(out):
 
 _routes = _optable._routes  # read on every op: one dict lookup
 _AUTOGRAD = _optable.AUTOGRAD
+_INPLACE = _optable.INPLACE
+_fp_on = _fastpath.enabled
+_FP_MISSING = _fastpath._MISSING
 _rng = _random.state  # [drew in this call, DTensor drew outside our calls]: read per call
 assert _optable.DTENSOR == 0
 _moves.set_tensor_class(Tensor)
+_fastpath.set_tensor_class(Tensor)
 _hook.install()
 _dynamo.install(Tensor)
 _transforms.install(Tensor)
