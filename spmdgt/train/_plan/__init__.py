@@ -157,4 +157,5 @@ def plan(
         notes=notes + [f"calibration dry runs: {'; '.join(mem.runs)}"],
         seconds=time.perf_counter() - t0,
         base=base,
+        memory_model=mem,
     )

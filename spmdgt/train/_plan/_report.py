@@ -61,6 +61,9 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
     base: TrainConfig | None = None
+    memory_model: object = None
+    """The calibrated ``MemoryModel`` (pass it to ``plan(memory_model=)`` to plan again
+    without the dry runs)."""
 
     @property
     def best(self) -> Estimate | None:
