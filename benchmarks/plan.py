@@ -161,7 +161,10 @@ def main() -> int:
         f"{'within' if pick <= 1.1 * fastest else 'NOT within'} 10%)"
     )
     print(f"Spearman(predicted, measured) = {rho:.3f} over {len(rows)} candidates")
-    print(f"dropped for the budget: {len(result.dropped)}; said to fit but over budget: {over or 'none'}")
+    print(
+        f"dropped for the budget: {len(result.dropped)}; said to fit but over budget: "
+        f"{over or 'none'}"
+    )
     print(f"total {time.perf_counter() - t0:.0f}s")
     if args.json:
         from benchmarks import _results

@@ -40,21 +40,31 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         prog="python -m spmdgt.scripts.plan",
         description=__doc__.split("\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="devices: " + ", ".join(DEVICE_NAMES) + "\ninterconnects: " + ", ".join(INTERCONNECTS),
+        epilog="devices: "
+        + ", ".join(DEVICE_NAMES)
+        + "\ninterconnects: "
+        + ", ".join(INTERCONNECTS),
     )
     p.add_argument("--world", type=int, required=True, help="devices to plan for")
     p.add_argument("--device", default="h100", help="h100, h200, a100 or cpu (measured here)")
-    p.add_argument("--global-batch", type=int, help="rows per optimizer step (default: the "
-                   "script's micro-batch x world)")
+    p.add_argument(
+        "--global-batch",
+        type=int,
+        help="rows per optimizer step (default: the script's micro-batch x world)",
+    )
     p.add_argument("--memory", help="budget per device, e.g. 40GB (default: the device's)")
-    p.add_argument("--headroom", type=float, default=0.1, help="share of the device's memory kept back")
+    p.add_argument(
+        "--headroom", type=float, default=0.1, help="share of the device's memory kept back"
+    )
     p.add_argument("--interconnect", help="the link across nodes (default ib-ndr)")
     p.add_argument("--intra", help="the link inside a node (default the device's NVLink)")
     p.add_argument("--bandwidth", help="one bandwidth for every link, e.g. 1GB/s")
     p.add_argument("--latency", help="one latency per collective for every link, e.g. 300us")
     p.add_argument("--per-node", type=int, help="devices per node (default 8 for GPUs)")
     p.add_argument("--micro-batches", type=_ints, help="micro-batch sizes to try, e.g. 1,2,4")
-    p.add_argument("--ac", type=_onoff, default=(False, True), help="activation checkpointing: on, off, both")
+    p.add_argument(
+        "--ac", type=_onoff, default=(False, True), help="activation checkpointing: on, off, both"
+    )
     p.add_argument("--amp", type=_onoff, default=(False, True), help="AMP: on, off, both")
     p.add_argument("--strategies", default="ddp,fsdp,placements", help="strategies to try")
     p.add_argument("--config", help="a training YAML whose other settings the plan keeps")

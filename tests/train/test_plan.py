@@ -50,7 +50,7 @@ def _memory(rows: int = 4) -> MemoryModel:
 
 @pytest.mark.parametrize("world", [1, 3, 8, 12])
 def test_every_candidate_is_a_config_the_trainer_takes_for_the_world(world):
-    cands, notes = enumerate_space(world, 24, tp_degrees=[1, 2, 4], per_node=8)
+    cands, _ = enumerate_space(world, 24, tp_degrees=[1, 2, 4], per_node=8)
     assert cands
     seen = set()
     for c in cands:
@@ -149,7 +149,9 @@ def test_the_winners_yaml_trains_on_2_ranks_as_one_process(tmp_path):
     rows = cfg.training.batch_size * dp[0] * dp[1]
     accum = str(cfg.training.gradient_accumulation_steps)
     ref = ex.run_trainer(
-        ex.parse_args([*TINY, *steps, "--batch-size", str(rows), "--accum", accum, "--strategy", "ddp"])
+        ex.parse_args(
+            [*TINY, *steps, "--batch-size", str(rows), "--accum", accum, "--strategy", "ddp"]
+        )
     )["losses"]
     assert len(got[0]) == len(ref) == 3
     assert got[0] == got[1]

@@ -93,13 +93,17 @@ def plan(
     ``micro_batches``, ``ac``, ``amp`` and ``strategies`` narrow the search."""
     say = progress or (lambda _: None)
     t0 = time.perf_counter()
-    dev = device if isinstance(device, DeviceSpec) else device_spec(
-        device,
-        interconnect=interconnect,
-        intra=intra,
-        bandwidth=bandwidth,
-        latency=latency,
-        per_node=per_node,
+    dev = (
+        device
+        if isinstance(device, DeviceSpec)
+        else device_spec(
+            device,
+            interconnect=interconnect,
+            intra=intra,
+            bandwidth=bandwidth,
+            latency=latency,
+            per_node=per_node,
+        )
     )
     budget = budget_bytes(dev, memory) if memory is not None else dev.memory * (1 - headroom)
     if loss_fn is None:
@@ -110,8 +114,11 @@ def plan(
     facts = read_model(model, inputs)
     say(
         f"plan: {facts.parameters:,} parameters in {facts.blocks} blocks; TP "
-        + (f"degrees {facts.tp_degrees(min(dev.per_node, world))[1:] or 'none'} ({facts.tp_why})"
-           if facts.tp_table else f"not offered: {facts.tp_why}")
+        + (
+            f"degrees {facts.tp_degrees(min(dev.per_node, world))[1:] or 'none'} ({facts.tp_why})"
+            if facts.tp_table
+            else f"not offered: {facts.tp_why}"
+        )
     )
     mem = memory_model or calibrate(
         model, batch, facts, loss_fn=loss_fn, optimizer=optimizer, log=say
@@ -154,7 +161,7 @@ def plan(
         budget=budget,
         ranked=ranked,
         dropped=dropped,
-        notes=notes + [f"calibration dry runs: {'; '.join(mem.runs)}"],
+        notes=[*notes, f"calibration dry runs: {'; '.join(mem.runs)}"],
         seconds=time.perf_counter() - t0,
         base=base,
         memory_model=mem,

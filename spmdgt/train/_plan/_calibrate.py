@@ -174,7 +174,12 @@ def calibrate(
     units = _unit_bytes(model, two)
     mem.fsdp_extra = max(0.0, _dynamic(fsdp) - d2) / units if units else 0.0
     if cut and 2 in facts.tp_degrees(2) and blk:
-        tp = run("placements: auto, world 2", two, 2, TrainConfig(strategy="placements", placements="auto"))
+        tp = run(
+            "placements: auto, world 2",
+            two,
+            2,
+            TrainConfig(strategy="placements", placements="auto"),
+        )
         per_block = (_dynamic(tp) - rest) / 2
         mem.tp_keep = min(1.0, max(0.0, 2 * per_block / blk - 1))
     return mem
@@ -196,4 +201,6 @@ def _rows(batch: object) -> int:
     for v in items if isinstance(batch, (dict, list, tuple)) else ():
         if isinstance(v, torch.Tensor) and v.ndim:
             return int(v.shape[0])
-    raise ValueError("the batch holds no tensor with a row dim: give the micro-batch as the trainer takes it")
+    raise ValueError(
+        "the batch holds no tensor with a row dim: give the micro-batch as the trainer takes it"
+    )

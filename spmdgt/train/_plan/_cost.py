@@ -112,10 +112,9 @@ def price(
         block = facts.block_bytes - facts.tp_block_bytes * (1 - 1 / t)
         extra = mem.fsdp_extra * (facts.root_bytes + block) * (half / 4)
     buckets = grads_step if c.strategy == "ddp" and c.world > 1 else 0.0
-    if c.accumulation > 1:
-        live = grads_accum + dyn + extra
-    else:
-        live = max(dyn + extra, grads_step + extra)
+    # earlier micro-steps' gradients live through the next forward; else the larger of the
+    # forward's activations and the gradients at the end of the backward
+    live = grads_accum + dyn + extra if c.accumulation > 1 else max(dyn, grads_step) + extra
     parts = {
         "params": params,
         "optimizer": opt,
@@ -170,7 +169,9 @@ def price(
     if t > 1:
         act = tokens * half / 4
         fwd = 2 if c.ac else 1
-        calls = k * (fwd * facts.tp_row_calls + facts.tp_col_calls) + (1 if facts.tp_sharded_input else 0)
+        calls = k * (fwd * facts.tp_row_calls + facts.tp_col_calls) + (
+            1 if facts.tp_sharded_input else 0
+        )
         nbytes = k * act * (fwd * facts.tp_row_bytes + facts.tp_col_bytes)
         comm["tp all-reduce"] = _comm(
             _link(dev, t, 1), t, {"all_reduce": {"count": calls, "bytes": nbytes}}
@@ -189,7 +190,9 @@ def price(
         exposed = tp_part + first + max(0.0, hidden - first - compute)
     step = compute + overhead + optimizer + exposed
     global_tokens = seq * c.micro_batch * c.accumulation * c.data_parallel
-    model_flops = fm.per_step(c.micro_batch * c.accumulation * c.data_parallel, global_tokens) if fm else 0.0
+    model_flops = (
+        fm.per_step(c.micro_batch * c.accumulation * c.data_parallel, global_tokens) if fm else 0.0
+    )
     mfu = model_flops / (step * c.world * dev.peak(c.amp)) if step > 0 else 0.0
     return Estimate(
         candidate=c,

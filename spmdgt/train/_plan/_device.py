@@ -18,8 +18,14 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from spmdgt.train._dryrun import DEVICES, INTERCONNECTS, DryRunError, parse_bandwidth, parse_bytes
-from spmdgt.train._dryrun import parse_seconds
+from spmdgt.train._dryrun import (
+    DEVICES,
+    INTERCONNECTS,
+    DryRunError,
+    parse_bandwidth,
+    parse_bytes,
+    parse_seconds,
+)
 from spmdgt.train._throughput import _PEAKS, peak_flops
 
 __all__ = ["DeviceSpec", "Link", "device_spec"]
@@ -162,14 +168,10 @@ def device_spec(
     elif key in _GPUS:
         spec = _GPUS[key]()
     else:
-        raise DryRunError(
-            f"unknown device {device!r} for a plan; known: {', '.join(DEVICE_NAMES)}"
-        )
+        raise DryRunError(f"unknown device {device!r} for a plan; known: {', '.join(DEVICE_NAMES)}")
     for name in (interconnect, intra):
         if name is not None and name not in INTERCONNECTS:
-            raise DryRunError(
-                f"unknown interconnect {name!r}; known: {', '.join(INTERCONNECTS)}"
-            )
+            raise DryRunError(f"unknown interconnect {name!r}; known: {', '.join(INTERCONNECTS)}")
     if interconnect is not None:
         spec = replace(spec, inter=_link(interconnect))
     if intra is not None:

@@ -24,7 +24,14 @@ from spmdgt.train._units import find_blocks, fsdp_blocks
 
 __all__ = ["ModelFacts", "meta_copy", "read_model"]
 
-SPLIT_STYLES = ("colwise", "rowwise", "packed_colwise", "colwise_gather", "rowwise_split", "experts")
+SPLIT_STYLES = (
+    "colwise",
+    "rowwise",
+    "packed_colwise",
+    "colwise_gather",
+    "rowwise_split",
+    "experts",
+)
 _HEADS = ("n_heads", "num_attention_heads", "n_head", "num_heads")
 _KV_HEADS = ("n_kv_heads", "num_key_value_heads")
 
@@ -183,7 +190,9 @@ def _tp_facts(model: nn.Module) -> dict:
         elif style == "sharded_input":
             shin += sum(1 for _ in mod.parameters())
     blocks = fsdp_blocks(model)
-    tp_block = max((_nbytes(p for p in b.parameters() if id(p) in split) for b in blocks), default=0)
+    tp_block = max(
+        (_nbytes(p for p in b.parameters() if id(p) in split) for b in blocks), default=0
+    )
     return {
         "tp_table": table,
         "tp_why": where,
