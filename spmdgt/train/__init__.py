@@ -14,7 +14,8 @@ The full guide is docs/trainer.md. Machinery: ``_strategies`` (wrapping: ``apply
 ``_run`` (one call's measurement), ``_mesh`` (the parallelism block's meshes),
 ``_checkpoint`` (atomic DCP checkpoints), ``_comm`` (collective algebra and logging),
 ``_units`` (the blocks: FSDP's units and compile's), ``_compile``, ``_dryrun`` (a step for a
-world that is not there), ``_throughput`` (FLOPs, MFU), ``_profilers``, ``_summary``,
+world that is not there), ``_plan`` (the planner: which mesh, micro-batch, AC, AMP),
+``_throughput`` (FLOPs, MFU), ``_profilers``, ``_summary``,
 ``_data``, ``_batches`` (a batch into the model, its loss out), ``_hf_ce`` (HF heads' own
 cross-entropy, recomputed as the global token mean), ``_tp_plan`` (``placements: auto`` and
 the checks that refuse an inexact table), ``_tp_styles`` (the packed and experts styles),
@@ -38,6 +39,7 @@ from spmdgt.train._config import (
 )
 from spmdgt.train._data import OptimizedDataLoader, ResumableDistributedSampler
 from spmdgt.train._dryrun import DryRunError, DryRunReport, dry_run, dry_run_call
+from spmdgt.train._plan import Plan, plan
 from spmdgt.train._profilers import PerformanceProfiler
 from spmdgt.train._schedule import build_scheduler
 from spmdgt.train._tp_plan import derive_placements, table_yaml
@@ -56,6 +58,7 @@ __all__ = [
     "OptimizedDataLoader",
     "ParallelismConfig",
     "PerformanceProfiler",
+    "Plan",
     "ResumableDistributedSampler",
     "SchedulerConfig",
     "TrainConfig",
@@ -69,5 +72,6 @@ __all__ = [
     "load_train_config",
     "measure_bandwidth",
     "override",
+    "plan",
     "table_yaml",
 ]
