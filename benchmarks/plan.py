@@ -55,7 +55,26 @@ def _train(rank: int, world: int, yaml_path: str, steps: int) -> dict:
     args = ex.parse_args(
         [*MODEL_FLAGS, "--config", yaml_path, "--steps", str(steps), "--workers", "0"]
     )
+    import torch
+
     tracker = MemTracker()
+    # MemTracker refuses a second top-level forward (the next micro-step) unless its
+    # per-module stats are reset (the peak is kept): reset them as each top-level forward
+    # starts outside a backward (global hooks, registered before the tracker's own)
+    depth = [0]
+
+    def pre(module, args):
+        if depth[0] == 0 and torch._C._current_graph_task_id() == -1:
+            tracker.reset_mod_stats()
+        depth[0] += 1
+
+    def post(module, args, out):
+        depth[0] -= 1
+
+    hooks = [
+        torch.nn.modules.module.register_module_forward_pre_hook(pre),
+        torch.nn.modules.module.register_module_forward_hook(post),
+    ]
     peak = None
     try:
         with tracker:
@@ -66,6 +85,9 @@ def _train(rank: int, world: int, yaml_path: str, steps: int) -> dict:
         if "summary" not in locals():
             raise
         peak = f"tracker failed: {type(e).__name__}: {e}"
+    finally:
+        for h in hooks:
+            h.remove()
     return {"step": summary["avg_step_time"], "peak": peak}
 
 
