@@ -139,7 +139,10 @@ def calibrate(
     def run(label: str, blocks: int | None, world: int, cfg: TrainConfig) -> DryRunReport:
         t0 = time.perf_counter()
         m = truncated(model, blocks) if blocks else model
-        report = dry_run(_builder(m, batch, optimizer), world, cfg, loss_fn=loss_fn)
+        try:
+            report = dry_run(_builder(m, batch, optimizer), world, cfg, loss_fn=loss_fn)
+        finally:
+            _forget_runtime()
         runs.append(f"{label}: {time.perf_counter() - t0:.1f}s")
         log(f"calibrating memory: dry run {len(runs)} ({label}) done")
         return report
@@ -183,6 +186,18 @@ def calibrate(
         per_block = (_dynamic(tp) - rest) / 2
         mem.tp_keep = min(1.0, max(0.0, 2 * per_block / blk - 1))
     return mem
+
+
+def _forget_runtime() -> None:
+    """Forget the spmdgt runtime a dry run's trainer wrapping adopted (its fake group is
+    gone): without this a ``DistributedTrainer`` built later in this process, in a world of
+    one, still saw the fake world and called a collective (what ``dry_run_call`` does after
+    a script; ``dry_run`` itself leaves it)."""
+    from spmdgt._core.session import session
+
+    parts = [p for p in ("meshes", "runtime") if p in session.parts()]
+    if parts:
+        session.reset(*parts)
 
 
 def _unit_bytes(model: nn.Module, blocks: int | None) -> float:
