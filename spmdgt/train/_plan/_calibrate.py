@@ -9,7 +9,8 @@ run                           what it pins down
 ===========================  ===========================================================
 world 1, 1 block and 2 blocks the step's dynamic peak (activations, backward temporaries) as
                               a part outside the blocks plus a part per block
-world 1, 2 blocks, AC         a block's part with activation checkpointing
+world 1, 1 and 2 blocks, AC   a block's part with activation checkpointing (its input)
+                              and the one block recomputed at a time
 world 1, 2 blocks, AMP        the ratio AMP's bf16 activations make
 world 2 fsdp, 2 blocks        FSDP's gathered units and buffers at the peak
 world 2 placements, 2 blocks  the share of a block's activations TP does not split
@@ -157,9 +158,16 @@ def calibrate(
         rest = max(0.0, d1 - blk)
     else:
         blk, rest = 0.0, d2
-    ac = run("activation checkpointing", two, 1, TrainConfig(activation_checkpointing=True))
-    blk_ac = max(0.0, (_dynamic(ac) - rest) / 2) if cut else 0.0
-    rest_ac = rest if cut else _dynamic(ac)
+    # Under AC a block keeps its input, and the one block being recomputed holds its whole
+    # activations at the peak: a part per block plus a constant, pinned by 1 and 2 blocks.
+    ac_cfg = TrainConfig(activation_checkpointing=True)
+    ac2 = _dynamic(run("activation checkpointing, 2 blocks", two, 1, ac_cfg))
+    if cut:
+        ac1 = _dynamic(run("activation checkpointing, 1 block", 1, 1, ac_cfg))
+        blk_ac = max(0.0, ac2 - ac1)
+        rest_ac = max(0.0, ac1 - blk_ac)
+    else:
+        blk_ac, rest_ac = 0.0, ac2
     amp = run("AMP", two, 1, TrainConfig(training=TrainingConfig(use_amp=True)))
     r_amp = _dynamic(amp) / d2 if d2 else 1.0
     mem = MemoryModel(
