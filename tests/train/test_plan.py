@@ -2,7 +2,7 @@
 winner's YAML trained for real on 2 gloo ranks against one process.
 
 Most tests pass a hand-made ``MemoryModel`` (no dry runs: the pricing is what they check);
-the last plans with the real calibration (dry runs of the example at two blocks).
+the last runs the command line, with the real calibration (dry runs of the example).
 """
 
 from __future__ import annotations
@@ -120,39 +120,33 @@ def _train(rank: int, world: int, argv: list[str]) -> list[float]:
     return ex.run_trainer(ex.parse_args(argv))["losses"]
 
 
-def test_the_winners_yaml_trains_on_2_ranks_as_one_process(tmp_path):
-    """Plan with the real calibration (dry runs), write the winner, train it with the
-    example as is (``--config``), and compare every step's loss with one process reading
-    the same global batches."""
+def test_the_winners_yaml_trains_on_2_ranks_as_one_process(tmp_path, capsys):
+    """The command line on the example (its model read at its first call, the memory
+    calibrated by dry runs), the winner written, trained with the example as is
+    (``--config``) on 2 ranks, and every step's loss compared with one process reading the
+    same global batches."""
+    from spmdgt.scripts.plan import main
+
     ex = _example()
-    model = ex.build_model(ex.parse_args(TINY))
-    x = torch.zeros(2, 16, dtype=torch.long)
-    result = plan(
-        model,
-        (x, x),
-        world=2,
-        device="cpu",
-        global_batch=8,
-        loss_fn=ex.lm_loss,
-        micro_batches=[2],  # accumulation in every candidate
-        amp=(False,),
-        strategies=("fsdp", "placements"),
-    )
-    assert result.memory_model.block[(False, False)] > 0  # the dry runs measured a block
     path = tmp_path / "plan.yaml"
-    result.write(path)
+    script = str(ROOT / "examples" / "train_transformer.py")
+    flags = ["--world", "2", "--device", "cpu", "--global-batch", "8", "--micro-batches", "2"]
+    flags += ["--amp", "off", "--strategies", "fsdp,placements", "--output", str(path)]
+    assert main([*flags, script, *TINY, "--batch-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "winner" in out and f"wrote {path}" in out
     cfg = load_train_config(path)
-    assert cfg == result.config() and cfg.training.gradient_accumulation_steps > 1
+    assert cfg.strategy in ("fsdp", "placements") and cfg.training.batch_size == 2
+    assert cfg.training.gradient_accumulation_steps > 1
     steps = ["--steps", "3", "--workers", "0", "--lr", "0.05"]
     got = run_ranks(_train, 2, tmp_path, [*TINY, *steps, "--config", str(path)])
-    dp = cfg.parallelism.resolve(2)[:2]
-    rows = cfg.training.batch_size * dp[0] * dp[1]
-    accum = str(cfg.training.gradient_accumulation_steps)
-    ref = ex.run_trainer(
-        ex.parse_args(
-            [*TINY, *steps, "--batch-size", str(rows), "--accum", accum, "--strategy", "ddp"]
-        )
-    )["losses"]
+    # One process: the same YAML (so the same accumulation, and the example sizes its data
+    # alike), on one rank, with the 2 ranks' rows in each micro-batch.
+    r, s, _ = cfg.parallelism.resolve(2)
+    rows = str(cfg.training.batch_size * r * s)
+    one = ["--strategy", "ddp", "--tp", "1", "--dp-shard", "1", "--dp-replicate", "1"]
+    argv = [*TINY, *steps, "--config", str(path), "--batch-size", rows, *one]
+    ref = ex.run_trainer(ex.parse_args(argv))["losses"]
     assert len(got[0]) == len(ref) == 3
     assert got[0] == got[1]
     assert got[0] == pytest.approx(ref, abs=1e-5)
