@@ -56,6 +56,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--headroom", type=float, default=0.1, help="share of the device's memory kept back"
     )
+    p.add_argument("--margin", type=float, default=0.05, help="share added to each predicted peak")
     p.add_argument("--interconnect", help="the link across nodes (default ib-ndr)")
     p.add_argument("--intra", help="the link inside a node (default the device's NVLink)")
     p.add_argument("--bandwidth", help="one bandwidth for every link, e.g. 1GB/s")
@@ -100,6 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             global_batch=args.global_batch,
             memory=args.memory,
             headroom=args.headroom,
+            margin=args.margin,
             interconnect=args.interconnect,
             intra=args.intra,
             bandwidth=args.bandwidth,

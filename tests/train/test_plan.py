@@ -103,9 +103,11 @@ def test_a_budget_drops_what_does_not_fit_and_says_why():
     assert cut.dropped and cut.ranked
     assert len(cut.dropped) + len(cut.ranked) == len(everything.ranked)
     for e in cut.dropped:
-        assert not e.fits and e.memory > budget
-        assert e.why == f"does not fit: {e.memory / 2**30:.3f} > {budget / 2**30:.3f} GiB"
-    assert all(e.memory <= budget for e in cut.ranked)
+        assert not e.fits and e.memory * 1.05 > budget
+        assert e.why == (
+            f"does not fit: {e.memory / 2**30:.3f} GiB + 5% > {budget / 2**30:.3f} GiB"
+        )
+    assert all(e.memory * 1.05 <= budget for e in cut.ranked)
     assert [e.step for e in cut.ranked] == sorted(e.step for e in cut.ranked)
     table = cut.table(limit=None, dropped=None)
     assert table.count("does not fit") == len(cut.dropped) and "winner" in table
@@ -149,4 +151,5 @@ def test_the_winners_yaml_trains_on_2_ranks_as_one_process(tmp_path, capsys):
     ref = ex.run_trainer(ex.parse_args(argv))["losses"]
     assert len(got[0]) == len(ref) == 3
     assert got[0] == got[1]
-    assert got[0] == pytest.approx(ref, abs=1e-5)
+    # 3 AdamW steps at lr 0.05: FSDP's sums in another order, 2.8e-6 relative at step 3
+    assert got[0] == pytest.approx(ref, rel=1e-5)
