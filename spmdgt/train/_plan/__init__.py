@@ -92,7 +92,8 @@ def plan(
     peak is within a few percent of a real run's; the 4-rank benchmark measured real peaks up
     to 0.7% above the prediction); ``interconnect``/``intra`` the links across and inside
     nodes, ``bandwidth``/``latency`` one link for all. ``optimizer``: ``params -> Optimizer``
-    (default AdamW). ``base``: the settings the plan does not decide (clipping, schedule), kept in the winner's config.
+    (default AdamW). ``base``: the settings the plan does not decide (clipping, schedule),
+    kept in the winner's config.
     ``micro_batches``, ``ac``, ``amp`` and ``strategies`` narrow the search."""
     say = progress or (lambda _: None)
     t0 = time.perf_counter()
