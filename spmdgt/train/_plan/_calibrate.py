@@ -16,7 +16,7 @@ world 2 fsdp, 2 blocks        FSDP's gathered units and buffers at the peak
 world 2 placements, 2 blocks  the share of a block's activations TP does not split
 ===========================  ===========================================================
 
-"Dynamic" is the tracker's peak less parameters, buffers and optimizer state (what
+"Dynamic" is the tracker's peak less parameters, buffers, optimizer state and gradients (what
 ``DryRunReport.peak_breakdown`` names so): what grows with the micro-batch. It scales
 linearly with the micro-batch's rows and with the blocks; the static part is computed from
 the parameters per rank (``_cost``).
@@ -38,7 +38,11 @@ from spmdgt.train._plan._model import ModelFacts, meta_copy, truncated
 
 __all__ = ["MemoryModel", "calibrate", "guess_loss_fn"]
 
-_STATIC = ("params", "sharded params", "buffers", "optimizer state")
+# Left out of the dynamic part: what the cost model counts per rank itself (parameters,
+# buffers, optimizer state, and the gradients, which at world 1 grow with every block and
+# would otherwise be scaled as activations). FSDP's unsharded gradients (one unit's, being
+# reduce-scattered) stay in: they are part of its extra.
+_STATIC = ("params", "sharded params", "buffers", "optimizer state", "grads", "sharded grads")
 
 
 @dataclass

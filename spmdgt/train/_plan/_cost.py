@@ -112,9 +112,10 @@ def price(
         block = facts.block_bytes - facts.tp_block_bytes * (1 - 1 / t)
         extra = mem.fsdp_extra * (facts.root_bytes + block) * (half / 4)
     buckets = grads_step if c.strategy == "ddp" and c.world > 1 else 0.0
-    # earlier micro-steps' gradients live through the next forward; else the larger of the
-    # forward's activations and the gradients at the end of the backward
-    live = grads_accum + dyn + extra if c.accumulation > 1 else max(dyn, grads_step) + extra
+    # the gradients held beside the step's dynamic bytes: earlier micro-steps' (FSDP2's
+    # unsharded under no_sync) through the next forward, else this step's, taken whole at
+    # the peak (under AC the peak is late in the backward, when most of them exist)
+    live = (grads_accum if c.accumulation > 1 else grads_step) + dyn + extra
     parts = {
         "params": params,
         "optimizer": opt,
