@@ -62,22 +62,18 @@ def _train(rank: int, world: int, yaml_path: str, steps: int, track: bool) -> di
         return {"step": ex.run_trainer(args)["avg_step_time"], "peak": None}
     tracker = MemTracker()
     # MemTracker refuses a second top-level forward (the next micro-step) unless its
-    # per-module stats are reset (the peak is kept): reset them as each top-level forward
-    # starts outside a backward (global hooks, registered before the tracker's own)
-    depth = [0]
+    # per-module stats are reset (the peak is kept): reset them as the root module's forward
+    # starts outside a backward (a global hook, registered before the tracker's own; the
+    # root is the first module called)
+    root: list = []
 
     def pre(module, args):
-        if depth[0] == 0 and torch._C._current_graph_task_id() == -1:
+        if not root:
+            root.append(module)
+        if module is root[0] and torch._C._current_graph_task_id() == -1:
             tracker.reset_mod_stats()
-        depth[0] += 1
 
-    def post(module, args, out):
-        depth[0] -= 1
-
-    hooks = [
-        torch.nn.modules.module.register_module_forward_pre_hook(pre),
-        torch.nn.modules.module.register_module_forward_hook(post),
-    ]
+    hooks = [torch.nn.modules.module.register_module_forward_pre_hook(pre)]
     peak = None
     try:
         with tracker:
@@ -118,9 +114,9 @@ def _spearman(a: list[float], b: list[float]) -> float:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=5, help="optimizer steps per run (2 warm-up)")
+    p.add_argument("--steps", type=int, default=4, help="optimizer steps per run (2 warm-up)")
     p.add_argument("--json", help="write the results here")
-    p.add_argument("--micro-batches", default="2,4")
+    p.add_argument("--micro-batches", default="4")
     args = p.parse_args()
     import torch
 
