@@ -190,6 +190,11 @@ VARIABLES: tuple[Var, ...] = (
         choices=("torch", "aten", "native"),
     ),
     _flag("GT_NATIVE", True, "off: never build or use the compiled op observer"),
+    _flag(
+        "GT_FASTPATH",
+        True,
+        "off: every op on a gt.Tensor takes DTensor's full path (no cached dispatch)",
+    ),
 )
 
 _BY_NAME: dict[str, Var] = {v.name: v for v in VARIABLES}

@@ -36,8 +36,6 @@ cacheable key's usual path has none), so ranks never wait on each other over it.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.autograd.forward_ad as _fwad
 from torch.distributed.tensor import DTensor
@@ -45,6 +43,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from spmdgt._core import env as _env
 from spmdgt._core import scope as _scope
 from spmdgt.tensor import _overlap
 
@@ -55,7 +54,7 @@ MAX_ENTRIES = 4096  # keys remembered; the oldest goes first when full
 _MAX_REFUSALS = 16
 
 counts = {"hits": 0, "misses": 0, "evictions": 0, "uncacheable": 0}
-enabled = [os.environ.get("GT_FASTPATH", "1") != "0"]
+enabled = [bool(_env.flag("GT_FASTPATH"))]
 
 _cache: dict = {}  # key -> (learned output specs, tuple output?) or None (not cacheable)
 _refusals: dict = {}  # torch function -> keys refused

@@ -16,7 +16,8 @@ The full guide is docs/trainer.md. Machinery: ``_strategies`` (wrapping: ``apply
 meshes, data-parallel size and rank), ``_tp_table`` (a placements table into a plan),
 ``_checkpoint`` (atomic DCP checkpoints), ``_comm`` (collective algebra and logging),
 ``_units`` (the blocks: FSDP's units and compile's), ``_compile``, ``_dryrun`` (the trainer
-on a fake world), ``_throughput`` (FLOPs, MFU), ``_profilers``, ``_summary``,
+on a fake world), ``_plan`` (the planner: which mesh, micro-batch, AC, AMP),
+``_throughput`` (FLOPs, MFU), ``_profilers``, ``_summary``,
 ``_data``, ``_batches`` (a batch into the model, its loss out), ``_hf_ce`` (HF heads' own
 cross-entropy, recomputed as the global token mean), ``_tp_plan`` (``placements: auto`` and
 the checks that refuse an inexact table), ``_tp_styles`` (the packed and experts styles),
@@ -40,6 +41,7 @@ from spmdgt.train._config import (
 )
 from spmdgt.train._data import OptimizedDataLoader, ResumableDistributedSampler
 from spmdgt.train._dryrun import DryRunError, DryRunReport, dry_run, dry_run_call
+from spmdgt.train._plan import Plan, plan
 from spmdgt.train._profilers import PerformanceProfiler
 from spmdgt.train._schedule import build_scheduler
 from spmdgt.train._tp_plan import derive_placements, table_yaml
@@ -58,6 +60,7 @@ __all__ = [
     "OptimizedDataLoader",
     "ParallelismConfig",
     "PerformanceProfiler",
+    "Plan",
     "ResumableDistributedSampler",
     "SchedulerConfig",
     "TrainConfig",
@@ -71,5 +74,6 @@ __all__ = [
     "load_train_config",
     "measure_bandwidth",
     "override",
+    "plan",
     "table_yaml",
 ]
