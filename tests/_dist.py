@@ -13,6 +13,7 @@ workers; every rank still alive when ``run_ranks`` returns or raises is killed e
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -127,7 +128,13 @@ def _warm() -> None:
     small test's cost). ``spmdgt.tensor._tensor`` itself stays unimported: importing it
     installs spmdgt's hooks on DTensor and dynamo in this process, and a test process that then
     compiled in-process handed its forked ranks a dynamo state in which their own compiles
-    lost gradients. Harmless where ranks are spawned."""
+    lost gradients. What that module imports behind it is imported here instead: dynamo
+    (``torch._dynamo.callback``, for the compile hooks it installs; ~1.1 s of CPU per rank
+    otherwise), without installing anything. So is ``numpy.random``, which each rank reseeds.
+    Harmless where ranks are spawned."""
+
+    import numpy.random
+    import torch._dynamo.callback
 
     import spmdgt.tensor._creation
     import spmdgt.tensor._fallback
@@ -141,17 +148,14 @@ def _run(fn, world_size, tmp_path, args, env, timeout, daemon, procs) -> list:
     init_file = Path(tmp_path) / f"rdzv-{os.getpid()}-{id(fn)}-{len(os.listdir(tmp_path))}"
     conns = []
     ctx = _context()
-    for rank in range(world_size):
-        parent, child = ctx.Pipe(duplex=False)
-        p = ctx.Process(
-            target=_child,
-            args=(fn, rank, world_size, str(init_file), env or {}, args, child),
-            daemon=daemon,
-        )
-        p.start()
-        child.close()
-        procs.append(p)
-        conns.append(parent)
+    # The parent's objects go to gc's permanent generation while the ranks fork: a rank's
+    # gc.collect() (spmdgt.shutdown runs two) then skips them instead of walking, and so
+    # copying, the parent's whole heap page by page. Back to normal in the parent after.
+    gc.freeze()
+    try:
+        _start_ranks(fn, world_size, init_file, env, args, daemon, ctx, procs, conns)
+    finally:
+        gc.unfreeze()
     results, errors = [None] * world_size, []
     for rank, (p, conn) in enumerate(zip(procs, conns)):
         if conn.poll(timeout):
@@ -173,3 +177,17 @@ def _run(fn, world_size, tmp_path, args, env, timeout, daemon, procs) -> list:
     if errors:
         raise AssertionError("distributed test failed:\n" + "\n".join(errors))
     return results
+
+
+def _start_ranks(fn, world_size, init_file, env, args, daemon, ctx, procs, conns) -> None:
+    for rank in range(world_size):
+        parent, child = ctx.Pipe(duplex=False)
+        p = ctx.Process(
+            target=_child,
+            args=(fn, rank, world_size, str(init_file), env or {}, args, child),
+            daemon=daemon,
+        )
+        p.start()
+        child.close()
+        procs.append(p)
+        conns.append(parent)
