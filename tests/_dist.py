@@ -13,11 +13,13 @@ workers; every rank still alive when ``run_ranks`` returns or raises is killed e
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import multiprocessing as mp
 import os
 import pickle
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 
@@ -127,7 +129,13 @@ def _warm() -> None:
     small test's cost). ``spmdgt.tensor._tensor`` itself stays unimported: importing it
     installs spmdgt's hooks on DTensor and dynamo in this process, and a test process that then
     compiled in-process handed its forked ranks a dynamo state in which their own compiles
-    lost gradients. Harmless where ranks are spawned."""
+    lost gradients. What that module imports behind it is imported here instead: dynamo
+    (``torch._dynamo.callback``, for the compile hooks it installs; ~1.1 s of CPU per rank
+    otherwise), without installing anything. So is ``numpy.random``, which each rank reseeds.
+    Harmless where ranks are spawned."""
+
+    import numpy.random  # noqa: F401
+    import torch._dynamo.callback  # noqa: F401
 
     import spmdgt.tensor._creation
     import spmdgt.tensor._fallback
@@ -136,22 +144,29 @@ def _warm() -> None:
     import spmdgt.train  # noqa: F401
 
 
+@contextlib.contextmanager
+def frozen_heap() -> Iterator[None]:
+    """Fork children inside this: the parent's objects sit in gc's permanent generation
+    while they fork (``gc.freeze``), and are back to normal in the parent after.
+
+    A forked child's gc (``spmdgt.shutdown`` runs two full collections, and a busy rank runs
+    its own) then skips what it inherited instead of walking the parent's whole heap and so
+    copying it page by page: a 2-rank run that does nothing cost ~0.9 s of CPU, ~0.1 s
+    with the heap frozen (more, the bigger the test process: torch's OpInfo database)."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def _run(fn, world_size, tmp_path, args, env, timeout, daemon, procs) -> list:
     _warm()
     init_file = Path(tmp_path) / f"rdzv-{os.getpid()}-{id(fn)}-{len(os.listdir(tmp_path))}"
     conns = []
     ctx = _context()
-    for rank in range(world_size):
-        parent, child = ctx.Pipe(duplex=False)
-        p = ctx.Process(
-            target=_child,
-            args=(fn, rank, world_size, str(init_file), env or {}, args, child),
-            daemon=daemon,
-        )
-        p.start()
-        child.close()
-        procs.append(p)
-        conns.append(parent)
+    with frozen_heap():
+        _start_ranks(fn, world_size, init_file, env, args, daemon, ctx, procs, conns)
     results, errors = [None] * world_size, []
     for rank, (p, conn) in enumerate(zip(procs, conns)):
         if conn.poll(timeout):
@@ -173,3 +188,17 @@ def _run(fn, world_size, tmp_path, args, env, timeout, daemon, procs) -> list:
     if errors:
         raise AssertionError("distributed test failed:\n" + "\n".join(errors))
     return results
+
+
+def _start_ranks(fn, world_size, init_file, env, args, daemon, ctx, procs, conns) -> None:
+    for rank in range(world_size):
+        parent, child = ctx.Pipe(duplex=False)
+        p = ctx.Process(
+            target=_child,
+            args=(fn, rank, world_size, str(init_file), env or {}, args, child),
+            daemon=daemon,
+        )
+        p.start()
+        child.close()
+        procs.append(p)
+        conns.append(parent)

@@ -30,6 +30,12 @@ SUBSET = [
     # whole training steps (losses' backward, clipping, accumulation, optimizers): 2 ranks
     "tests/core/test_steps_dist.py::test_whole_steps_equal_one_process[2]",
 ]
+# Each mode runs the subset with the exactness cases at 3 ranks (uneven shards 2+2+1, an
+# empty shard, a true sub-mesh); their 2-rank twins run in the ``slow`` part.
+PARTS = {
+    "3 ranks": (["--world-only", "3", *SUBSET], []),
+    "2 ranks": (["--world-only", "2", SUBSET[0]], [pytest.mark.slow]),
+}
 
 
 _LAZY_REGIONS = {
@@ -43,12 +49,24 @@ MODES = {  # the environment, and what GT_DEBUG_COMPILE prints when that half di
     "both_halves": ({**_LAZY_REGIONS, "GT_AUTO_COMPILE": "1"}, ["] compiled ", "(sharded)"]),
 }
 
+# both halves at once run in the slow part only; the default suite proves them on a training
+# loop (tests/compile/test_both_halves_dist.py)
+SLOW_MODES = {"both_halves": [pytest.mark.slow]}
 
-@pytest.mark.parametrize("mode", list(MODES))
-def test_subset_passes_with_the_pass_on(mode):
+
+@pytest.mark.parametrize(
+    "mode,part",
+    [
+        pytest.param(m, p, marks=PARTS[p][1] + SLOW_MODES.get(m, []), id=f"{m}-{p[0]}")
+        for m in MODES
+        for p in PARTS
+    ],
+)
+def test_subset_passes_with_the_pass_on(mode, part):
     extra, proofs = MODES[mode]
     env = {**os.environ, **extra, "GT_DEBUG_COMPILE": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", *SUBSET]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-m", ""]
+    cmd += ["-p", "tests.e2e._world_only", *PARTS[part][0]]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     out = proc.stdout + proc.stderr
     if proc.returncode != 0:  # name the failing tests and their errors, not only the tail

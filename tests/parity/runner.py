@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests._dist import frozen_heap
 from tests.parity.observe import STAGES, Stage, describe, observe
 
 __all__ = ["CaseRun", "run_cases"]
@@ -207,17 +208,18 @@ class _Group:
         self.logs = [tmp / f"w{world}-g{serial}-rank{r}.log" for r in range(world)]
         init_file = tmp / f"rdzv-w{world}-g{serial}"
         self.procs, self.conns = [], []
-        for r in range(world):
-            parent, child = ctx.Pipe(duplex=True)
-            p = ctx.Process(
-                target=_rank_main,
-                args=(r, world, str(init_file), child, cases, str(self.logs[r]), gloo_timeout),
-                daemon=True,
-            )
-            p.start()
-            child.close()
-            self.procs.append(p)
-            self.conns.append(parent)
+        with frozen_heap():  # the ranks' gc leaves the inherited heap (OpInfo's db) alone
+            for r in range(world):
+                parent, child = ctx.Pipe(duplex=True)
+                p = ctx.Process(
+                    target=_rank_main,
+                    args=(r, world, str(init_file), child, cases, str(self.logs[r]), gloo_timeout),
+                    daemon=True,
+                )
+                p.start()
+                child.close()
+                self.procs.append(p)
+                self.conns.append(parent)
 
     def send_all(self, msg: Any) -> None:
         for c in self.conns:
