@@ -92,7 +92,7 @@ def test_session_reset_forgets_every_part():
     from spmdgt._core import scope
     from spmdgt.config import get_config
 
-    parts = ["compile", "interceptor", "meshes", "runtime", "signals", "scopes"]
+    parts = ["compile", "interceptor", "autoplan", "meshes", "runtime", "signals", "scopes"]
     assert gt.session.parts() == parts  # upper layers forgotten first
     gt.register_config("s", gt.SignalConfig(shard=gt.ShardConfig(axis=0)))
     gt.signal.enter("s")

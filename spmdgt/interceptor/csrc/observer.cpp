@@ -584,7 +584,12 @@ bool sample_due(int level) {
       std::this_thread::get_id() == g_main_thread && --g_sample_left <= 0) {
     g_sample_left = g_sample_every;
     PyGILState_STATE st = PyGILState_Ensure();
+    // an op may end while a Python error is on its way out (a dispatch mode raised): keep it
+    // aside, or the calls below would clear it ("error return without exception set")
+    PyObject *et, *ev, *etb;
+    PyErr_Fetch(&et, &ev, &etb);
     bool hot = sample_stack();
+    PyErr_Restore(et, ev, etb);
     PyGILState_Release(st);
     return hot;
   }
@@ -601,14 +606,20 @@ void callback_if(bool call, int level) {
     t_in_callback = true;
     try {
       py::gil_scoped_acquire gil;
+      PyObject *et, *ev, *etb;  // a Python error on its way out stays set (see sample_due)
+      PyErr_Fetch(&et, &ev, &etb);
       py::object cb;
       {
         std::lock_guard<std::mutex> g(g_mu);
         if (g_callback != nullptr) cb = *g_callback;
       }
-      if (cb) cb();
-    } catch (py::error_already_set& e) {
-      e.discard_as_unraisable("spmdgt native observer callback");
+      try {
+        if (cb) cb();
+      } catch (py::error_already_set& e) {
+        e.discard_as_unraisable("spmdgt native observer callback");
+      } catch (...) {
+      }
+      PyErr_Restore(et, ev, etb);
     } catch (...) {
     }
     t_in_callback = false;
