@@ -50,7 +50,8 @@ from spmdgt.train._dryrun._api import dry_run
 from spmdgt.train._dryrun._counting import CollectiveCounter, local_numel
 from spmdgt.train._dryrun._fake import fake_world
 from spmdgt.train._dryrun._report import DryRunReport
-from spmdgt.train._dryrun._script import dry_run_call, dry_run_script, first_batch
+from spmdgt.train._dryrun._script import dry_run_call, dry_run_script
+from spmdgt.train._dryrun._session import first_batch
 from spmdgt.train._dryrun._tables import (
     DEVICES,
     INTERCONNECTS,

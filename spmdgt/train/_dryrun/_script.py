@@ -17,7 +17,7 @@ from spmdgt.train._dryrun._report import DryRunReport
 from spmdgt.train._dryrun._session import DrySession
 from spmdgt.train._dryrun._tables import DryRunError
 
-__all__ = ["dry_run_call", "dry_run_script", "first_batch"]
+__all__ = ["dry_run_call", "dry_run_script"]
 
 # --------------------------------------------------------------------------- a script's trainer
 
@@ -29,26 +29,6 @@ class _Done(BaseException):
     def __init__(self, report: DryRunReport) -> None:
         super().__init__("dry run done")
         self.report = report
-
-
-def first_batch(loader: object) -> object:
-    """The loader's first batch, read in this process: a ``DataLoader``'s first indices from
-    its batch sampler, collated (no worker processes for fake tensors); any other iterable's
-    first item."""
-    from torch.utils._python_dispatch import _disable_current_modes
-    from torch.utils.data import DataLoader
-
-    if isinstance(loader, DataLoader) and loader.batch_sampler is not None:
-        with _disable_current_modes():  # a sampler draws real indices (randperm().tolist())
-            indices = next(iter(loader.batch_sampler))
-        return loader.collate_fn([loader.dataset[i] for i in indices])
-    inner = getattr(loader, "loader", None)  # a wrapper around a DataLoader
-    if isinstance(inner, DataLoader):
-        return first_batch(inner)
-    try:
-        return next(iter(loader))  # type: ignore[call-overload]
-    except StopIteration:
-        raise ValueError("the training loader is empty: nothing to dry-run") from None
 
 
 def dry_run_call(

@@ -41,7 +41,7 @@ from spmdgt.train._dryrun._fake import (
 )
 from spmdgt.train._memory import memory_tracker
 
-__all__ = ["DrySession", "active_session"]
+__all__ = ["DrySession", "active_session", "first_batch"]
 
 _ACTIVE: list[DrySession] = []
 
@@ -126,7 +126,6 @@ class DrySession:
 
     def train(self, trainer: object, loader: object) -> object:
         """The trainer's ``train(loader)``: measure two steps on the loader's first batch."""
-        from spmdgt.train._dryrun._script import first_batch
 
         return self.report(trainer, first_batch(loader))
 
@@ -258,3 +257,23 @@ _CATEGORY = {
     "Inputs": "inputs",
     "Other": "other",
 }
+
+
+def first_batch(loader: object) -> object:
+    """The loader's first batch, read in this process: a ``DataLoader``'s first indices from
+    its batch sampler, collated (no worker processes for fake tensors); any other iterable's
+    first item."""
+    from torch.utils._python_dispatch import _disable_current_modes
+    from torch.utils.data import DataLoader
+
+    if isinstance(loader, DataLoader) and loader.batch_sampler is not None:
+        with _disable_current_modes():  # a sampler draws real indices (randperm().tolist())
+            indices = next(iter(loader.batch_sampler))
+        return loader.collate_fn([loader.dataset[i] for i in indices])
+    inner = getattr(loader, "loader", None)  # a wrapper around a DataLoader
+    if isinstance(inner, DataLoader):
+        return first_batch(inner)
+    try:
+        return next(iter(loader))  # type: ignore[call-overload]
+    except StopIteration:
+        raise ValueError("the training loader is empty: nothing to dry-run") from None
