@@ -36,6 +36,13 @@ PARTS = {
     "3 ranks": (["--world-only", "3", *SUBSET], []),
     "2 ranks": (["--world-only", "2", SUBSET[0]], [pytest.mark.slow]),
 }
+# Hot functions compile with inductor (seconds a function on this box): the default suite
+# runs the signals and the training steps with them, the exactness cases in the slow part.
+HOT_PARTS = {
+    "3 ranks": (["--world-only", "3", *SUBSET[1:]], []),
+    "3 ranks, exactness": (["--world-only", "3", SUBSET[0]], [pytest.mark.slow]),
+    "2 ranks": PARTS["2 ranks"],
+}
 
 
 _LAZY_REGIONS = {
@@ -54,19 +61,28 @@ MODES = {  # the environment, and what GT_DEBUG_COMPILE prints when that half di
 SLOW_MODES = {"both_halves": [pytest.mark.slow]}
 
 
+def _parts(mode: str) -> dict:
+    return HOT_PARTS if mode == "hot_functions" else PARTS
+
+
 @pytest.mark.parametrize(
     "mode,part",
     [
-        pytest.param(m, p, marks=PARTS[p][1] + SLOW_MODES.get(m, []), id=f"{m}-{p[0]}")
+        pytest.param(
+            m,
+            p,
+            marks=_parts(m)[p][1] + SLOW_MODES.get(m, []),
+            id=f"{m}-{p[0]}" + ("x" if p.endswith("exactness") else ""),
+        )
         for m in MODES
-        for p in PARTS
+        for p in _parts(m)
     ],
 )
 def test_subset_passes_with_the_pass_on(mode, part):
     extra, proofs = MODES[mode]
     env = {**os.environ, **extra, "GT_DEBUG_COMPILE": "1", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-m", ""]
-    cmd += ["-p", "tests.e2e._world_only", *PARTS[part][0]]
+    cmd += ["-p", "tests.e2e._world_only", *_parts(mode)[part][0]]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     out = proc.stdout + proc.stderr
     if proc.returncode != 0:  # name the failing tests and their errors, not only the tail
