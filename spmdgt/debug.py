@@ -74,6 +74,12 @@ def _local_stats() -> dict[str, Any]:
         if fastpath is not None
         else {"hits": 0, "misses": 0, "evictions": 0, "uncacheable": 0}
     )
+    # rows @ rows products whose second operand was gathered (spmdgt.tensor._contract):
+    # ``direct`` ran on the local tensors, ``gathered`` through DTensor's Shard(0) @ Replicate
+    contract = sys.modules.get("spmdgt.tensor._contract")
+    entry["rows_at_rows"] = (
+        dict(contract.counts) if contract is not None else {"direct": 0, "gathered": 0}
+    )
     if _compilation_provider is not None:
         c = dict(_compilation_provider())
         compiled = int(c.get("compiled_ops", 0))
@@ -91,7 +97,8 @@ def _local_stats() -> dict[str, Any]:
 def get_worker_stats() -> dict[int, dict[str, Any]]:
     """One stats dict per rank, keyed by rank as GT's was (``stats[0]``), with GT's fields plus
     collective counters, ``fallbacks`` (ops spmdgt ran on gathered global values, by op) and
-    ``fastpath`` (the dispatch fast path's cache: hits, misses, evictions, uncacheable keys).
+    ``fastpath`` (the dispatch fast path's cache: hits, misses, evictions, uncacheable keys)
+    and ``rows_at_rows`` (row-sharded products run by gathering the second operand).
 
     Collective when the world has more than one rank: every rank must call it, in the same order
     relative to other collectives (it does an object all-gather), or the job hangs.

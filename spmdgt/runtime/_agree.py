@@ -74,8 +74,10 @@ __all__ = [
     "call_site",
     "checking",
     "end",
+    "agree_soon",
     "on_agreed",
     "propose",
+    "settle",
     "setup",
     "timeout",
 ]
@@ -188,6 +190,7 @@ def forget() -> None:
     global _group, _count, _out_of_step
     _group, _count, _out_of_step = None, 0, None
     _proposals.clear()
+    _soon.clear()
     _failed.stop()
 
 
@@ -266,6 +269,69 @@ def before_collective(what: str) -> None:
         _exchange(what, site, h, barrier=True)
 
 
+# Points started by ``agree_soon`` whose exchange is in flight, oldest first: (the work, its
+# word, x, number, what, detail, call site). ``settle`` checks them.
+_soon: list[tuple[Any, numpy.ndarray, int, int, str, str, str]] = []
+_SOON_MAX = 64  # settled at once past this many: a bounded queue of words
+
+
+def agree_soon(what: str, site: str | None = None, detail: str = "") -> None:
+    """An agreement point whose exchange starts now and is checked at the next point that
+    needs it (``settle``): the next agreement point or host read, the next op that is not
+    proven local, the next mesh made. A creation of a sharded tensor is one: what it makes
+    is read only through those, so a divergence still raises on every rank before any data
+    moves, and the round trip overlaps the rank's own work instead of stalling it. Under
+    ``GT_CHECK_RANKS=1`` it is checked at once (``agree``)."""
+    global _count
+    if _group is None:
+        return
+    if _check:
+        agree(what, site, detail)
+        return
+    h, site = _print(what, site)
+    if _out_of_step is not None:
+        raise _stopped(_out_of_step, _doing(what, detail, site))
+    with _lock:
+        _count += 1
+        n = _count
+        x = (h ^ (n * _GOLDEN)) & _MASK
+        word = numpy.array([(x << _BITS) | (~x & _MASK)], dtype=numpy.uint64).view(numpy.int64)
+        try:
+            work = _backend.allreduce([torch.from_numpy(word)], _OR)
+        except RuntimeError as e:
+            _fail_timeout(e, _doing(what, detail, site), n)
+        _soon.append((work, word, x, n, what, detail, site))
+    if len(_soon) >= _SOON_MAX:
+        settle()
+
+
+def settle() -> None:
+    """Check every agreement point ``agree_soon`` started: all agreed, or every rank raises
+    :class:`RankDivergenceError` at the first that did not (each rank received the same
+    words, so each finds the same one). Call it before anything that moves data or makes a
+    process group; free when nothing is in flight."""
+    global _last
+    if not _soon:
+        return
+    with _lock:
+        pending = list(_soon)
+        _soon.clear()
+        first_bad = None
+        for work, word, x, n, what, detail, site in pending:
+            try:
+                work.wait()
+            except RuntimeError as e:
+                _fail_timeout(e, _doing(what, detail, site), n)
+            got = int(word.view(numpy.uint64)[0])
+            if (got >> _BITS) & _MASK == x and got & _MASK == ~x & _MASK:
+                if first_bad is None:
+                    _last = (n, what, detail, site)
+            elif first_bad is None:
+                first_bad = (n, _doing(what, detail, site))
+    if first_bad is not None:
+        _diverged(*first_bad)
+
+
 def _doing(what: str, detail: str, site: str) -> str:
     return f"{what}{detail} at {site}" if site else f"{what}{detail}"
 
@@ -291,6 +357,8 @@ def _exchange(
     """One exchange (see ``_word``): agreed, or every rank raises. Returns whether ``flag``
     holds on any rank."""
     global _count, _last
+    if _soon:
+        settle()  # the points started earlier come first, in order
     with _lock:
         _count += 1
         n = _count
@@ -364,6 +432,7 @@ def all_ranks(value: Any) -> list[Any]:
         return [value]
     if _out_of_step is not None:
         raise _stopped(_out_of_step, "an exchange of values")
+    settle()
     everyone: list[Any] = [None] * _world
     with torch._C.DisableTorchFunction():  # the agreement's own ops: no hook sees them
         dist.all_gather_object(everyone, value, group=_group)

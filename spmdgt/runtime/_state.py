@@ -186,6 +186,7 @@ def world_mesh():
                 dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
                 _owns_process_group = True
                 _runtime = Runtime(rt.rank, rt.world_size, rt.local_rank, rt.device, backend)
+            _agree.settle()  # a mesh may make groups: the points in flight are checked first
             _world_mesh = DeviceMesh(rt.device_type, list(range(rt.world_size)))
     return _world_mesh
 

@@ -23,7 +23,7 @@ from spmdgt.runtime import _agree
 from spmdgt.runtime._state import get_runtime
 from spmdgt.tensor import _autoplan, _draw
 from spmdgt.tensor._dtypes import to_dtype
-from spmdgt.tensor._placement import creation_target, intent, signal_target
+from spmdgt.tensor._placement import creation_target, intent, signal_target, will_shard
 
 __all__ = [
     "arange",
@@ -63,7 +63,12 @@ def agree_on_creation(
         return
     name = str(dtype).removeprefix("torch.")
     place = intent(shape) if where is None else where
-    _agree.agree(f"{what} of {name}{list(shape)}{digest}, {place}")
+    point = f"{what} of {name}{list(shape)}{digest}, {place}"
+    if where is None and will_shard(shape):
+        # a sharded result is read only through agreement points and ops that settle first
+        _agree.agree_soon(point)
+    else:  # a replicated one is a plain tensor, readable at once: checked now
+        _agree.agree(point)
 
 
 def _digest(base: torch.Tensor) -> str:

@@ -11,6 +11,7 @@ import os
 import warnings
 
 from spmdgt._core.session import session
+from spmdgt.runtime import _agree
 from spmdgt.runtime._state import get_runtime, world_mesh
 
 __all__ = ["clear", "describe_mesh", "mesh_for", "mesh_ranks", "named_mesh"]
@@ -52,6 +53,7 @@ def mesh_for(workers: list[int] | None, signal: str | None = None):
         from torch.distributed.device_mesh import DeviceMesh
 
         world_mesh()  # the default group must exist first
+        _agree.settle()  # new_group is a collective: the points in flight are checked first
         mesh = DeviceMesh(get_runtime().device_type, list(ranks))
         _cache[ranks] = mesh
     return mesh
@@ -69,6 +71,7 @@ def named_mesh(dims: tuple[tuple[str, int], ...]):
         from torch.distributed.device_mesh import init_device_mesh
 
         world_mesh()  # the default group must exist first
+        _agree.settle()  # new_group is a collective: the points in flight are checked first
         names = tuple(n for n, _ in key)
         sizes = tuple(s for _, s in key)
         mesh = init_device_mesh(get_runtime().device_type, sizes, mesh_dim_names=names)

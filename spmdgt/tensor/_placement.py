@@ -135,6 +135,21 @@ def intent(shape: Sequence[int]) -> str:
     return f"signal {name!r} (replicated)"
 
 
+def will_shard(shape: Sequence[int]) -> bool:
+    """Whether a tensor created now gets a sharded placement (a ``gt.Tensor``), as ``intent``
+    words it: a signal that shards, or auto-shard's axis 0 (not its ``plan``, which records).
+    Read from the scope and config only, so alike on every rank running the same program."""
+    if not shape:
+        return False
+    name = _scope.current()
+    if name is not None:
+        cfg = lookup(name)
+        if cfg is not None and cfg.shard is not None:
+            return not cfg.shard.replicated
+    auto = auto_shard_enabled()
+    return auto is True and shape[0] % get_runtime().world_size == 0
+
+
 def describe(cfg: SignalConfig, shape: Sequence[int] = (0,)) -> str:
     """Signal ``cfg``'s placement in words, the mesh included (``shard axis 0 over dp of
     mesh (dp=2, tp=2)``): what ranks compare at an agreement point, before any mesh exists."""

@@ -24,6 +24,7 @@ from spmdgt.runtime import _agree
 from spmdgt.runtime._state import get_runtime
 from spmdgt.tensor import (
     _assign,
+    _contract,
     _dynamo,
     _fallback,
     _fastpath,
@@ -56,6 +57,10 @@ class Tensor(DTensor):
         # A key seen before whose op was proven local runs on the local shards (_fastpath);
         # a new key learns under a record; everything else takes the usual path below.
         if _fp_on[0] and not _rng[1]:
+            if func in _contract.FUNCS and not kwargs:  # rows @ rows, run directly
+                out = _contract.direct(func, args, cls)
+                if out is not NotImplemented:
+                    return out
             route = _routes.get(func)
             if route is None:
                 route = _optable.route(func)
@@ -109,12 +114,16 @@ class Tensor(DTensor):
         """DTensor's ``to_local``, after a pending result is filled."""
         if _scope.lazy_sync is not None and "_gt_lazy" in self.__dict__:
             _scope.lazy_sync("to_local")
+        if _soon:  # the shard of a creation still being agreed on: agreed first
+            _agree.settle()
         return DTensor.to_local(self, grad_placements=grad_placements)
 
     def redistribute(self, device_mesh=None, placements=None, **kwargs):
         """DTensor's ``redistribute`` (``full_tensor`` too), after a pending result is filled."""
         if _scope.lazy_sync is not None and "_gt_lazy" in self.__dict__:
             _scope.lazy_sync("redistribute")
+        if _soon:
+            _agree.settle()
         return DTensor.redistribute(self, device_mesh, placements, **kwargs)
 
     # -- GT's contract: the global value, on every rank ------------------------------------
@@ -231,6 +240,8 @@ def _dispatch(func, args, kwargs):
         if _rng[1]:  # DTensor drew outside our calls: its cached sharding goes (_random)
             _random.settle()
     try:
+        if _soon:  # creations whose agreement is in flight: checked before data can move
+            _agree.settle()
         if _fwad._current_level >= 0 or _functorch_active():  # two cheap reads
             _transforms.check(func, args, kwargs)  # torch.func / dual tensors: refused
         if views is not None:
@@ -243,6 +254,8 @@ def _dispatch(func, args, kwargs):
         if plain and mesh is not None and torch.is_grad_enabled() and route != _AUTOGRAD:
             args, kwargs = _moves.lift_grad_plain(mesh, args, kwargs)
         if route == 0 and "out" not in kwargs:  # DTENSOR, the common case: inlined
+            if func in _contract.FUNCS and not kwargs:  # rows @ rows: gather the second
+                args = _contract.gather_second(args)
             try:
                 out = func(*args, **kwargs)
             except NoRule as e:
@@ -376,6 +389,7 @@ def _retag(out):
 
 
 _routes = _optable._routes  # read on every op: one dict lookup
+_soon = _agree._soon  # agreement points in flight (a list, emptied in place by settle)
 _AUTOGRAD = _optable.AUTOGRAD
 _INPLACE = _optable.INPLACE
 _fp_on = _fastpath.enabled

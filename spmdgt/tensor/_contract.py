@@ -1,0 +1,137 @@
+"""Row-sharded matrix products: gather the second operand, keep the rows.
+
+``rows @ rows`` (both operands ``Shard(0)`` on one 1-D mesh) is GT's auto-shard workload, and
+the one layout where DTensor's choice costs more than it must: it moves the *first* operand
+to ``Shard(1)`` (an all-to-all; gloo has none, so torch all-gathers it whole and cuts it up),
+multiplies the half-width blocks and leaves a ``Partial`` sum that the next read all-reduces.
+Gathering the *second* operand instead (``Shard(0) @ Replicate``) moves ``k*n`` elements
+where that moves ``m*k`` plus the reduction of ``m*n``, and leaves the product in rows
+(``Shard(0)``), which a read only gathers. Each row is then one full-length dot product, as
+one process computes it, not a sum of per-rank partial products.
+
+The choice reads global shapes and the mesh size only, so every rank makes it alike; where
+the second operand is the bigger move (a few rows against a wide matrix) DTensor's own
+choice stands. Two ways to run it:
+
+- ``direct``: nothing records autograd, no mode or compile watches: the second operand's
+  shard is gathered by DTensor's own redistribution step, the product runs on the local
+  tensors and is wrapped with its spec (DTensor's constructor), as the dispatch fast path
+  replays an op (``_fastpath``): one collective and a local ``mm``, no sharding propagation.
+- ``gather_second``: otherwise, the second operand is ``redistribute``d (differentiable: the
+  backward reduces its gradient back to rows) and DTensor runs ``Shard(0) @ Replicate``.
+
+Measured in ``docs/benchmarks.md`` ("rows @ rows").
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import _redistribute as _redist
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+from spmdgt._core import scope as _scope
+from spmdgt.runtime import _agree
+
+__all__ = ["FUNCS", "counts", "direct", "gather_second"]
+
+# The torch-level functions a 2-D matrix product reaches ``__torch_function__`` through.
+FUNCS = frozenset(
+    {
+        torch.matmul,
+        torch.mm,
+        torch.Tensor.matmul,
+        torch.Tensor.mm,
+        torch.Tensor.__matmul__,
+    }
+)
+_REPLICATE = (Replicate(),)
+
+
+counts = {"direct": 0, "gathered": 0}  # products run each way (``get_worker_stats``)
+
+
+def _rows_at_rows(a, b) -> bool:
+    """Both 2-D, row-sharded on one 1-D mesh, and gathering the second operand moves no more
+    than DTensor's route (global shapes and the mesh size only: alike on every rank)."""
+    sa, sb = a._spec, b._spec
+    if sa.mesh is not sb.mesh or sa.mesh.ndim != 1 or len(sa.shape) != 2 or len(sb.shape) != 2:
+        return False
+    if not (sa.placements[0].is_shard(0) and sb.placements[0].is_shard(0)):
+        return False
+    m, k = sa.shape
+    n = sb.shape[1]
+    # elements each route moves per rank, up to the common (w - 1) / w: the second operand
+    # gathered, against the first one re-split by columns and the product's reduction
+    return k * n <= m * k // sa.mesh.size() + m * n
+
+
+def gather_second(args: tuple) -> tuple:
+    """``args`` with the second operand replicated when the product is ``rows @ rows`` worth
+    gathering (``_rows_at_rows``); ``args`` unchanged otherwise."""
+    if len(args) != 2:
+        return args
+    a, b = args
+    if not (isinstance(a, DTensor) and isinstance(b, DTensor)) or not _rows_at_rows(a, b):
+        return args
+    counts["gathered"] += 1
+    return a, b.redistribute(b._spec.mesh, _REPLICATE)
+
+
+# (first spec, second spec) -> (the second's replicated spec, the product's spec)
+_specs: dict[tuple, tuple[DTensorSpec, DTensorSpec]] = {}
+_SPECS_MAX = 256
+_fn_stack = torch._C._len_torch_function_stack
+_mode_stack = torch._C._len_torch_dispatch_stack
+_functorch_active = torch._C._are_functorch_transforms_active
+_autocast = torch._C._is_any_autocast_enabled
+_compiling = torch.compiler.is_compiling
+_DisableSubclass = torch._C.DisableTorchFunctionSubclass
+_new = torch.Tensor._dtensor__new__
+
+
+def direct(func, args: tuple, gt: type):
+    """The product of two ``gt.Tensor``s run directly (module docstring), or
+    ``NotImplemented`` where it is not ``rows @ rows`` or something watches or records."""
+    if len(args) != 2:
+        return NotImplemented
+    a, b = args
+    if type(a) is not gt or type(b) is not gt or a._gt_view is not None or b._gt_view is not None:
+        return NotImplemented
+    if (
+        ((a.requires_grad or b.requires_grad) and torch.is_grad_enabled())
+        or _fn_stack()
+        or _mode_stack()
+        or _scope.lazy_sync is not None
+        or _functorch_active()
+        or _autocast()
+        or _compiling()
+        or _agree.checking()
+        or a.dtype != b.dtype
+        or not _rows_at_rows(a, b)
+        or a._spec.mesh.get_coordinate() is None  # off the mesh: DTensor's path skips it
+    ):
+        return NotImplemented
+    sa, sb = a._spec, b._spec
+    specs = _specs.get((sa, sb))
+    if specs is None:
+        m, n = sa.shape[0], sb.shape[1]
+        rep = DTensorSpec(sb.mesh, _REPLICATE, sb.tensor_meta)
+        meta = TensorMeta(torch.Size((m, n)), (n, 1), sa.tensor_meta.dtype)
+        specs = (rep, DTensorSpec(sa.mesh, sa.placements, meta))
+        if len(_specs) >= _SPECS_MAX:
+            _specs.clear()
+        _specs[(sa, sb)] = specs
+    if _agree._soon:  # data moves: the creations still being agreed on are checked first
+        _agree.settle()
+    try:
+        with _DisableSubclass():
+            full = _redist.redistribute_local_tensor(b._local_tensor, sb, specs[0])
+            if isinstance(full, AsyncCollectiveTensor):
+                full = full.wait()
+            out = torch.mm(a._local_tensor, full)
+    except Exception as e:  # a collective's timeout names the op (GT_TIMEOUT)
+        raise _agree.translate(e, func)  # noqa: B904
+    counts["direct"] += 1
+    return _new(gt, out, specs[1], requires_grad=False)
