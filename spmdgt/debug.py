@@ -74,6 +74,10 @@ def _local_stats() -> dict[str, Any]:
         if fastpath is not None
         else {"hits": 0, "misses": 0, "evictions": 0, "uncacheable": 0}
     )
+    # Ops whose DTensor rule spmdgt replaced by an exact rewrite or decomposition (_hook), by
+    # aten op: the ``rewrite`` path of ``spmdgt.tensor._paths``
+    hook = sys.modules.get("spmdgt.tensor._hook")
+    entry["rewrites"] = dict(hook.counts) if hook is not None else {}
     # rows @ rows products whose second operand was gathered (spmdgt.tensor._contract):
     # ``direct`` ran on the local tensors, ``gathered`` through DTensor's Shard(0) @ Replicate
     contract = sys.modules.get("spmdgt.tensor._contract")
@@ -96,9 +100,11 @@ def _local_stats() -> dict[str, Any]:
 
 def get_worker_stats() -> dict[int, dict[str, Any]]:
     """One stats dict per rank, keyed by rank as GT's was (``stats[0]``), with GT's fields plus
-    collective counters, ``fallbacks`` (ops spmdgt ran on gathered global values, by op) and
+    collective counters, ``fallbacks`` (ops spmdgt ran on gathered global values, by op),
+    ``rewrites`` (ops whose DTensor rule spmdgt replaced by an exact rewrite, by aten op),
     ``fastpath`` (the dispatch fast path's cache: hits, misses, evictions, uncacheable keys)
     and ``rows_at_rows`` (row-sharded products run by gathering the second operand).
+    Which path single ops took: ``spmdgt.tensor._paths.watch()``.
 
     Collective when the world has more than one rank: every rank must call it, in the same order
     relative to other collectives (it does an object all-gather), or the job hangs.

@@ -28,6 +28,7 @@ from spmdgt.tensor._shards import nested_uneven
 __all__ = [
     "NoRule",
     "check_torch",
+    "counts",
     "install",
     "installed",
     "intervenes",
@@ -51,6 +52,10 @@ class NoRule(RuntimeError):
         """Why the op took the exact fallback, for the fallback's counters and warning."""
         return f"no DTensor rule for {self.op} on this layout"
 
+
+# aten op name -> times spmdgt ran its exact rewrite or its decomposition on DTensors in
+# place of DTensor's rule, on this rank (read by ``_paths``: the ``rewrite`` path)
+counts: dict[str, int] = {}
 
 # op -> its decomposition, where DTensor has no strategy of its own for it (None otherwise)
 _decomps: dict[object, object] = {}
@@ -503,12 +508,14 @@ def install() -> None:
                 return _scalar(args[0])
             decomp = _own_decomposition(op_call)
             if decomp is not None and _sharded(op_info.schema.args_spec):
+                counts[op_call.__name__] = counts.get(op_call.__name__, 0) + 1  # _paths
                 try:
                     return decomp(*args, **kwargs)
                 except NoRule as e:
                     return run_global(op_call, args, kwargs, f"{op_call}'s decomposition: {e}")
             rewrite = _REWRITES.get(op_call)
             if rewrite is not None and rewrite[0](args) and _sharded(op_info.schema.args_spec):
+                counts[op_call.__name__] = counts.get(op_call.__name__, 0) + 1  # _paths
                 return rewrite[1](op_call, args, kwargs)
         try:
             if ours and op_call in _MATMULS:

@@ -10,6 +10,7 @@ some ranks would wait forever in a gather the others never join).
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -141,18 +142,23 @@ def _fresh(sample: Any, layout: Layout):
     return inp, args, kwargs, leaves
 
 
-def _forward(job: Job, inp, args, kwargs, put_out) -> list[tuple[str, Any]]:
+def _forward(job: Job, inp, args, kwargs, put_out, watch) -> list[tuple[str, Any]]:
+    # ``watch`` brackets the op's own call: the copies and out= tensors made for it stay out
     op = job.op
     if job.variant == "fn":
-        return flatten(op.op(inp, *args, **kwargs), "out")
+        with watch():
+            ret = op.op(inp, *args, **kwargs)
+        return flatten(ret, "out")
     if job.variant == "inplace":
         # A leaf that needs grad cannot be changed in place: change a copy (torch's idiom).
         target = inp.clone() if inp.requires_grad else inp
-        ret = op.inplace_variant(target, *args, **kwargs)
+        with watch():
+            ret = op.inplace_variant(target, *args, **kwargs)
         return [("self", target), ("returns self", ret is target)]
     if job.variant == "out":
         out = _out_tensors(job.out_template, put_out)
-        with torch.no_grad():  # out= does not differentiate: torch raises if grad mode is on
+        # out= does not differentiate: torch raises if grad mode is on
+        with torch.no_grad(), watch():
             ret = op.op(inp, *args, **kwargs, out=out)
         got, want = flatten(ret, "out"), flatten(out, "out")
         same = len(got) == len(want) and all(a is b for (_, a), (_, b) in zip(got, want))
@@ -244,23 +250,35 @@ def observe(
     layout: Layout,
     fetch: Callable[[torch.Tensor], torch.Tensor],
     channel: Channel,
-) -> None:
+    watch: Callable[[], Any] | None = None,
+) -> list[Any]:
     """Run ``job`` with inputs laid out by ``layout``; report each stage on ``channel``.
 
     Backward is ``(out * g).sum()`` over every differentiable result, ``g`` a fixed random
     tensor of the result's shape (seeded by ``job.grad_seed``, so the same on every process),
     then the gradient of every input that requires one.
+
+    ``watch`` (a rank's ``spmdgt.tensor._paths.watch``) brackets the op's forward call and
+    ``backward()``; the watches opened are returned (their paths: the row's ``path`` column).
     """
+    watches: list[Any] = []
+
+    def watched():
+        if watch is None:
+            return contextlib.nullcontext()
+        watches.append(watch())
+        return watches[-1]
+
     items: list[tuple[str, Any]] = []
     leaves: list[tuple[str, torch.Tensor]] = []
     error = None
     try:
         inp, args, kwargs, leaves = _fresh(job.sample, layout)
-        items = _forward(job, inp, args, kwargs, layout.put_out)
+        items = _forward(job, inp, args, kwargs, layout.put_out, watched)
     except Exception as e:
         error = describe(e)
     if not channel.stage("forward", error, signature(items) if error is None else ()):
-        return
+        return watches
     channel.values("forward", *_fetch_all(items, fetch, job.values_compared))
 
     grads: list[tuple[str, Any]] = []
@@ -275,10 +293,12 @@ def observe(
                 term = (t * g).sum()
                 term = term.real if term.is_complex() else term
                 loss = term if loss is None else loss + term
-            loss.backward()
+            with watched():
+                loss.backward()
             grads = [(f"grad {label}", leaf.grad) for label, leaf in leaves]
         except Exception as e:
             error = describe(e)
     if not channel.stage("backward", error, signature(grads) if error is None else ()):
-        return
+        return watches
     channel.values("backward", *_fetch_all(grads, fetch, True))
+    return watches

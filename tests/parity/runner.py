@@ -49,11 +49,13 @@ _CHUNK = 400  # cases per group: a fresh group now and then keeps leaks from pil
 
 @dataclass
 class CaseRun:
-    """What the ranks did with one case: ``status`` ok, hang or crash (``note`` says how)."""
+    """What the ranks did with one case: ``status`` ok, hang or crash (``note`` says how);
+    ``path`` the dearest path any rank's op took (``spmdgt.tensor._paths``; "" if unknown)."""
 
     status: str
     observations: list[dict[str, Stage]] = field(default_factory=list)
     note: str = ""
+    path: str = ""
 
 
 def _cpu_seconds(pid: int) -> float | None:
@@ -154,6 +156,7 @@ def _rank_main(rank, world, init_file, conn, cases, log_path, gloo_timeout) -> N
         import torch.distributed as dist
 
         from spmdgt.tensor._meshes import mesh_for
+        from spmdgt.tensor._paths import watch, worst
         from spmdgt.tensor._tensor import global_value
         from tests.parity.layouts import MESH_2D, PLACEMENTS, fits, rank_layout, sub_mesh_ranks
 
@@ -183,10 +186,11 @@ def _rank_main(rank, world, init_file, conn, cases, log_path, gloo_timeout) -> N
         while (i := conn.recv()) is not None:
             case = cases[i]
             torch.manual_seed(case.seed)
-            observe(case.job, layouts[case.key.placement], fetch, channel)
+            watches = observe(case.job, layouts[case.key.placement], fetch, channel, watch)
+            path = worst(w.path for w in watches)
             check = torch.tensor([float(i), 1.0])
             dist.all_reduce(check)
-            conn.send(("done", check.tolist() == [float(i * world), float(world)]))
+            conn.send(("done", check.tolist() == [float(i * world), float(world)], path))
     except BaseException:
         try:
             conn.send(("fatal", traceback.format_exc()))
@@ -365,7 +369,9 @@ def _drive(group: _Group, i: int, timeout: float) -> CaseRun:
     done = group.gather(clock, "the post-case check")
     if not all(m[1] for m in done):
         return CaseRun("disagree", obs, "ranks out of step after the case (unmatched collectives)")
-    return CaseRun("ok", obs)
+    from spmdgt.tensor._paths import worst  # loaded in the parent already (run_cases)
+
+    return CaseRun("ok", obs, path=worst(m[2] for m in done))
 
 
 def run_cases(

@@ -177,9 +177,11 @@ def _max_dim(op: Any) -> int:
 
 @dataclass
 class SweepResult:
-    """Each row's (outcome, reason); rows that found no sample; the time it took."""
+    """Each row's (outcome, reason); each row's path (the dearest any rank's op took in any
+    of its samples: ``spmdgt.tensor._paths``); rows that found no sample; the time it took."""
 
     rows: dict[RowKey, tuple[str, str]] = field(default_factory=dict)
+    paths: dict[RowKey, str] = field(default_factory=dict)
     unrun: dict[RowKey, str] = field(default_factory=dict)
     seconds: float = 0.0
 
@@ -211,6 +213,7 @@ def _run(keys: list[RowKey], timeout: float, progress: bool, ops: dict[str, Any]
             file=sys.stderr,
         )
     verdicts: dict[RowKey, list[tuple[int, str, str]]] = {}
+    paths: dict[RowKey, list[str]] = {}
     for world in sorted({c.key.world for c in cases}):
         todo = [c for c in cases if c.key.world == world]
         last = [time.monotonic()]
@@ -219,6 +222,8 @@ def _run(keys: list[RowKey], timeout: float, progress: bool, ops: dict[str, Any]
             case = todo[i]
             outcome, reason = judge(case.reference, run.status, run.observations, run.note)
             verdicts.setdefault(case.key, []).append((case.sample_no, outcome, reason))
+            if run.path:
+                paths.setdefault(case.key, []).append(run.path)
             if progress and (outcome in FAILURES or time.monotonic() - last[0] > 30):
                 last[0] = time.monotonic()
                 k = case.key
@@ -233,6 +238,9 @@ def _run(keys: list[RowKey], timeout: float, progress: bool, ops: dict[str, Any]
         runner.run_cases(todo, world, timeout=timeout, on_result=note, skip=lost)
     result = SweepResult(unrun=unrun)
     result.rows = {k: worst(v) for k, v in sorted(verdicts.items())}
+    from spmdgt.tensor._paths import worst as worst_path  # loaded already (runner)
+
+    result.paths = {k: worst_path(v) for k, v in sorted(paths.items())}
     result.seconds = time.monotonic() - start
     return result
 
@@ -251,6 +259,8 @@ def summary(result: SweepResult) -> str:
         lines.append(f"  {outcome:9}{counts[outcome]:6}  {100 * counts[outcome] / total:5.1f}%")
     failures = sum(counts[o] for o in FAILURES)
     passed = counts[EQUAL] + counts[RAISES]
+    by_path = Counter(result.paths.values())
+    lines.append("paths: " + ", ".join(f"{p} {n}" for p, n in sorted(by_path.items())))
     lines.append(
         f"pass rate {100 * passed / total:.1f}% ({counts[EQUAL]} equal + {counts[RAISES]} "
         f"raises of {len(rows)}), equal {100 * counts[EQUAL] / total:.1f}%, "
@@ -269,12 +279,18 @@ def report(result: SweepResult, update_ledger: bool = False) -> bool:
     """Print a run against the ledger (failures, regressions, improvements, the counts),
     write its rows when asked; True when nothing failed or regressed."""
     before = ledger.read()
-    cmp = ledger.compare(result.rows, before)
+    before_paths = ledger.read_paths()
+    cmp = ledger.compare(result.rows, before, result.paths, before_paths)
     for title, keys in (("failures", cmp.failures), ("regressions from equal", cmp.regressions)):
         if keys:
             print(f"{title}:")
             for k in keys:
                 print(line(k, *result.rows[k]))
+    for title, keys in (("slower paths", cmp.slower), ("faster paths", cmp.faster)):
+        if keys:
+            print(f"{title} (ledger -> now):")
+            for k in keys:
+                print(line(k, f"{before_paths[k]} -> {result.paths[k]}", ""))
     if cmp.improvements:
         print("improvements (now equal):")
         for k in cmp.improvements:
@@ -283,6 +299,6 @@ def report(result: SweepResult, update_ledger: bool = False) -> bool:
         print(f"{len(cmp.new)} rows are not in the ledger yet")
     print(summary(result))
     if update_ledger:
-        ledger.write(result.rows)
+        ledger.write(result.rows, paths=result.paths)
         print(f"ledger: {len(result.rows)} rows written to {ledger.LEDGER}")
     return cmp.ok

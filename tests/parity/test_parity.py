@@ -1,6 +1,8 @@
 """CI's slices of the parity sweep: a fixed, seeded sample of rows on 2 and 3 ranks (the 1-D
 layouts), and one on 4 ranks as a 2x2 mesh (the 2-D layouts, ``mesh_*``), must have no failing
-row (differs, disagree, hang, crash) and no row that regressed from ``equal`` in the ledger.
+row (differs, disagree, hang, crash), no row that regressed from ``equal`` in the ledger, and
+no ``equal`` row whose path is dearer than the ledger's ``path`` column (an op that slid from
+DTensor's path to the gather fallback still gives the right value; see docs/exactness.md).
 The whole sweep is ``python -m tests.parity --all`` (see tests/parity/sweep.py); its 2-D rows
 ``python -m tests.parity --all --placements mesh_s0s1,mesh_s0r,mesh_rs1,mesh_s0s0 --worlds 4``.
 """
@@ -27,6 +29,10 @@ SAMPLE_ROWS_2D_QUICK = 40
 
 def _line(key, outcome: str, reason: str) -> str:
     return f"{outcome:8} {key.op} {key.variant} {key.placement} w{key.world}: {reason}"
+
+
+def _path_line(key, before: str, now: str) -> str:
+    return f"path     {key.op} {key.variant} {key.placement} w{key.world}: {before} -> {now}"
 
 
 def _rows_1d():
@@ -73,7 +79,19 @@ def _check(rows) -> None:
     from tests.parity import ledger, sweep
 
     result = sweep.run_sweep(rows, progress=False)
-    cmp = ledger.compare(result.rows, ledger.read())
+    recorded = ledger.read_paths()
+    cmp = ledger.compare(result.rows, ledger.read(), result.paths, recorded)
     problems = [_line(k, *result.rows[k]) for k in cmp.failures]
     problems += [_line(k, *result.rows[k]) + " (ledger: equal)" for k in cmp.regressions]
+    # equal both times, but the op took a dearer path than the ledger's (DTensor's -> the
+    # gather fallback, say): the value test alone would pass it
+    problems += [_path_line(k, recorded[k], result.paths[k]) for k in cmp.slower]
+    for k in cmp.faster:  # cheaper than recorded: fine, said (``--update-ledger`` keeps it)
+        print(_path_line(k, recorded[k], result.paths[k]))
+    unrecorded = [k for k in result.rows if not recorded.get(k)]
     assert not problems, "\n".join([*problems, sweep.summary(result)])
+    # every row the slice runs has its path in the ledger, so a slide is always seen
+    assert not unrecorded, f"{len(unrecorded)} rows without a path in the ledger, e.g. " + (
+        ", ".join(f"{k.op} {k.variant} {k.placement} w{k.world}" for k in unrecorded[:5])
+        + " (python -m tests.parity --update-ledger with those rows)"
+    )
