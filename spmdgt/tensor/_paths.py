@@ -8,7 +8,9 @@ path            what ran
 ``fast``        the dispatch fast path (``_fastpath``): a cache hit, or a first call whose
                 record proved the op local (its next call of the same key is a hit). Only
                 where nothing watches the op: no autograd to record, no dispatch mode.
-``dtensor``     DTensor's sharding propagation and its redistributions (``_dispatch``).
+``dtensor``     DTensor's sharding propagation and its redistributions (``_dispatch``), or
+                DTensor's redistribution and a local product (``_contract``'s direct
+                ``rows @ rows``).
 ``rewrite``     DTensor ops, but spmdgt ran an exact rewrite or the op's decomposition in
                 place of DTensor's rule (``_hook.counts``: ``nll_loss``'s weighted mean, the
                 size-reading losses).
@@ -37,7 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from spmdgt.tensor import _fallback, _fastpath, _hook
+from spmdgt.tensor import _contract, _fallback, _fastpath, _hook
 from spmdgt.tensor import _tensor as _tensor_module
 
 __all__ = ["PATHS", "Watch", "watch", "worst"]
@@ -76,7 +78,7 @@ def _snapshot() -> tuple[int, ...]:
     return (
         fp["hits"],
         fp["misses"] - fp["uncacheable"],  # first calls proven local
-        _seen[0],
+        _seen[0] + _contract.counts["direct"],
         _seen[1],
         sum(_hook.counts.values()),
         sum(_fallback.counts.values()),
