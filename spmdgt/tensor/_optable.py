@@ -374,8 +374,15 @@ def _on_global(func, args, kwargs):
     ),
 )
 def _on_irregular(func, args, kwargs):
-    if any(isinstance(a, DTensor) and is_irregular(a) for a in args):
-        return _fallback.run_global(func, args, kwargs, "DTensor's rule needs even shards")
+    bad = any(isinstance(a, DTensor) and is_irregular(a) for a in args)
+    return _global_if("DTensor's rule needs even shards" if bad else None, func, args, kwargs)
+
+
+def _global_if(why: str | None, func, args, kwargs):
+    """Global values for the reason ``why`` (read from the op and global metadata, alike on
+    every rank); DTensor's path where it is None."""
+    if why is not None:
+        return _fallback.run_global(func, args, kwargs, why)
     return dtensor_path(func, args, kwargs)
 
 
@@ -392,10 +399,7 @@ def _on_irregular(func, args, kwargs):
     "them)",
 )
 def _on_guarded(func, args, kwargs):
-    why = guard(func, args, kwargs)
-    if why is not None:
-        return _fallback.run_global(func, args, kwargs, why)
-    return dtensor_path(func, args, kwargs)
+    return _global_if(guard(func, args, kwargs), func, args, kwargs)
 
 
 @register_route(
@@ -424,9 +428,8 @@ def _on_guarded(func, args, kwargs):
     ),
 )
 def _on_batch_only(func, args, kwargs):
-    if any(isinstance(a, DTensor) and not batch_sharded_evenly(a) for a in args):
-        return _fallback.run_global(func, args, kwargs, "DTensor's rule needs batch shards")
-    return dtensor_path(func, args, kwargs)
+    bad = any(isinstance(a, DTensor) and not batch_sharded_evenly(a) for a in args)
+    return _global_if("DTensor's rule needs batch shards" if bad else None, func, args, kwargs)
 
 
 @register_route(
@@ -442,10 +445,7 @@ def _on_batch_only(func, args, kwargs):
 def _on_attention(func, args, kwargs):
     """``ATTENTION``: each rank's own rows (or heads) through DTensor's strategies where the
     layout allows it exactly (``_attention.why_not_local``), global values otherwise."""
-    why = _attention.why_not_local(args, kwargs, world_size())
-    if why is not None:
-        return _fallback.run_global(func, args, kwargs, why)
-    return dtensor_path(func, args, kwargs)
+    return _global_if(_attention.why_not_local(args, kwargs, world_size()), func, args, kwargs)
 
 
 @register_route(
