@@ -37,6 +37,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from spmdgt.tensor import _registry
+
 __all__ = [
     "CPU_FLASH",
     "CPU_FLASH_BACKWARD",
@@ -199,6 +201,11 @@ def place_mask(op_call, args, kwargs):
         mask = DTensor.from_local(mask, mesh, [Replicate()], run_check=False)
     sliced = mask.redistribute(mesh, [wants])
     return op_call(*args, **{**kwargs, "attn_mask": sliced})
+
+
+# CPU kernels take the mask as a keyword argument DTensor never redistributes: the
+# propagation hook places it first (the ops' records, ``_registry.plan``).
+_registry.register_aten((CPU_FLASH, CPU_FLASH_BACKWARD), "intercept", place_mask)
 
 
 # -- DTensor sharding strategies ------------------------------------------------------------

@@ -9,7 +9,8 @@ DTensor is handed. The key is cacheable only when that record proves the op is l
 - every recorded op ran on DTensor with a sharding DTensor found without any redistribution
   (so DTensor ran exactly ``op(local args)``: no collective, no argument rewritten to local
   sizes), none draws random numbers, mutates, has a custom DTensor handler or one of spmdgt's
-  hook interventions (``_hook``: decompositions, rewrites, masks, scalar reads, random ops),
+  hook interventions (its record in ``_registry``: decompositions, rewrites, intercepts such
+  as masks and scalar reads; and random ops),
   and each tensor it took is an input of the call or an output of an earlier recorded op;
 - the call's result is the output of a recorded op that is not a view (aliasing stays
   DTensor's), and needs no gradient;
@@ -263,7 +264,7 @@ def _local_op(func, args, kwargs, inplace: bool) -> bool:
     op on plain tensors only, a replicated weight's ``t()``, runs alike in the local call.)
     A mutation only where ``inplace``: one writing a DTensor ``self`` only, whose layout it
     keeps (DTensor then returns ``self`` as it is)."""
-    from spmdgt.tensor import _hook, _random
+    from spmdgt.tensor import _random, _registry
 
     if not isinstance(func, torch._ops.OpOverload):
         return False
@@ -278,7 +279,7 @@ def _local_op(func, args, kwargs, inplace: bool) -> bool:
         return False
     if not any(isinstance(a, DTensor) for a in tree_flatten((args, kwargs))[0]):
         return True
-    if _random.draws(func, args, kwargs) or _hook.intervenes(func):
+    if _random.draws(func, args, kwargs) or _registry.intervenes(func):
         return False
     try:
         info = dispatcher.unwrap_to_op_info(func, args, kwargs)

@@ -26,7 +26,6 @@ from spmdgt.tensor import (
     _assign,
     _contract,
     _dynamo,
-    _fallback,
     _fastpath,
     _hook,
     _moves,
@@ -34,7 +33,6 @@ from spmdgt.tensor import (
     _random,
     _transforms,
 )
-from spmdgt.tensor._hook import NoRule
 from spmdgt.tensor._meshes import describe_mesh, mesh_ranks
 from spmdgt.tensor._moves import global_value, move, place, place_local
 
@@ -80,26 +78,20 @@ class Tensor(DTensor):
         # DTensor's C++ fast path as the forward does, and keep what comes out (gradients) a
         # gt.Tensor, so ``.grad`` and ``torch.autograd.grad`` answer ``.numpy()``. Also
         # reached by ``Tensor.set_``, which offers no ``__torch_function__``.
-        swapped = _swap_to_base(args, kwargs)
+        swapped = _swap(args, kwargs)[0]
         kwargs = kwargs or {}
         implicit = _get_implicit()
         _set_implicit(True)
         try:
-            if _optable.route(func) == _optable.ASSIGN:  # Tensor.set_: no torch function
-                out = _assign.assign(func, args, kwargs)
-            else:
-                out = func(*args, **kwargs)
-        except NoRule as e:  # e.g. aten.hardtanh_backward on this layout
-            if func._schema.is_mutable:
-                out = _fallback.run_inplace(func, args, kwargs, e.reason())
-            else:
-                out = _fallback.run_global(func, args, kwargs, e.reason())
+            # Tensor.set_ offers no torch function: its route is taken here
+            call = _assign.assign if _optable.route(func) == _optable.ASSIGN else None
+            # e.g. aten.hardtanh_backward without a rule for this layout: the exact fallback
+            out = _dtensor_path(func, args, kwargs, func._schema.is_mutable, call)
         finally:
             _set_implicit(implicit)
             if not implicit:
                 _rng[0] = False
-            for a in swapped:
-                a.__class__ = Tensor
+            _restore(swapped)
         return _retag(out)
 
     @staticmethod
@@ -177,57 +169,8 @@ class Tensor(DTensor):
 
 def _dispatch(func, args, kwargs):
     """The usual path of an op on ``gt.Tensor``s (``Tensor.__torch_function__``)."""
-    # The per-op path: one pass over the arguments (one list level deep, for torch.cat)
-    # notes meshes and plain tensors and turns our tensors into plain DTensors for the
-    # call, so DTensor's C++ fast path dispatches them; then the classes are restored.
-    swapped = []
-    views = None
-    plain = False
-    mesh = None
-    many = False
-    for a in args:
-        if isinstance(a, DTensor):
-            if type(a) is Tensor:
-                if a._gt_view is not None:  # a copy DTensor made for a view: fresh?
-                    views = [a] if views is None else [*views, a]
-                a.__class__ = DTensor
-                swapped.append(a)
-            m = a._spec.mesh
-            if mesh is None:
-                mesh = m
-            elif m is not mesh:
-                many = True
-        elif isinstance(a, torch.Tensor):
-            if a.dim() or a.requires_grad:  # a 0-d one is a scalar unless it learns
-                plain = True
-        elif type(a) is list or type(a) is tuple:
-            for b in a:
-                if isinstance(b, DTensor):
-                    if type(b) is Tensor:
-                        b.__class__ = DTensor
-                        swapped.append(b)
-                    m = b._spec.mesh
-                    if mesh is None:
-                        mesh = m
-                    elif m is not mesh:
-                        many = True
-                elif isinstance(b, torch.Tensor) and (b.dim() or b.requires_grad):
-                    plain = True
-    if kwargs:
-        for a in kwargs.values():
-            if isinstance(a, DTensor):
-                if type(a) is Tensor:
-                    a.__class__ = DTensor
-                    swapped.append(a)
-            elif isinstance(a, torch.Tensor):
-                if a.dim() or a.requires_grad:
-                    plain = True
-            elif type(a) is list or type(a) is tuple:  # backward(inputs=[...])
-                for b in a:
-                    if type(b) is Tensor:
-                        b.__class__ = DTensor
-                        swapped.append(b)
-    else:
+    swapped, views, plain, mesh, many = _swap(args, kwargs)
+    if not kwargs:
         kwargs = {}
     route = _routes.get(func)
     if route is None:
@@ -253,13 +196,10 @@ def _dispatch(func, args, kwargs):
             args, kwargs = _moves.align_meshes(args, kwargs, route == _optable.INPLACE)
         if plain and mesh is not None and torch.is_grad_enabled() and route != _AUTOGRAD:
             args, kwargs = _moves.lift_grad_plain(mesh, args, kwargs)
-        if route == 0 and "out" not in kwargs:  # DTENSOR, the common case: inlined
+        if route == 0 and "out" not in kwargs:  # DTENSOR, the common case
             if func in _contract.FUNCS and not kwargs:  # rows @ rows: gather the second
                 args = _contract.gather_second(args)
-            try:
-                out = func(*args, **kwargs)
-            except NoRule as e:
-                out = _fallback.run_global(func, args, kwargs, e.reason())
+            out = _dtensor_path(func, args, kwargs)
         else:
             out = _optable.run(func, args, kwargs, route)
     except Exception as e:  # a collective's timeout names the op (GT_TIMEOUT); free if none
@@ -268,15 +208,8 @@ def _dispatch(func, args, kwargs):
         if not implicit:
             _set_implicit(False)
             _rng[0] = False  # the next call starts with nothing drawn (_random.drew)
-        for a in swapped:
-            a.__class__ = Tensor
-    if type(out) is DTensor:
-        out.__class__ = Tensor
-    elif isinstance(out, (tuple, list)):
-        for o in out:
-            if type(o) is DTensor:
-                o.__class__ = Tensor
-    return out
+        _restore(swapped)
+    return _retag(out)
 
 
 def _tracing(t: DTensor) -> bool:
@@ -353,28 +286,71 @@ def _read_only(arr):
     return arr
 
 
-def _swap_to_base(args, kwargs) -> list:
-    """Make our arguments plain ``DTensor`` for the length of one call, and list them.
+def _swap(args, kwargs) -> tuple:
+    """Make our arguments plain ``DTensor`` for the length of one call (``_restore`` after),
+    in one pass over the arguments (one list level deep, for torch.cat and
+    ``backward(inputs=[...])``) that also notes what ``_dispatch`` needs.
 
     DTensor dispatches its own exact type on a C++ fast path; any subclass takes a Python path
-    that re-wraps every argument (~10 us per op). The class is restored right after the call.
-    """
+    that re-wraps every argument (~10 us per op). Returns ``(swapped, views, plain, mesh,
+    many)``: the tensors swapped; the positional ones that are views spmdgt had to copy
+    (``_gt_view``: refreshed before the op) or None; whether a plain tensor that is not a
+    scalar (a 0-d one is a scalar unless it learns) takes part; the mesh of the first
+    positional DTensor; whether positional DTensors sit on more than one mesh."""
     swapped = []
+    views = None
+    plain = False
+    mesh = None
+    many = False
     for a in args:
-        if type(a) is Tensor:
-            a.__class__ = DTensor
-            swapped.append(a)
-        elif type(a) is list or type(a) is tuple:
-            for b in a:
-                if type(b) is Tensor:
-                    b.__class__ = DTensor
-                    swapped.append(b)
-    if kwargs:
-        for a in kwargs.values():
+        if isinstance(a, DTensor):
             if type(a) is Tensor:
+                if a._gt_view is not None:  # a copy DTensor made for a view: fresh?
+                    views = [a] if views is None else [*views, a]
                 a.__class__ = DTensor
                 swapped.append(a)
-    return swapped
+            m = a._spec.mesh
+            if mesh is None:
+                mesh = m
+            elif m is not mesh:
+                many = True
+        elif isinstance(a, torch.Tensor):
+            if a.dim() or a.requires_grad:  # a 0-d one is a scalar unless it learns
+                plain = True
+        elif type(a) is list or type(a) is tuple:
+            for b in a:
+                if isinstance(b, DTensor):
+                    if type(b) is Tensor:
+                        b.__class__ = DTensor
+                        swapped.append(b)
+                    m = b._spec.mesh
+                    if mesh is None:
+                        mesh = m
+                    elif m is not mesh:
+                        many = True
+                elif isinstance(b, torch.Tensor) and (b.dim() or b.requires_grad):
+                    plain = True
+    if kwargs:
+        for a in kwargs.values():
+            if isinstance(a, DTensor):
+                if type(a) is Tensor:
+                    a.__class__ = DTensor
+                    swapped.append(a)
+            elif isinstance(a, torch.Tensor):
+                if a.dim() or a.requires_grad:
+                    plain = True
+            elif type(a) is list or type(a) is tuple:  # backward(inputs=[...])
+                for b in a:
+                    if type(b) is Tensor:
+                        b.__class__ = DTensor
+                        swapped.append(b)
+    return swapped, views, plain, mesh, many
+
+
+def _restore(swapped: list) -> None:
+    """Give the tensors ``_swap`` made plain ``DTensor`` their class back."""
+    for a in swapped:
+        a.__class__ = Tensor
 
 
 def _retag(out):
@@ -390,6 +366,7 @@ def _retag(out):
 
 _routes = _optable._routes  # read on every op: one dict lookup
 _soon = _agree._soon  # agreement points in flight (a list, emptied in place by settle)
+_dtensor_path = _optable.dtensor_path
 _AUTOGRAD = _optable.AUTOGRAD
 _INPLACE = _optable.INPLACE
 _fp_on = _fastpath.enabled
