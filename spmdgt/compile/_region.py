@@ -116,6 +116,10 @@ class Region:
         self.inputs: list[torch.Tensor] = []
         self.versions: list[int] = []
         self._pos: dict[int, int] = {}  # id(input) -> index; the input is held in self.inputs
+        # ``_fast``: id(input) -> (its key part, requires_grad, big, its committed descriptor),
+        # read once per region (a held input's metadata changes only through calls that end
+        # the region: ``resize_``, ``requires_grad_``, in-place views; C++ ones bump its version)
+        self._seen: dict[int, tuple] = {}
         self.floats: list[float] = []
         self.grad = False
         self.device: torch.device | None = None
@@ -148,24 +152,36 @@ class Region:
         and small; ``_SLOW`` for anything else (``_record`` then decides). One pass builds the
         descriptors and the metadata key; a float is keyed by its type only (its value never
         changes a result's shape, strides or dtype). Written for speed: it runs once per
-        recorded op (``benchmarks/bench_compile.py``, ``record``)."""
+        recorded op (``benchmarks/bench_compile.py``, ``record``); a real input already in the
+        region is read from ``_seen``."""
         key: list[Any] = [func]
         descs: list[tuple] = []
+        fresh: list[tuple] = []  # (position, key part, requires_grad, big) of new real inputs
         lazy = rg = commit = big = elsewhere = False
         least = self.min_numel
         dyn = 2 if func in _DYNAMIC else 0  # the first two float slots become graph inputs
         device = self.device
+        seen = self._seen
         for a in args:
             t = type(a)
             if t is _Tensor:
                 node = a.__dict__.get("_gt_lazy")
                 if node is None:
-                    big = big or a.numel() >= least
-                    elsewhere = elsewhere or a.device != device
-                    rg = rg or a.requires_grad
-                    key.append(("t", tuple(a.shape), a.stride(), a.dtype))
-                    descs.append(("I", a))
-                    commit = True
+                    got = seen.get(id(a))  # held by the region: the id is this tensor's
+                    if got is not None:
+                        part, r, b, d = got
+                    else:
+                        b = a.numel() >= least
+                        r = a.requires_grad
+                        elsewhere = elsewhere or a.device != device
+                        part = ("t", tuple(a.shape), a.stride(), a.dtype)
+                        fresh.append((len(descs), part, r, b))
+                        d = ("I", a)
+                        commit = True
+                    big = big or b
+                    rg = rg or r
+                    key.append(part)
+                    descs.append(d)
                 elif node.region is self:
                     lazy = True
                     rg = rg or node.rg
@@ -206,6 +222,8 @@ class Region:
                 _fast_meta.clear()
         if commit:  # nothing is added to the region before the call is known to be recorded
             descs = [self._commit(d) for d in descs]
+            for i, part, r, b in fresh:
+                seen[id(args[i])] = (part, r, b, descs[i])
         return self._emit(func, tuple(descs), (), meta, grad and rg, device)
 
     def _record(self, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -418,6 +436,7 @@ class Region:
         nodes, inputs, versions, floats = self.nodes, self.inputs, self.versions, self.floats
         self.nodes, self.inputs, self.versions, self.floats = [], [], [], []
         self._pos = {}
+        self._seen = {}
         self.device = None
         mesh, comm, self.mesh, self.comm = self.mesh, self.comm, None, False
         keep, self.keep = self.keep, []  # held until the plan holds them as outputs
