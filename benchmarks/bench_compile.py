@@ -37,7 +37,9 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the scope2 case's ranks
+sys.path.insert(
+    0, os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+)  # the scope2 case's ranks
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _results import Progress, write

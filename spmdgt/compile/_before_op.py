@@ -24,18 +24,21 @@ __all__ = ["PASS", "add_before_op_hook", "remove_before_op_hook", "without_hooks
 PASS: Any = object()  # a hook's answer: "not mine, run the op"
 _before_hooks: list[Callable[..., Any]] = []
 _hook_mode: Any = None
+_is_compiling = torch.compiler.is_compiling
 
 
 class _BeforeOpMode(TorchFunctionMode):
     """Calls the before-op hooks in order; the first answer other than ``PASS`` is the op's."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if torch.compiler.is_compiling() or not _before_hooks:
-            return func(*args, **kwargs) if kwargs else func(*args)
-        for hook in _before_hooks:
-            got = hook(func, types, args, kwargs)
-            if got is not PASS:
-                return got
+        # every torch-level call pays this while a hook is in: module-level names, no
+        # attribute chains (``torch.compiler.is_compiling`` is still the function dynamo
+        # folds to True while it traces)
+        if not _is_compiling():
+            for hook in _before_hooks:
+                got = hook(func, types, args, kwargs)
+                if got is not PASS:
+                    return got
         return func(*args, **kwargs) if kwargs else func(*args)
 
 

@@ -170,6 +170,11 @@ class HotFunctionPass:
         from torch._dynamo.utils import orig_code_map
 
         name = code.co_filename
+        if not name.startswith("<"):
+            # the roots are absolute and normalised: so is the file, or a package imported
+            # through ``dir/../pkg`` (a script's own sys.path entry) counts as the user's,
+            # and the pass compiles spmdgt's own hook (once per code: ``classify`` caches)
+            name = os.path.abspath(name)
         if code in orig_code_map or name.startswith(self._roots[1]):
             return STOP  # dynamo's transformed code / inductor's generated modules
         if name == self._roots[2] and code.co_name in ("compile_wrapper", "_fn"):
@@ -475,7 +480,7 @@ def _library_roots(
     except Exception:  # no inductor: nothing generated to recognise
         generated = ()
     own = (torch_dir + os.sep, package + os.sep)
-    return tuple(sorted(lib)), generated, eval_frame.__file__, own
+    return tuple(sorted(lib)), generated, os.path.abspath(eval_frame.__file__), own
 
 
 def _name_of(fn: Any) -> str:

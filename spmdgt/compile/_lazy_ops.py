@@ -1,8 +1,13 @@
 """Which torch-level calls a lazy region may record, and the shape of their results.
 
 Only calls that are *pure* (a fresh result, no mutation, no aliasing of an input) and return
-one tensor are capturable: running them later, inside a compiled graph, gives what running them
-now would. Their tensor arguments may come in a list (``cat``, ``stack``). Dropout is
+one tensor, or a tuple of fresh tensors (``max(dim)``, ``sort``, ``topk``, ``var_mean``...),
+are capturable: running them later, inside a compiled graph, gives what running them now would.
+Their tensor arguments may come in a list (``cat``, ``stack``). Calls whose results are views
+of their input, returned as a tuple (``split``, ``chunk``, ``unbind``: ``VIEWS``), are not
+recorded (a recorded result would be a fresh tensor, and an in-place change of it would not
+reach the input as eager's does), but on real tensors they run eagerly without ending the
+region: they neither read nor write what it holds. Dropout is
 capturable too (``RANDOM``): its draws are eager's when the region runs them in order from the
 generator state the first one was recorded at (``_region``, ``_graphs``). Everything else
 reaching the region (in-place ops, views, ``out=``, other random ops, host reads, collectives,
@@ -23,9 +28,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["CAPTURE", "DYNAMIC_FLOAT", "OTHER", "RANDOM", "SAFE", "out_meta", "verdict"]
+__all__ = ["CAPTURE", "DYNAMIC_FLOAT", "OTHER", "RANDOM", "SAFE", "VIEWS", "out_meta", "verdict"]
 
-CAPTURE, SAFE, OTHER = 0, 1, 2
+CAPTURE, SAFE, OTHER, VIEWS = 0, 1, 2, 3
 
 _T = torch.Tensor
 _POINTWISE = [
@@ -92,6 +97,12 @@ _POINTWISE = [
 ]
 # reductions: fused by inductor (the order of a float sum may change: see the tolerance)
 _REDUCE = ["sum", "mean", "amax", "amin", "softmax", "log_softmax"]
+# a tuple of fresh tensors (``max``/``min`` with a dim; without one, or of two tensors, one)
+_TUPLES = ["max", "min", "sort", "topk", "kthvalue", "median", "nanmedian", "mode", "var_mean",
+           "std_mean", "aminmax", "cummax", "cummin", "frexp"]  # fmt: skip
+# a tuple of views of the input: run eagerly on real tensors, the region goes on
+_VIEW_TUPLES = ["split", "chunk", "unbind", "tensor_split", "hsplit", "vsplit", "dsplit",
+                "split_with_sizes", "unsafe_split"]  # fmt: skip
 # tensors in a list: a fresh result of their values
 _LISTS = ["cat", "concat", "concatenate", "stack", "hstack", "vstack"]
 # matrix products: not fused themselves, but the pointwise ops around them are (a bias and an
@@ -108,11 +119,13 @@ _DUNDER = (
 
 def _build() -> dict[Any, int]:
     table: dict[Any, int] = {}
-    for name in _POINTWISE + _REDUCE + _MATMUL + _LISTS:
-        for owner in (torch, _T):
-            fn = getattr(owner, name, None)
-            if fn is not None:
-                table[fn] = CAPTURE
+    for names, verdict in ((_POINTWISE + _REDUCE + _MATMUL + _LISTS + _TUPLES, CAPTURE),
+                           (_VIEW_TUPLES, VIEWS)):  # fmt: skip
+        for name in names:
+            for owner in (torch, _T):
+                fn = getattr(owner, name, None)
+                if fn is not None:
+                    table[fn] = verdict
     for name in _DUNDER.split():
         fn = getattr(_T, name, None)
         if fn is not None:
@@ -142,14 +155,15 @@ DYNAMIC_FLOAT = frozenset(
 
 
 def verdict(func: Any, kwargs: dict | None) -> int:
-    """CAPTURE, SAFE or OTHER for this call (``out=``/``inplace=True`` make it OTHER)."""
+    """CAPTURE, SAFE, VIEWS or OTHER for this call (``out=``/``inplace=True`` make it
+    OTHER)."""
     try:
         v = _TABLE.get(func, OTHER)
     except TypeError:  # an unhashable callable
         return OTHER
     # "is not None"/"is True", never truth: an out= tensor's truth is ambiguous (a sharded
     # one's is even a host read, an agreement point on one rank's branch)
-    if v == CAPTURE and kwargs and (kwargs.get("out") is not None or kwargs.get("inplace") is True):
+    if v != SAFE and kwargs and (kwargs.get("out") is not None or kwargs.get("inplace") is True):
         return OTHER
     return v
 
@@ -171,8 +185,9 @@ _meta: OrderedDict[Any, Any] = OrderedDict()
 
 def out_meta(key: Any, func: Any, args: tuple, kwargs: dict) -> tuple | None:
     """``(shape, stride, dtype)`` of ``func``'s result on these inputs (tensors in ``args`` /
-    ``kwargs`` are plain tensors; ``key`` names the call, its input metadata and constants), or
-    None when the result is not one tensor. Run on meta tensors; raises what the call raises."""
+    ``kwargs`` are plain tensors; ``key`` names the call, its input metadata and constants);
+    for a tuple of tensors ``(None, its type, (shape, stride, dtype) of each)``; None for any
+    other result. Run on meta tensors; raises what the call raises."""
     got = _meta.get(key, _MISSING)
     if got is not _MISSING:
         _meta.move_to_end(key)
@@ -187,8 +202,17 @@ def out_meta(key: Any, func: Any, args: tuple, kwargs: dict) -> tuple | None:
 
     with torch._C.DisableTorchFunction():
         out = func(*[meta(a) for a in args], **{k: meta(v) for k, v in kwargs.items()})
-    got = (tuple(out.shape), tuple(out.stride()), out.dtype) if type(out) is _T else None
+    if type(out) is _T:
+        got: Any = _meta_of(out)
+    elif isinstance(out, tuple) and out and all(type(o) is _T for o in out):
+        got = (None, type(out), tuple(_meta_of(o) for o in out))  # a structseq keeps its type
+    else:
+        got = None
     _meta[key] = got
     if len(_meta) > _META_CAP:
         _meta.popitem(last=False)
     return got
+
+
+def _meta_of(t: torch.Tensor) -> tuple:
+    return (tuple(t.shape), tuple(t.stride()), t.dtype)

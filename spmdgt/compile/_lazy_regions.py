@@ -34,7 +34,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from spmdgt.compile import _lazy_ops
+from spmdgt.compile._before_op import PASS
 from spmdgt.compile._graphs import Graphs
 from spmdgt.compile._region import NOFLUSH, Region, fill
 from spmdgt.compile._stats import RegionStats
@@ -42,6 +45,9 @@ from spmdgt.compile._stats import RegionStats
 __all__ = ["LazyPass"]
 
 _verdict, _SAFE, _CAPTURE = _lazy_ops.verdict, _lazy_ops.SAFE, _lazy_ops.CAPTURE
+_VIEWS = _lazy_ops.VIEWS
+_Tensor = torch.Tensor
+_SCALARS = (int, float, bool)
 MIN_NUMEL = 65536  # elements; the study's break-even for one compiled graph over eager ops
 DEFAULT_BATCH = 256  # ops a region holds at most when GT_WORKER_BATCH_SIZE is not set
 
@@ -116,8 +122,11 @@ class LazyPass:
 
     # -- per op -----------------------------------------------------------------------------
     def before_op(self, func: Any, types: Any, args: tuple, kwargs: dict | None) -> Any:
-        from spmdgt.compile._before_op import PASS
-
+        """The hook: record ``func``'s call (its placeholder), or ``PASS`` to let it run
+        eagerly, ending the open region first where the call needs its values. It runs
+        before every torch-level call while the hook is in: with no region open, a call on
+        small plain tensors only is told apart with one look at each argument (the common
+        case; no key is built and nothing is allocated)."""
         if self.busy:
             return PASS
         v = _verdict(func, kwargs)
@@ -125,24 +134,35 @@ class LazyPass:
             return PASS
         reg = self.region
         if v == _CAPTURE:
-            got = reg.record(func, args, kwargs)
-            if got is NOFLUSH:
-                return PASS
-            if got is None and reg.nodes:
-                self.flush("grad mode" if reg.grad != _grad() else f"uncapturable {_name(func)}")
-                reg = self.region
-                got = reg.record(func, args, kwargs)  # it may start the next region
-            if got is None or got is NOFLUSH:
-                return PASS
-            self.stats.ops_captured += 1
-            if len(reg.nodes) == 1:
-                self._open()
-            if len(reg.nodes) >= self.batch:
-                self.flush("batch size")
-            return got
+            if not reg.nodes and not kwargs and _small(args, self.min_numel):
+                return PASS  # no region open (so nothing pending) and nothing to open one
+            return self._capture(reg, func, args, kwargs)
+        if v == _VIEWS and not (reg.nodes and _pending(args, kwargs)):
+            return PASS  # views of real tensors: eager, the region goes on
         if reg.nodes:
             self.flush(_name(func))
         return PASS
+
+    def _capture(self, reg: Region, func: Any, args: tuple, kwargs: dict | None) -> Any:
+        """A capturable call: its placeholder, or ``PASS`` (run eagerly, the open region
+        first where the region cannot hold the call)."""
+        opens = not reg.nodes
+        got = reg.record(func, args, kwargs)
+        if got is NOFLUSH:
+            return PASS
+        if got is None and reg.nodes:
+            self.flush("grad mode" if reg.grad != _grad() else f"uncapturable {_name(func)}")
+            reg = self.region
+            got = reg.record(func, args, kwargs)  # it may start the next region
+            opens = True
+        if got is None or got is NOFLUSH:
+            return PASS
+        self.stats.ops_captured += 1
+        if opens:
+            self._open()
+        if len(reg.nodes) >= self.batch:
+            self.flush("batch size")
+        return got
 
     # -- sync -------------------------------------------------------------------------------
     def sync(self, what: str) -> None:
@@ -198,9 +218,29 @@ class LazyPass:
 
 
 def _grad() -> bool:
-    import torch
-
     return torch.is_grad_enabled()
+
+
+def _small(args: tuple, least: int) -> bool:
+    """Whether every argument is a plain tensor of fewer than ``least`` elements or a
+    number: such a call is never recorded in a new region (anything else: ``record``
+    decides)."""
+    for a in args:
+        t = type(a)
+        if t is _Tensor:
+            if a.numel() >= least:
+                return False
+        elif t not in _SCALARS:
+            return False
+    return True
+
+
+def _pending(args: tuple, kwargs: dict | None) -> bool:
+    """Whether an argument is a placeholder (of any region: a stale one is filled first)."""
+    for a in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(a, _Tensor) and "_gt_lazy" in a.__dict__:
+            return True
+    return False
 
 
 def _name(func: Any) -> str:

@@ -24,6 +24,7 @@ computed from the changed value.
 
 from __future__ import annotations
 
+import operator
 import weakref
 from typing import Any
 
@@ -51,6 +52,12 @@ _empty_strided = torch.empty_strided
 _mode_depth = torch._C._len_torch_function_stack
 _weakref = weakref.ref
 _fast_meta: dict[tuple, tuple] = {}  # ``_fast``'s keys -> (shape, stride, dtype)
+_getitem = operator.getitem  # a tuple call's element, one node each
+
+
+def _no_placeholder() -> None:
+    """A tuple call's ``ref``: it has no placeholder of its own (its elements do)."""
+    return None
 
 
 class _Node:
@@ -61,7 +68,9 @@ class _Node:
         self.args = args
         self.kwargs = kwargs
         self.meta = meta  # (shape, stride, dtype)
-        self.mkey = ("t", *meta)  # its part of a later call's metadata key (``_mkey``)
+        # its part of a later call's metadata key (``_mkey``); a tuple call has none: only
+        # its elements' nodes are arguments
+        self.mkey = ("t", *meta) if meta is not None else None
         self.rg = rg
         self.ref: Any = None
         self.index = index
@@ -107,6 +116,10 @@ class Region:
         self.inputs: list[torch.Tensor] = []
         self.versions: list[int] = []
         self._pos: dict[int, int] = {}  # id(input) -> index; the input is held in self.inputs
+        # ``_fast``: id(input) -> (its key part, requires_grad, big, its committed descriptor),
+        # read once per region (a held input's metadata changes only through calls that end
+        # the region: ``resize_``, ``requires_grad_``, in-place views; C++ ones bump its version)
+        self._seen: dict[int, tuple] = {}
         self.floats: list[float] = []
         self.grad = False
         self.device: torch.device | None = None
@@ -119,9 +132,10 @@ class Region:
         self.keep: list[torch.Tensor] = []
 
     def record(self, func: Any, args: tuple, kwargs: dict | None) -> Any:
-        """The placeholder for ``func(*args, **kwargs)``; ``NOFLUSH`` for a small pure call
-        on real tensors (it runs eagerly, the region goes on); None when the call cannot be
-        captured (the caller ends the region and runs it eagerly)."""
+        """The placeholder for ``func(*args, **kwargs)`` (for a call returning a tuple, the
+        same tuple type of placeholders); ``NOFLUSH`` for a small pure call on real tensors (it
+        runs eagerly, the region goes on); None when the call cannot be captured (the caller
+        ends the region and runs it eagerly)."""
         if not kwargs and self.mesh is None:
             got = self._fast(func, args)
             if got is not _SLOW:
@@ -135,28 +149,39 @@ class Region:
         """``_record`` for the common calls of a plain region: positional arguments only,
         each a plain tensor (pending here, or real) or a constant; recorded when one is
         pending (and the real ones are on the region's device), ``NOFLUSH`` when all are real
-        and small; ``_SLOW`` for anything else (``_record`` then decides,
-        as it always did). One pass builds the descriptors and the metadata key; a float is
-        keyed by its type only (its value never changes a result's shape, strides or dtype).
-        Written for speed: it runs once per recorded op (``benchmarks/bench_compile.py``,
-        ``record``)."""
+        and small; ``_SLOW`` for anything else (``_record`` then decides). One pass builds the
+        descriptors and the metadata key; a float is keyed by its type only (its value never
+        changes a result's shape, strides or dtype). Written for speed: it runs once per
+        recorded op (``benchmarks/bench_compile.py``, ``record``); a real input already in the
+        region is read from ``_seen``."""
         key: list[Any] = [func]
         descs: list[tuple] = []
+        fresh: list[tuple] = []  # (position, key part, requires_grad, big) of new real inputs
         lazy = rg = commit = big = elsewhere = False
         least = self.min_numel
         dyn = 2 if func in _DYNAMIC else 0  # the first two float slots become graph inputs
         device = self.device
+        seen = self._seen
         for a in args:
             t = type(a)
             if t is _Tensor:
                 node = a.__dict__.get("_gt_lazy")
                 if node is None:
-                    big = big or a.numel() >= least
-                    elsewhere = elsewhere or a.device != device
-                    rg = rg or a.requires_grad
-                    key.append(("t", tuple(a.shape), a.stride(), a.dtype))
-                    descs.append(("I", a))
-                    commit = True
+                    got = seen.get(id(a))  # held by the region: the id is this tensor's
+                    if got is not None:
+                        part, r, b, d = got
+                    else:
+                        b = a.numel() >= least
+                        r = a.requires_grad
+                        elsewhere = elsewhere or a.device != device
+                        part = ("t", tuple(a.shape), a.stride(), a.dtype)
+                        fresh.append((len(descs), part, r, b))
+                        d = ("I", a)
+                        commit = True
+                    big = big or b
+                    rg = rg or r
+                    key.append(part)
+                    descs.append(d)
                 elif node.region is self:
                     lazy = True
                     rg = rg or node.rg
@@ -195,33 +220,59 @@ class Region:
             _fast_meta[key] = meta
             if len(_fast_meta) > 4096:
                 _fast_meta.clear()
-        shape, stride, dtype = meta
-        rg = grad and rg and (dtype.is_floating_point or dtype.is_complex)
         if commit:  # nothing is added to the region before the call is known to be recorded
             descs = [self._commit(d) for d in descs]
-        node = _Node(func, tuple(descs), (), meta, rg, len(self.nodes), self)
-        if _mode_depth():  # another function mode below the hook's: it must not see this
-            with _NoTorchFunction():
-                p = _empty_strided(shape, stride, dtype=dtype, device=device)
-        else:
-            p = _empty_strided(shape, stride, dtype=dtype, device=device)
-        if rg:
-            p.requires_grad_()  # see ``_record``
-        p._gt_lazy = node
-        node.ref = _weakref(p)
-        self.nodes.append(node)
-        return p
+            for i, part, r, b in fresh:
+                seen[id(args[i])] = (part, r, b, descs[i])
+        return self._emit(func, tuple(descs), (), meta, grad and rg, device)
 
     def _record(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        big = False
-        lazy = False
-        device = None
-        rg = False
-        mesh = None  # the DTensor arguments' one mesh (a sharded call)
-        # a real plain tensor that needs grad among the arguments: with sharded ones, gt.Tensor
-        # lifts it (its gradient stays plain), which a graph does not; others are replicated
-        # values in both
-        plain = False
+        """``record``'s general path: any arguments, plain or sharded (see ``record``)."""
+        seen = self._scan(args, kwargs)
+        if seen is None:
+            return None
+        lazy, big, device, rg, mesh, plain = seen
+        random = func in _RANDOM
+        if random and (not _lazy_ops.drops(args, kwargs) or mesh is not None):
+            return None  # eager: it aliases its input, or draws per shard on gt.Tensors
+        if not lazy and not big:
+            # a small pure call runs eagerly, the region goes on; a small draw may not (it
+            # would draw before the region's own draws): the region runs first
+            return None if random and self.rng is not None else NOFLUSH
+        grad = torch.is_grad_enabled()
+        if not self._admits(func, device, mesh, plain, grad):
+            return None
+        described = self._describe(func, args, kwargs)
+        if described is None:
+            return None
+        adesc, kdesc, mkey = described
+        out = self._out_meta(mkey, func, args, kwargs, mesh)
+        if out is None:
+            return None
+        meta, spec = out
+        if random and self.rng is None:
+            self.rng = _generator(device)
+            self.rng_state = self.rng.get_state()  # the region's draws start from here
+        if spec is not None:
+            self.comm = self.comm or spec[3]
+        self.grad = grad
+        self.device = device
+        self.mesh = mesh
+        adesc = tuple(self._commit(d) for d in adesc)
+        kdesc = tuple((k, self._commit(d)) for k, d in kdesc)
+        p = self._emit(func, adesc, kdesc, meta, grad and rg, device, spec)
+        if random:  # every draw runs, in order, even if its result is dropped
+            self.keep.append(p)
+        return p
+
+    def _scan(self, args: tuple, kwargs: dict) -> tuple | None:
+        """The call's tensors, read once: ``(lazy, big, device, rg, mesh, plain)`` (a pending
+        input, a real one of ``min_numel`` elements per rank, their one device, any input
+        needing grad, the sharded ones' one mesh, a real plain input that needs grad); None
+        when the region cannot hold the call (another kind of tensor, two meshes or
+        devices)."""
+        big = lazy = rg = plain = False
+        device = mesh = None
         for a in _tensors(args, kwargs):
             node = a.__dict__.get("_gt_lazy")
             if type(a) not in _PLAIN:
@@ -241,31 +292,31 @@ class Region:
                 rg = rg or a.requires_grad
                 # per rank of the mesh, from global sizes: the same on every rank
                 n = a.numel() if mesh is None or type(a) in _PLAIN else a.numel() // m.size()
-                if n >= self.min_numel:
-                    big = True
+                big = big or n >= self.min_numel
             if device is None:
                 device = a.device
             elif a.device != device:
                 return None
-        random = func in _lazy_ops.RANDOM
-        if random and (not _lazy_ops.drops(args, kwargs) or mesh is not None):
-            return None  # eager: it aliases its input, or draws per shard on gt.Tensors
-        if not lazy and not big:
-            # a small pure call runs eagerly, the region goes on; a small draw may not (it
-            # would draw before the region's own draws): the region runs first
-            return None if random and self.rng is not None else NOFLUSH
+        return lazy, big, device, rg, mesh, plain
+
+    def _admits(self, func: Any, device: Any, mesh: Any, plain: bool, grad: bool) -> bool:
+        """Whether a call on ``device`` (sharded over ``mesh``) may join this region: its
+        device, its kind (plain or sharded on one mesh), grad mode as the region's, no
+        inference mode or autocast. A sharded call with a real plain input that needs grad
+        may not: ``gt.Tensor`` lifts it (its gradient stays plain), which a graph does not."""
         if device is None or (self.device is not None and device != self.device):
-            return None
+            return False
         if mesh is not None and (plain or not _sharded.recordable(func, mesh)):
-            return None
-        if self.nodes and mesh is not self.mesh:
-            return None  # plain and sharded calls, or two meshes: separate regions
-        grad = torch.is_grad_enabled()
-        if self.nodes and grad != self.grad:
-            return None  # grad mode changed: the region ends here
-        if torch.is_inference_mode_enabled() or torch.is_autocast_enabled(device.type):
-            return None
-        dyn = func in _lazy_ops.DYNAMIC_FLOAT
+            return False
+        if self.nodes and (mesh is not self.mesh or grad != self.grad):
+            return False  # plain and sharded, two meshes, or grad mode changed: the next region
+        return not (torch.is_inference_mode_enabled() or torch.is_autocast_enabled(device.type))
+
+    def _describe(self, func: Any, args: tuple, kwargs: dict) -> tuple | None:
+        """Tentative descriptors of the arguments and the call's metadata key:
+        ``(args' descriptors, kwargs' (name, descriptor), key)``; None if one cannot be
+        described."""
+        dyn = func in _DYNAMIC
         adesc, mkey = [], [func]
         for i, a in enumerate(args):
             d = self._desc(a, dyn and i < 2)
@@ -280,49 +331,67 @@ class Region:
                 return None
             kdesc.append((k, d))
             mkey.append((k, _mkey(a, d)))
+        return adesc, kdesc, tuple(mkey)
+
+    @staticmethod
+    def _out_meta(mkey: tuple, func: Any, args: tuple, kwargs: dict, mesh: Any) -> tuple | None:
+        """``(meta, spec)``: the result's (global) metadata, and for a sharded call
+        ``_sharded.out_spec``'s answer; None when the result is none the region can hold."""
         if mesh is None:
             try:
-                meta = _lazy_ops.out_meta(tuple(mkey), func, args, kwargs)
+                meta = _lazy_ops.out_meta(mkey, func, args, kwargs)
             except Exception:
                 meta = None  # let eager raise the program's own error
-            if meta is None:
-                return None
-            shape, stride, dtype = meta
-        else:
-            got = _sharded.out_spec(tuple(mkey), func, args, kwargs)
-            if got is None:
-                return None
-            spec, lshape, lstride, comm = got
-            tm = spec.tensor_meta
-            shape, stride, dtype = tuple(tm.shape), tuple(tm.stride), tm.dtype
-            meta = (shape, stride, dtype)
-        rg = grad and rg and (dtype.is_floating_point or dtype.is_complex)
-        if random and self.rng is None:
-            self.rng = _generator(device)
-            self.rng_state = self.rng.get_state()  # the region's draws start from here
-        if mesh is not None:
-            self.comm = self.comm or comm
-        self.grad = grad
-        self.device = device
-        self.mesh = mesh
-        adesc = [self._commit(d) for d in adesc]
-        kdesc = [(k, self._commit(d)) for k, d in kdesc]
-        node = _Node(func, tuple(adesc), tuple(kdesc), meta, rg, len(self.nodes), self)
+            return None if meta is None else (meta, None)
+        spec = _sharded.out_spec(mkey, func, args, kwargs)
+        if spec is None:
+            return None
+        tm = spec[0].tensor_meta
+        return (tuple(tm.shape), tuple(tm.stride), tm.dtype), spec
+
+    def _emit(
+        self,
+        func: Any,
+        args: tuple,
+        kwargs: tuple,
+        meta: tuple,
+        rg: bool,
+        device: Any,
+        spec: tuple | None = None,
+    ) -> Any:
+        """Add the call's node (committed descriptors) and hand back its placeholder; for a
+        call returning a tuple (``meta[0] is None``), one ``getitem`` node and placeholder per
+        element, in the call's own tuple type."""
+        if meta[0] is None:
+            _, kind, metas = meta
+            call = _Node(func, args, kwargs, None, rg, len(self.nodes), self)
+            call.ref = _no_placeholder
+            self.nodes.append(call)
+            ref = ("n", call.index)
+            items = [
+                self._emit(_getitem, (ref, ("c", i)), (), m, rg, device)
+                for i, m in enumerate(metas)
+            ]
+            return kind(items)
+        shape, stride, dtype = meta
+        rg = rg and (dtype.is_floating_point or dtype.is_complex)
+        node = _Node(func, args, kwargs, meta, rg, len(self.nodes), self)
         # a placeholder that will need grad says so already: dynamo picks a hot function's
         # graph by guards on ``requires_grad`` (checked in C++, before the graph's runner fills
         # the region), so a pending input must show what the filled one will
-        if mesh is None:
-            with torch._C.DisableTorchFunction():
-                p = torch.empty_strided(shape, stride, dtype=dtype, device=device)
-                if rg:
-                    p.requires_grad_()
+        if spec is not None:
+            p = _sharded.placeholder(spec[0], spec[1], spec[2], device, rg)
         else:
-            p = _sharded.placeholder(spec, lshape, lstride, device, rg)
+            if _mode_depth():  # another function mode below the hook's: it must not see this
+                with _NoTorchFunction():
+                    p = _empty_strided(shape, stride, dtype=dtype, device=device)
+            else:
+                p = _empty_strided(shape, stride, dtype=dtype, device=device)
+            if rg:
+                p.requires_grad_()
         p._gt_lazy = node
-        node.ref = weakref.ref(p)
+        node.ref = _weakref(p)
         self.nodes.append(node)
-        if random:  # every draw runs, in order, even if its result is dropped
-            self.keep.append(p)
         return p
 
     def _desc(self, a: Any, dyn_float: bool) -> tuple | None:
@@ -367,6 +436,7 @@ class Region:
         nodes, inputs, versions, floats = self.nodes, self.inputs, self.versions, self.floats
         self.nodes, self.inputs, self.versions, self.floats = [], [], [], []
         self._pos = {}
+        self._seen = {}
         self.device = None
         mesh, comm, self.mesh, self.comm = self.mesh, self.comm, None, False
         keep, self.keep = self.keep, []  # held until the plan holds them as outputs
