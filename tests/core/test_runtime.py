@@ -93,7 +93,10 @@ def test_session_reset_forgets_every_part():
     from spmdgt.config import get_config
 
     parts = ["compile", "interceptor", "autoplan", "meshes", "runtime", "signals", "scopes"]
-    assert gt.session.parts() == parts  # upper layers forgotten first
+    # upper layers forgotten first; a part loaded on first use (the fast path's cache, once a
+    # sharded tensor exists in this process) may sit among them
+    assert [p for p in gt.session.parts() if p in parts] == parts
+    assert set(gt.session.parts()) <= {*parts, "fastpath"}
     gt.register_config("s", gt.SignalConfig(shard=gt.ShardConfig(axis=0)))
     gt.signal.enter("s")
     interceptor.enable(stats=True)
