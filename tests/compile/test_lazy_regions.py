@@ -24,19 +24,6 @@ from tests._dist import run_ranks
 N = 256
 
 
-@pytest.fixture
-def regions():
-    """Yields ``enable(batch=None, backend="aot_eager")``; turns lazy regions off afterwards."""
-
-    def enable(batch=1000, backend="aot_eager"):
-        assert gt_compile.enable_regions(batch=batch, backend=backend)
-
-    try:
-        yield enable
-    finally:
-        spmdgt.session.reset("compile")  # off, and compile: true scopes may turn it on again
-
-
 def chain(x, b, s=0.5):
     y = x
     for i in range(6):

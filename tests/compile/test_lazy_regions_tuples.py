@@ -13,22 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import spmdgt
 import spmdgt.compile as gt_compile
 from tests._dist import run_ranks
 
 N = 256  # 65536 elements: the capture threshold
-
-
-@pytest.fixture
-def regions():
-    def enable(batch=1000, backend="aot_eager"):
-        assert gt_compile.enable_regions(batch=batch, backend=backend)
-
-    try:
-        yield enable
-    finally:
-        spmdgt.session.reset("compile")
 
 
 def _reg():
