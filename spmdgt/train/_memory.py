@@ -67,7 +67,7 @@ def _pausable(cls: type) -> type:
     data loader makes on its way to a batch)."""
     if cls not in _PAUSABLE:
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: N807
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if getattr(self, "paused", False):
                 if any(issubclass(t, _dtensor_type()) for t in types):
                     return NotImplemented  # DTensor desugars first, as the tracker lets it
