@@ -20,8 +20,8 @@ from torch import nn
 from spmdgt.train import DDPConfig, ParallelismConfig, TrainConfig, TrainingConfig
 from spmdgt.train._dryrun import CollectiveCounter, dry_run
 from tests._dist import run_ranks
-from tests.train.test_dryrun import MICRO_BATCH, SEQ, _dataset, _example_plan, _hf_rows, _model
 from tests.train._models import make_optimizer
+from tests.train.test_dryrun import MICRO_BATCH, SEQ, _dataset, _example_plan, _hf_rows, _model
 
 STEPS = 3  # the last step's collectives are compared (DDP rebuilds its buckets in the second)
 TOLERANCE = 0.05
