@@ -31,6 +31,7 @@ from torch import nn
 from spmdgt.train._config import TrainConfig, override
 from spmdgt.train._dryrun._counting import CollectiveCounter, _bytes_per_rank, _optimizer_tensors
 from spmdgt.train._dryrun._fake import (
+    _backend_memory,
     _dtensor_metadata_apart,
     _fake_mode,
     _hf_masks_unpadded,
@@ -61,8 +62,11 @@ class DrySession:
         config: TrainConfig | str | os.PathLike | None = None,
         strategy: str | None = None,
         on_report: Callable[[dict, TrainConfig, list[str]], object] | None = None,
+        backend: str = "nccl",
     ) -> None:
         self.world = world
+        self.backend = backend
+        """The backend whose collectives' memory is modelled (``_fake.BACKENDS``)."""
         self.fake = _fake_mode()
         self.config, self.strategy = config, strategy
         self.on_report = on_report
@@ -170,7 +174,13 @@ class DrySession:
             for step in range(2):
                 buckets = _rebuild_ddp_buckets(wrapped.module, self.fake) if step == 1 else []
                 counter.step = step
-                with self.fake, _hf_masks_unpadded(self.notes), meter.step(), counter:
+                with (
+                    self.fake,
+                    _hf_masks_unpadded(self.notes),
+                    meter.step(),
+                    counter,
+                    _backend_memory(self.backend),
+                ):
                     # made outside the tracker: DDP's rebuilt buckets, which a real run
                     # rebuilds at this step's forward, under its tracker (the batch the
                     # trainer's _pull counts, as in a real run)
