@@ -13,9 +13,12 @@ run's trackers estimate, so a real run and its dry run compare on every device:
   dry run: the second is the first with optimizer state alive through forward and backward.
   It is a ``TorchDispatchMode`` (a Python call per op: about 2x a step's time on the example
   decoder on CPU), so it runs on those steps only, which the timing statistics leave out
-  (``warmup_steps_excluded`` is at least ``TRACKED_STEPS``). Tensors made before the step and
-  no op touches are not counted (a batch a loader's worker built; DDP's gradient bucket counts
-  from its first all-reduce, which returns it), nor memory that is not a tensor's. Under
+  (``warmup_steps_excluded`` is at least ``TRACKED_STEPS``). Each micro-batch counts from
+  when it leaves the loader (``loading``/``count_inputs``: what the loader makes on the way,
+  a dataset's token tensor that windows are sliced from, is not a step's). Tensors made
+  before the step that no op touches are not counted (DDP's gradient bucket counts from its
+  first all-reduce, which returns it, and from its rebuild at the second step's forward),
+  nor memory that is not a tensor's. A dry run measures with this meter too. Under
   ``torch.compile`` a dispatch mode makes dynamo skip the frame, which would change what runs,
   so compiled runs report no tensor peak on CPU (``memory_kind`` says so).
 
