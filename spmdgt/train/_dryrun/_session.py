@@ -11,7 +11,8 @@ every tensor the model is built from is fake. A ``DistributedTrainer`` built the
 * ``wrapping``: ``wrap_model`` runs on the fake parameters (``_fake._wrappable``);
 * ``after_forward``: the activations a forward saved;
 * ``train(trainer, loader)``: two of the trainer's own ``_train_step``s on the loader's first
-  batch under torch's trackers, the second's collectives counted; the result goes to
+  batch, measured by a real run's ``MemoryMeter`` (the memory of ``backend``'s collectives
+  modelled: ``_fake._backend_memory``), the second's collectives counted; the result goes to
   ``on_report`` (a script's session ends the script there).
 
 Everything else (the layout, the loss and its HF label-token count, the data-parallel scaling,
