@@ -166,3 +166,10 @@ def test_dry_peak_and_collectives_equal_a_real_run_on_2x2(tmp_path):
     cases = [("fsdp", "hf")]  # fsdp over dp_shard x HF's own placements over tp
     real = run_ranks(_ranks, 4, tmp_path, cases, 2)
     _check(cases, 4, 2, real)
+
+
+@pytest.mark.slow
+def test_on_3_ranks_with_uneven_fsdp_shards(tmp_path):
+    cases = [("fsdp", "linear"), ("ddp", "hf")]  # 512 rows over 3 ranks: 171/171/170
+    real = run_ranks(_ranks, 3, tmp_path, cases, 1)
+    _check(cases, 3, 1, real)
