@@ -184,7 +184,7 @@ class TrainLoop:
         if self._loss_tokens is not None and (run.dp > 1 or group > 1):
             # HF's num_items_in_batch: the step's label tokens over its micro-batches and the
             # data-parallel ranks, counted before the first forward (as HF's Trainer does)
-            pulled = [self._pull(source, group, micro) for micro in range(group)]
+            pulled = [self._pull(run, source, group, micro) for micro in range(group)]
             waited = sum(secs for _, _, secs in pulled)
             self._check_batch(run, pulled[0][0])
             num_items = step_label_tokens(
@@ -196,7 +196,7 @@ class TrainLoop:
             )
         for micro in range(group):
             if pulled is None:
-                inputs, targets, secs = self._pull(source, group, micro)
+                inputs, targets, secs = self._pull(run, source, group, micro)
                 waited += secs
                 self._check_batch(run, inputs)
             else:
@@ -214,19 +214,25 @@ class TrainLoop:
         self._samples_in_epoch += samples * run.dp
         return loss_sum, samples, tokens
 
-    def _pull(self, source: Iterator, group: int, micro: int) -> tuple[object, object, float]:
+    def _pull(
+        self, run: Run, source: Iterator, group: int, micro: int
+    ) -> tuple[object, object, float]:
         """The step's next micro-batch from ``source``, on the device, as ``(inputs,
-        targets, seconds waited for it)``."""
+        targets, seconds waited for it)``. The memory meter counts the batch, not what the
+        loader made on the way (``MemoryMeter.loading``)."""
         t = time.perf_counter()
-        try:
-            batch = next(source)
-        except StopIteration:
-            raise ValueError(
-                f"the training loader ended {group - micro} batch(es) before its len() "
-                "said it would; a loader with a __len__ must yield that many batches "
-                "(every rank runs as many steps as len() promises, or a collective hangs)"
-            ) from None
-        inputs, targets = self._unpack(batch)
+        with run.memory.loading() if run.memory is not None else contextlib.nullcontext():
+            try:
+                batch = next(source)
+            except StopIteration:
+                raise ValueError(
+                    f"the training loader ended {group - micro} batch(es) before its len() "
+                    "said it would; a loader with a __len__ must yield that many batches "
+                    "(every rank runs as many steps as len() promises, or a collective hangs)"
+                ) from None
+            inputs, targets = self._unpack(batch)
+        if run.memory is not None:
+            run.memory.count_inputs((inputs, targets))
         return inputs, targets, time.perf_counter() - t
 
     def _check_batch(self, run: Run, inputs: object) -> None:
@@ -261,8 +267,6 @@ class TrainLoop:
         group`` so that the flush's mean over micro-steps and ranks gives that sum."""
         sync = contextlib.nullcontext() if last else self.wrapped.no_sync()
         with sync:
-            if self._dry is not None:
-                self._dry.before_forward()
             with self._autocast():
                 loss = self._loss(inputs, targets, num_items)
             if self._dry is not None:

@@ -13,9 +13,12 @@ run's trackers estimate, so a real run and its dry run compare on every device:
   dry run: the second is the first with optimizer state alive through forward and backward.
   It is a ``TorchDispatchMode`` (a Python call per op: about 2x a step's time on the example
   decoder on CPU), so it runs on those steps only, which the timing statistics leave out
-  (``warmup_steps_excluded`` is at least ``TRACKED_STEPS``). Tensors made before the step and
-  no op touches are not counted (a batch a loader's worker built; DDP's gradient bucket counts
-  from its first all-reduce, which returns it), nor memory that is not a tensor's. Under
+  (``warmup_steps_excluded`` is at least ``TRACKED_STEPS``). Each micro-batch counts from
+  when it leaves the loader (``loading``/``count_inputs``: what the loader makes on the way,
+  a dataset's token tensor that windows are sliced from, is not a step's). Tensors made
+  before the step that no op touches are not counted (DDP's gradient bucket counts from its
+  first all-reduce, which returns it, and from its rebuild at the second step's forward),
+  nor memory that is not a tensor's. A dry run measures with this meter too. Under
   ``torch.compile`` a dispatch mode makes dynamo skip the frame, which would change what runs,
   so compiled runs report no tensor peak on CPU (``memory_kind`` says so).
 
@@ -53,10 +56,35 @@ def memory_tracker(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple
     from torch.distributed.fsdp import FSDPModule
 
     if isinstance(module, FSDPModule):
-        return FSDPMemTracker(module, optimizer), "FSDPMemTracker"
-    tracker = MemTracker()
+        return _pausable(FSDPMemTracker)(module, optimizer), "FSDPMemTracker"
+    tracker = _pausable(MemTracker)()
     tracker.track_external(module, optimizer)
     return tracker, "MemTracker"
+
+
+_PAUSABLE: dict[type, type] = {}
+
+
+def _pausable(cls: type) -> type:
+    """``cls`` (a torch tracker) with a ``paused`` flag: while set, ops run untracked (what a
+    data loader makes on its way to a batch)."""
+    if cls not in _PAUSABLE:
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if getattr(self, "paused", False):
+                if any(issubclass(t, _dtensor_type()) for t in types):
+                    return NotImplemented  # DTensor desugars first, as the tracker lets it
+                return func(*args, **(kwargs or {}))
+            return cls.__torch_dispatch__(self, func, types, args, kwargs)
+
+        _PAUSABLE[cls] = type(cls.__name__, (cls,), {"__torch_dispatch__": __torch_dispatch__})
+    return _PAUSABLE[cls]
+
+
+def _dtensor_type() -> type:
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
 
 
 def rss_bytes() -> int:
@@ -94,7 +122,13 @@ class MemoryMeter:
         self.steps = 0
         self._peak: int | None = None
         self.breakdown: dict[str, int] = {}
-        """The tracker's categories at the peak (parameters, gradients, optimizer state...)."""
+        """The tracker's categories at the peak, by its names ("Parameter", "Gradient",
+        "OptState", FSDP's "Unsharded Param", "All Gather"...)."""
+        self.tracker_name = ""
+        """``FSDPMemTracker`` or ``MemTracker``, once a step was tracked."""
+        self.tracker: object | None = None
+        """The tracker of the step in progress (``None`` between steps and untracked): a dry
+        run reads the activations it counts and tells it of tensors made outside it."""
         self.allocator = device.type == "cuda"
         if self.allocator:
             torch.cuda.reset_peak_memory_stats(device)
@@ -118,17 +152,53 @@ class MemoryMeter:
             yield
             return
         tracker, name = memory_tracker(self.model, self.optimizer)
+        self.tracker_name = name
         self.kind = f"tensors ({name}, steps 1-{TRACKED_STEPS})"
         hook = nn.modules.module.register_module_forward_pre_hook(self._new_forward(tracker))
         try:
             with tracker:
+                self.tracker = tracker
                 yield
         finally:
+            self.tracker = None
             hook.remove()
         for snap in tracker.get_tracker_snapshot("peak").values():  # type: ignore[attr-defined]
             if snap.get("Total", 0) > (self._peak or 0):
                 self._peak = snap["Total"]
-                self.breakdown = {str(k): v for k, v in snap.items() if k != "Total" and v}
+                # the categories are str enums: their values are the tracker's own names
+                self.breakdown = {
+                    str(getattr(k, "value", k)): v for k, v in snap.items() if k != "Total" and v
+                }
+
+    @contextlib.contextmanager
+    def loading(self) -> Iterator[None]:
+        """Where the loader makes the next batch: not counted. Its dataset's tensors are no
+        step's (a window sliced from a token tensor would count the whole token tensor's
+        storage, which a GPU run keeps on the host), and the batch is counted as it comes out
+        (``count_inputs``), on every device as on CUDA, where its copy to the device is."""
+        tracker = self.tracker
+        if tracker is None:
+            yield
+            return
+        tracker.paused = True  # type: ignore[attr-defined]
+        try:
+            yield
+        finally:
+            tracker.paused = False  # type: ignore[attr-defined]
+
+    def count_inputs(self, batch: object) -> None:
+        """Count the tensors of a batch just loaded, from now until they are freed (the
+        tracker's "Inputs" under FSDP, its "Other" otherwise)."""
+        tracker = self.tracker
+        if tracker is None:
+            return
+        from torch.utils._pytree import tree_flatten
+
+        tensors = [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
+        if hasattr(tracker, "track_inputs"):  # FSDPMemTracker: its track_external is a no-op
+            tracker.track_inputs(tuple(tensors))
+        else:
+            tracker.track_external(*tensors)  # type: ignore[attr-defined]
 
     def _new_forward(self, tracker: object):
         """A global forward pre-hook, registered before the tracker's own (so it runs first):

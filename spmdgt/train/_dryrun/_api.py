@@ -13,7 +13,7 @@ from torch import nn
 
 from spmdgt.train._comm import CommunicationProfiler
 from spmdgt.train._config import TrainConfig, load_train_config, override
-from spmdgt.train._dryrun._fake import _check_world
+from spmdgt.train._dryrun._fake import _backend_memory, _check_world
 from spmdgt.train._dryrun._report import CollectiveRow, DryRunReport
 from spmdgt.train._dryrun._session import DrySession
 from spmdgt.train._dryrun._tables import (
@@ -212,6 +212,7 @@ def dry_run(
     headroom: float = 0.1,
     amp_dtype: torch.dtype = torch.bfloat16,
     links: Mapping[str, str] | None = None,
+    backend: str = "nccl",
 ) -> DryRunReport:
     """Two steps of the trainer on ``world`` ranks, in this process, with nothing allocated:
     the ``DistributedTrainer`` itself, built on the fake world (``DrySession``).
@@ -224,8 +225,9 @@ def dry_run(
     (``"80GB"``, bytes) or ``device`` (a ``DEVICES`` name) gives the verdict; ``bandwidth``
     (``"50GB/s"``, bytes/s) and ``latency`` or ``interconnect`` (an ``INTERCONNECTS`` name)
     give the collectives' times; ``links`` gives a mesh dim its own (``{"tp": "nvlink4",
-    "dp_shard": "ib-ndr"}``: an interconnect name or a bandwidth). Raises ``DryRunError`` on
-    bad input, before building."""
+    "dp_shard": "ib-ndr"}``: an interconnect name or a bandwidth). ``backend`` is the process
+    group's whose memory is modelled: ``"nccl"``, or ``"gloo"`` (its reduce-scatter works on a
+    copy of its input). Raises ``DryRunError`` on bad input, before building."""
     from spmdgt.train._trainer import DistributedTrainer
 
     t0 = time.perf_counter()
@@ -233,7 +235,10 @@ def dry_run(
         world, device_memory, device, bandwidth, latency, interconnect, headroom, links
     )
     cfg = _resolve_config(config, strategy)
-    session = DrySession(world, on_report=lambda raw, c, notes: _report(raw, c, s, t0, notes))
+    _backend_memory(backend)  # refused before anything is built
+    session = DrySession(
+        world, on_report=lambda raw, c, notes: _report(raw, c, s, t0, notes), backend=backend
+    )
     with session.world_of_ranks():
         with session.fake:
             model, optimizer, batch = build()

@@ -9,10 +9,10 @@ every tensor the model is built from is fake. A ``DistributedTrainer`` built the
   step runs eagerly (``compile`` off, noted);
 * ``meshes``: the layout's meshes are built outside the fake mode (they hold real ranks);
 * ``wrapping``: ``wrap_model`` runs on the fake parameters (``_fake._wrappable``);
-* ``before_forward``/``after_forward``: the memory tracker's per-forward reset and the
-  activations a forward saved;
+* ``after_forward``: the activations a forward saved;
 * ``train(trainer, loader)``: two of the trainer's own ``_train_step``s on the loader's first
-  batch under torch's trackers, the second's collectives counted; the result goes to
+  batch, measured by a real run's ``MemoryMeter`` (the memory of ``backend``'s collectives
+  modelled: ``_fake._backend_memory``), the second's collectives counted; the result goes to
   ``on_report`` (a script's session ends the script there).
 
 Everything else (the layout, the loss and its HF label-token count, the data-parallel scaling,
@@ -32,14 +32,16 @@ from torch import nn
 from spmdgt.train._config import TrainConfig, override
 from spmdgt.train._dryrun._counting import CollectiveCounter, _bytes_per_rank, _optimizer_tensors
 from spmdgt.train._dryrun._fake import (
+    _backend_memory,
     _dtensor_metadata_apart,
     _fake_mode,
+    _hf_masks_unpadded,
     _mesh_ranks_real,
     _rebuild_ddp_buckets,
     _wrappable,
     fake_world,
 )
-from spmdgt.train._memory import memory_tracker
+from spmdgt.train._memory import MemoryMeter
 
 __all__ = ["DrySession", "active_session", "first_batch"]
 
@@ -61,13 +63,15 @@ class DrySession:
         config: TrainConfig | str | os.PathLike | None = None,
         strategy: str | None = None,
         on_report: Callable[[dict, TrainConfig, list[str]], object] | None = None,
+        backend: str = "nccl",
     ) -> None:
         self.world = world
+        self.backend = backend
+        """The backend whose collectives' memory is modelled (``_fake.BACKENDS``)."""
         self.fake = _fake_mode()
         self.config, self.strategy = config, strategy
         self.on_report = on_report
         self.notes: list[str] = []
-        self._before: Callable[[], None] = lambda: None
         self._after: Callable[[], None] = lambda: None
 
     @contextlib.contextmanager
@@ -118,9 +122,6 @@ class DrySession:
         with self.fake, _wrappable(model):
             yield
 
-    def before_forward(self) -> None:
-        self._before()
-
     def after_forward(self) -> None:
         self._after()
 
@@ -140,9 +141,11 @@ class DrySession:
 
     def measure(self, trainer: object, batch: object) -> dict:
         """Two of the trainer's own optimizer steps (``_train_step``) on ``batch`` (every
-        micro-step takes it), under torch's memory tracker, the second step's collectives
-        counted (DDP's first step runs one all-reduce over all gradients and rebuilds its
-        buckets in gradient order at the second forward). Returns the raw measurements."""
+        micro-step takes it), each measured as a real run on a CPU measures it (the same
+        ``MemoryMeter``: torch's tracker entered afresh for each step, the peak the larger of
+        the two), the second step's collectives counted (DDP's first step runs one all-reduce
+        over all gradients and rebuilds its buckets in gradient order at the second forward).
+        Returns the raw measurements."""
         wrapped, optimizer, layout = trainer.wrapped, trainer.optimizer, trainer.layout
         world = layout.world
         grads: list[int] = []
@@ -155,61 +158,60 @@ class DrySession:
 
         def saved_activations() -> None:
             """The activations the forward saved, read at its end (their most)."""
-            snap = tracker.get_tracker_snapshot("current")  # type: ignore[attr-defined]
+            snap = meter.tracker.get_tracker_snapshot("current")  # type: ignore[attr-defined]
             for per_device in snap.values():
                 activations[0] = max(activations[0], int(per_device.get("Activation", 0)))
 
         accum = trainer.accum
         run = trainer._start_run(override(trainer.config, profile=False), None)
-        params = run.params
-        with self.fake:
-            tracker, tracker_name = _tracker(wrapped, optimizer)
+        # the real run's meter on its CPU path (the fake tensors are the CPU's): it resets the
+        # tracker's per-module statistics at each forward of the root, as a real run's does
+        meter = run.memory = MemoryMeter(torch.device("cpu"), wrapped.module, optimizer)
         counter = CollectiveCounter()
         hook = optimizer.register_step_pre_hook(probe)
-        # the trackers refuse a second forward of the root unless their per-module stats are
-        # reset; the peak stays
-        self._before, self._after = tracker.reset_mod_stats, saved_activations
+        self._after = saved_activations
         wrapped.module.train()
         try:
-            with self.fake, tracker:  # type: ignore[attr-defined]
-                for step in range(2):
-                    if step == 1:
-                        _rebuild_ddp_buckets(wrapped.module, self.fake)
-                    counter.step = step
-                    with counter:
-                        trainer._train_step(run, iter([batch] * accum), accum)
-                snap = tracker.get_tracker_snapshot("peak")  # type: ignore[attr-defined]
+            for step in range(2):
+                buckets = _rebuild_ddp_buckets(wrapped.module, self.fake) if step == 1 else []
+                counter.step = step
+                with (
+                    self.fake,
+                    _hf_masks_unpadded(self.notes),
+                    meter.step(),
+                    counter,
+                    _backend_memory(self.backend),
+                ):
+                    # made outside the tracker: DDP's rebuilt buckets, which a real run
+                    # rebuilds at this step's forward, under its tracker (the batch the
+                    # trainer's _pull counts, as in a real run)
+                    meter.tracker.track_external(*buckets)  # type: ignore[attr-defined]
+                    trainer._train_step(run, iter([batch] * accum), accum)
         finally:
             hook.remove()
-            self._before = self._after = lambda: None
+            self._after = lambda: None
             run.metrics.close()
-        peak = next(iter(snap.values()), {"Total": 0})
-        breakdown = {_CATEGORY.get(k, k.lower()): int(v) for k, v in peak.items() if k != "Total"}
-        breakdown = {k: v for k, v in breakdown.items() if v}
-        total = int(peak.get("Total", 0))
-        if isinstance(wrapped.module, nn.parallel.DistributedDataParallel):
-            # DDP's reducer keeps a flat bucket buffer per gradient bucket for the whole run
-            # (created outside the tracker, so not in its peak): as many bytes as the gradients.
-            buckets = sum(p.numel() * p.element_size() for p in params)
-            breakdown["DDP gradient buckets"] = buckets
-            total += buckets
+        breakdown = {_CATEGORY.get(k, k.lower()): v for k, v in meter.breakdown.items()}
+        # MemTracker's "Other" is what it was given: the micro-batch and DDP's buckets
+        if "other" in breakdown:
+            breakdown["DDP gradient buckets"] = bucket_bytes = _nbytes(buckets)
+            breakdown["inputs"] = breakdown.pop("other") - bucket_bytes
         return {
             "parameters": sum(p.numel() for p in wrapped.module.parameters()),
             "params": _bytes_per_rank(list(wrapped.module.parameters()), world),
             "grads": grads or [0] * world,
             "optimizer": _bytes_per_rank(_optimizer_tensors(optimizer), world),
             "activations": activations[0],
-            "peak": total,
-            "breakdown": breakdown,
+            "peak": meter.peak() or 0,
+            "breakdown": {k: v for k, v in breakdown.items() if v},
             "collectives": counter.totals_by_dim(step=1),
             "sizes": layout.dim_sizes(),
-            "tracker": tracker_name,
+            "tracker": meter.tracker_name,
         }
 
 
-def _tracker(wrapped: object, optimizer: torch.optim.Optimizer) -> tuple[object, str]:
-    # the real trainer's choice (``_memory``): a dry run and a real run count alike
-    return memory_tracker(wrapped.module, optimizer)
+def _nbytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.untyped_storage().nbytes() for t in tensors)
 
 
 @contextlib.contextmanager
