@@ -47,6 +47,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--world", type=int, required=True, help="ranks to simulate (>= 1)")
     p.add_argument(
+        "--backend",
+        choices=["nccl", "gloo"],
+        default="nccl",
+        help="whose collectives' memory to model (gloo copies a reduce-scatter's input)",
+    )
+    p.add_argument(
         "--strategy",
         choices=["ddp", "fsdp", "placements"],
         help="override the trainer's strategy",
@@ -110,6 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             interconnect=args.interconnect,
             headroom=args.headroom,
             links=links or None,
+            backend=args.backend,
         )
     except (DryRunError, ConfigError) as e:
         print(f"dryrun: error: {e}", file=sys.stderr)

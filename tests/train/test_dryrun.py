@@ -365,6 +365,27 @@ def test_command_line_on_the_example(capsys):
     assert "all_gather" in out and "reduce_scatter" in out
 
 
+def test_command_line_models_the_backend(tmp_path):
+    # gloo runs FSDP's reduce-scatter on a full copy of its input (NCCL and the fake group do
+    # not): --backend gloo adds that copy, so its peak is never below nccl's and the JSON says
+    import json
+
+    from spmdgt.scripts.dryrun import main
+
+    script = str(ROOT / "examples" / "train_transformer.py")
+    peaks = {}
+    for backend in ("nccl", "gloo"):
+        out = tmp_path / f"{backend}.json"
+        args = ["--world", "2", "--backend", backend, "--json", str(out), script]
+        # wide and short: parameters, not activations, make the peak (at the reduce-scatter)
+        shape = ["--dim", "256", "--layers", "1", "--seq-len", "4", "--batch-size", "2"]
+        assert main([*args, "--strategy", "fsdp", *shape]) == 0
+        peaks[backend] = json.loads(out.read_text())["peak"]
+    assert peaks["gloo"] > peaks["nccl"] > 0, peaks
+    with pytest.raises(SystemExit):
+        main(["--world", "2", "--backend", "mpi", script])
+
+
 def test_a_script_that_never_trains(tmp_path, capsys):
     from spmdgt.scripts.dryrun import main
 

@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from spmdgt.train._config import TrainConfig
 from spmdgt.train._dryrun._api import _report, _resolve_config, _Settings
+from spmdgt.train._dryrun._fake import _backend_memory
 from spmdgt.train._dryrun._report import DryRunReport
 from spmdgt.train._dryrun._session import DrySession
 from spmdgt.train._dryrun._tables import DryRunError
@@ -44,6 +45,7 @@ def dry_run_call(
     interconnect: str | None = None,
     headroom: float = 0.1,
     links: Mapping[str, str] | None = None,
+    backend: str = "nccl",
 ) -> DryRunReport:
     """Dry-run the first ``DistributedTrainer(...).train(loader)`` that ``fn()`` reaches.
 
@@ -51,9 +53,11 @@ def dry_run_call(
     group made, every tensor fake), its trainer is built as written, and its ``train`` runs
     one dry step on the loader's first batch and ends ``fn`` there. ``config`` (a
     ``TrainConfig`` or YAML path) and ``strategy`` replace what the trainer is given.
-    ``links`` gives a mesh dim its own interconnect or bandwidth (``dry_run``'s).
-    Raises ``DryRunError`` when ``fn`` returns without training."""
+    ``links`` gives a mesh dim its own interconnect or bandwidth (``dry_run``'s);
+    ``backend`` whose collectives' memory is modelled (``dry_run``'s: ``gloo`` copies a
+    reduce-scatter's input, ``nccl`` does not). Raises ``DryRunError`` when ``fn`` returns without training."""
     t0 = time.perf_counter()
+    _backend_memory(backend)  # an unknown backend: refused before anything runs
     s = _Settings.resolve(
         world, device_memory, device, bandwidth, latency, interconnect, headroom, links
     )
@@ -63,7 +67,7 @@ def dry_run_call(
     def done(raw: dict, cfg: TrainConfig, notes: list[str]) -> None:
         raise _Done(_report(raw, cfg, s, t0, notes))
 
-    session = DrySession(world, config=config, strategy=strategy, on_report=done)
+    session = DrySession(world, config=config, strategy=strategy, on_report=done, backend=backend)
     try:
         with session.world_of_ranks(), session.fake:
             fn()
