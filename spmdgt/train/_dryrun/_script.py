@@ -55,7 +55,8 @@ def dry_run_call(
     ``TrainConfig`` or YAML path) and ``strategy`` replace what the trainer is given.
     ``links`` gives a mesh dim its own interconnect or bandwidth (``dry_run``'s);
     ``backend`` whose collectives' memory is modelled (``dry_run``'s: ``gloo`` copies a
-    reduce-scatter's input, ``nccl`` does not). Raises ``DryRunError`` when ``fn`` returns without training."""
+    reduce-scatter's input, ``nccl`` does not). Raises ``DryRunError`` when ``fn`` returns
+    without training."""
     t0 = time.perf_counter()
     _backend_memory(backend)  # an unknown backend: refused before anything runs
     s = _Settings.resolve(
