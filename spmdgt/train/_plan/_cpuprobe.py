@@ -10,9 +10,9 @@ that another job's burst slowed.
 =========================  ================================================================
 probe                       what it prices
 =========================  ================================================================
-small collectives per       each collective's fixed cost on a group of that size (gloo's
-group size (2, 4, ...)      ring takes ``n - 1`` steps, each waiting for a peer to be
-                            scheduled): ``Link.by_size``
+small collectives per       each collective's fixed cost on a group of that size, after a
+group size (2, 4, ...)      burst of work as in a step (gloo's ring takes ``n - 1`` steps,
+                            and each waits for a peer to be scheduled): ``Link.by_size``
 1 MiB all-reduce per size   the bus bandwidth per group size
 a 512^3 fp32 matmul         the compute peak per rank
 one small op, fwd + bwd     the per-op cost (``op_seconds``)
@@ -70,19 +70,57 @@ def _groups(size: int) -> dist.ProcessGroup | None:
     return mine
 
 
+def _collective(kind: str, group: dist.ProcessGroup | None) -> Callable[[], None]:
+    """One smallest ``kind`` collective on ``group`` (one element per rank)."""
+    from spmdgt.train._comm_probe import _ALL_GATHER, _REDUCE_SCATTER
+
+    n = dist.get_world_size(group)
+    full, part = torch.ones(n), torch.ones(1)
+    if kind == "all_gather":
+        return lambda: _ALL_GATHER(full, part, group=group)
+    if kind == "reduce_scatter":
+        return lambda: _REDUCE_SCATTER(part, full, group=group)
+    return lambda: dist.all_reduce(full, group=group)
+
+
+def _between_work(kind: str, group: dist.ProcessGroup | None, repeats: int) -> float:
+    """Seconds one small collective adds when it comes after a burst of work (a step's ops
+    between two of FSDP's collectives): the median over ``repeats`` of the loop's time with
+    the collective less the same loop without. Back to back, the ranks stay in step; after
+    work each arrives when the scheduler lets it, and the collective waits for the last of
+    its group, so on ranks that share cores it costs more, the more ranks it waits for."""
+    a = torch.ones(64, 64)
+    op = _collective(kind, group)
+
+    def work() -> None:
+        for _ in range(40):
+            a @ a
+
+    def loop(with_op: bool, iters: int = 20) -> float:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            work()
+            if with_op:
+                op()
+        return (time.perf_counter() - t0) / iters
+
+    op()
+    extra = [loop(True) - loop(False) for _ in range(repeats)]
+    return max(0.0, sorted(extra)[len(extra) // 2])
+
+
 def _links(sizes: tuple[int, ...], repeats: int) -> list[tuple[int, float, float]]:
     from spmdgt.train._comm_probe import measure_bandwidth, measure_latency
 
     out = []
     for n in sizes:
         g = _groups(n)
-        lats, bws = [], []
-        for _ in range(repeats):
-            # the mean over kinds: FSDP gathers and reduce-scatters, HSDP, DDP and TP all-reduce
-            got = measure_latency(_KINDS, iters=20, group=g)
-            lats.append(sum(got.values()) / len(got))
-            bws.append(measure_bandwidth(1 << 20, iters=5, group=g, kind="all_reduce"))
-        out.append((n, sorted(lats)[len(lats) // 2], sorted(bws)[len(bws) // 2]))
+        # the mean over kinds (FSDP gathers and reduce-scatters, HSDP, DDP and TP
+        # all-reduce), each at least what it costs back to back
+        alone = measure_latency(_KINDS, iters=20, group=g)
+        lat = sum(max(alone[k], _between_work(k, g, repeats)) for k in _KINDS) / len(_KINDS)
+        bws = [measure_bandwidth(1 << 20, iters=5, group=g) for _ in range(repeats)]
+        out.append((n, lat, sorted(bws)[len(bws) // 2]))
     # every rank prices with the same numbers: the slowest rank's
     t = torch.tensor([[lat, -bw] for _, lat, bw in out], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
