@@ -1,20 +1,23 @@
 """The planner against real runs: every candidate it lists for 4 CPU gloo ranks, trained.
 
-    PYTHONPATH=. python benchmarks/plan.py [--steps 6] [--json out.json]
+    PYTHONPATH=. python benchmarks/plan.py [--steps 6] [--passes 2] [--micro-batches 2,4]
+        [--no-memory] [--json out.json]
 
-1. Four ranks measure this machine's gloo all-reduce (latency and bus bandwidth,
-   ``measure_latency``/``measure_bandwidth``): the links the planner prices with.
+1. The 4 ranks measure this machine's ``cpu`` profile at once (``_plan._cpuprobe.probe_cpu``:
+   collective latency and bandwidth per group size, per-op, FSDP-unit, TP-module and
+   checkpointed-block costs), and the 4-rank all-reduce the model before it priced with.
 2. ``spmdgt.train.plan`` plans the example decoder (``examples/train_transformer.py``) for
-   world 4 on ``--device cpu`` with one torch thread (as each rank has), with a memory budget
-   set between the candidates' predicted peaks, so some do not fit.
+   world 4 on that profile, with a memory budget set between the candidates' predicted
+   peaks, so some do not fit; the same candidates are priced by the model before the profile
+   (one link, one latency whatever the group, no per-unit costs) for comparison.
 3. Every candidate that fits is written as its YAML and trained for real on 4 forked gloo
-   ranks by the example's own ``run_trainer`` (``--config`` that YAML, nothing else changed):
-   the mean step time after the warm-up steps; then again for 2 steps under torch's
-   ``MemTracker`` for each rank's tensor peak (live tensor storage, what the plan predicts;
-   apart, as the tracker's dispatch mode slows every op).
-4. Reported: the pick against the fastest measured (within 10%?), Spearman's rank correlation
-   of predicted and measured step times, and whether any candidate said to fit measured over
-   its budget.
+   ranks by the example's own ``run_trainer`` (``--config`` that YAML, nothing else changed),
+   ``--passes`` times in alternating order (the planner's, then reversed): its least step
+   after the 2 warm-up steps (load only adds time) and its mean; then (unless
+   ``--no-memory``) 2 steps under torch's ``MemTracker`` for each rank's tensor peak.
+4. Reported, for both models against the least and the mean step: the pick against the
+   fastest measured (within 10%?) and Spearman's rank correlation of predicted and measured
+   step times; and whether any candidate said to fit measured over its budget.
 
 The machine is shared: step times carry the load of whatever else runs. Results go to
 ``--json`` with the machine's context.
