@@ -197,3 +197,27 @@ def test_a_memory_model_made_for_a_narrow_search_refuses_a_wider_one():
     narrow.fsdp_extra = None
     with pytest.raises(ValueError, match="calibrated without FSDP"):
         plan(model, (x, x), amp=(False,), strategies=("fsdp",), **kw)
+
+
+def test_the_calibration_in_forked_workers_is_the_one_in_process():
+    """The dry runs the search needs (no AMP, checkpointing or FSDP here: 3 of the 7), in two
+    forked workers and in this process, make the same memory model; a run left out is
+    refused when priced."""
+    from spmdgt.train._plan._calibrate import calibrate
+    from spmdgt.train._plan._model import read_model
+
+    ex = _example()
+    model = ex.build_model(ex.parse_args(TINY))
+    x = torch.zeros(2, 16, dtype=torch.long)
+    facts = read_model(model, x)
+    kw = dict(loss_fn=ex.lm_loss, optimizer=lambda p: torch.optim.AdamW(p))
+    kw["needs"] = (False, False, False)
+    lines: list[str] = []
+    forked = calibrate(model, (x, x), facts, jobs=2, log=lines.append, **kw)
+    here = calibrate(model, (x, x), facts, jobs=1, **kw)
+    assert len(forked.runs) == len(here.runs) == 3
+    assert sum("done in" in line for line in lines) == 3
+    assert (forked.rest, forked.block, forked.tp_keep) == (here.rest, here.block, here.tp_keep)
+    assert (forked.opt_ratio, forked.buffers) == (here.opt_ratio, here.buffers)
+    assert forked.block[(False, False)] > 0 and forked.fsdp_extra is None
+    assert set(forked.block) == {(False, False)}
