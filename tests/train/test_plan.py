@@ -153,3 +153,71 @@ def test_the_winners_yaml_trains_on_2_ranks_as_one_process(tmp_path, capsys):
     assert got[0] == got[1]
     # 3 AdamW steps at lr 0.05: FSDP's sums in another order, 2.8e-6 relative at step 3
     assert got[0] == pytest.approx(ref, rel=1e-5)
+
+
+def test_a_links_latency_grows_with_its_group_and_the_pricing_uses_it():
+    """``Link.by_size`` (measured per group size): linear between and beyond the sizes, never
+    below the least; a plan priced with a 4-rank latency far above the 2-rank one ranks
+    HSDP 2x2 (gathers on pairs) above FSDP over 4, and the reverse with one latency."""
+    from dataclasses import replace
+
+    from spmdgt.train._plan._device import Link
+
+    link = Link(1e8, 4e-3, "measured", by_size=((2, 1e-3, 3e8), (4, 4e-3, 1e8)))
+    assert link.at(2) == (1e-3, 3e8) and link.at(4) == (4e-3, 1e8)
+    assert link.at(3) == pytest.approx((2.5e-3, 3e8))  # bandwidth: the nearest size's
+    assert link.at(8)[0] == pytest.approx(10e-3)
+    assert Link(1e8, 4e-3, "fixed").at(64) == (4e-3, 1e8)
+    ex = _example()
+    model = ex.build_model(ex.parse_args(TINY))
+    x = torch.zeros(4, 16, dtype=torch.long)
+    kw = dict(world=4, global_batch=16, loss_fn=ex.lm_loss, memory_model=_memory())
+    kw.update(micro_batches=[4], ac=(False,), amp=(False,), strategies=("fsdp",))
+    cpu = plan(model, (x, x), device="cpu", **kw).device
+    steps = {}
+    for name, lk in (("by size", link), ("fixed", Link(1e8, 1e-3, "fixed"))):
+        dev = replace(cpu, intra=lk, inter=lk, op_seconds=0.0)
+        got = plan(model, (x, x), device=dev, **kw)
+        steps[name] = {(e.candidate.dp_replicate, e.candidate.dp_shard): e.step for e in got.ranked}
+    assert steps["by size"][(2, 2)] < steps["by size"][(1, 4)]
+    assert steps["fixed"][(2, 2)] > steps["fixed"][(1, 4)]
+
+
+def test_a_memory_model_made_for_a_narrow_search_refuses_a_wider_one():
+    ex = _example()
+    model = ex.build_model(ex.parse_args(TINY))
+    x = torch.zeros(4, 16, dtype=torch.long)
+    narrow = _memory()
+    narrow.rest = {k: v for k, v in narrow.rest.items() if not k[1]}
+    narrow.block = {k: v for k, v in narrow.block.items() if not k[1]}
+    kw = dict(world=4, device="cpu", global_batch=16, loss_fn=ex.lm_loss, memory_model=narrow)
+    assert plan(model, (x, x), amp=(False,), **kw).ranked
+    with pytest.raises(ValueError, match="calibrated without AMP"):
+        plan(model, (x, x), amp=(True,), **kw)
+    narrow.fsdp_extra = None
+    with pytest.raises(ValueError, match="calibrated without FSDP"):
+        plan(model, (x, x), amp=(False,), strategies=("fsdp",), **kw)
+
+
+def test_the_calibration_in_forked_workers_is_the_one_in_process():
+    """The dry runs the search needs (no AMP, checkpointing or FSDP here: 3 of the 7), in two
+    forked workers and in this process, make the same memory model; a run left out is
+    refused when priced."""
+    from spmdgt.train._plan._calibrate import calibrate
+    from spmdgt.train._plan._model import read_model
+
+    ex = _example()
+    model = ex.build_model(ex.parse_args(TINY))
+    x = torch.zeros(2, 16, dtype=torch.long)
+    facts = read_model(model, x)
+    kw = dict(loss_fn=ex.lm_loss, optimizer=lambda p: torch.optim.AdamW(p))
+    kw["needs"] = (False, False, False)
+    lines: list[str] = []
+    forked = calibrate(model, (x, x), facts, jobs=2, log=lines.append, **kw)
+    here = calibrate(model, (x, x), facts, jobs=1, **kw)
+    assert len(forked.runs) == len(here.runs) == 3
+    assert sum("done in" in line for line in lines) == 3
+    assert (forked.rest, forked.block, forked.tp_keep) == (here.rest, here.block, here.tp_keep)
+    assert (forked.opt_ratio, forked.buffers) == (here.opt_ratio, here.buffers)
+    assert forked.block[(False, False)] > 0 and forked.fsdp_extra is None
+    assert set(forked.block) == {(False, False)}

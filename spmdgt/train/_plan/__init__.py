@@ -12,6 +12,7 @@ winner as the trainer's YAML. ``python -m spmdgt.scripts.plan`` is the command l
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 
@@ -54,6 +55,102 @@ def _seq(inputs: object) -> int:
     return 0
 
 
+def _device(
+    device: str | DeviceSpec,
+    interconnect: str | None,
+    intra: str | None,
+    bandwidth: float | str | None,
+    latency: float | str | None,
+    per_node: int | None,
+) -> DeviceSpec:
+    """The device as given, or the named one with its links."""
+    if isinstance(device, DeviceSpec):
+        return device
+    return device_spec(
+        device,
+        interconnect=interconnect,
+        intra=intra,
+        bandwidth=bandwidth,
+        latency=latency,
+        per_node=per_node,
+    )
+
+
+def _read(model: nn.Module, inputs: object, dev: DeviceSpec, world: int, say) -> ModelFacts:
+    """The model's facts, and a progress line on what it allows."""
+    say(f"plan: reading {type(model).__name__} (meta copy)")
+    facts = read_model(model, inputs)
+    tp = (
+        f"degrees {facts.tp_degrees(min(dev.per_node, world))[1:] or 'none'} ({facts.tp_why})"
+        if facts.tp_table
+        else f"not offered: {facts.tp_why}"
+    )
+    say(f"plan: {facts.parameters:,} parameters in {facts.blocks} blocks; TP {tp}")
+    return facts
+
+
+def _jobs() -> int:
+    """Dry runs at once: the cores this process may use."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def _rank(
+    cands: list[Candidate],
+    price_one: Callable[[Candidate], Estimate],
+    budget: float,
+    margin: float,
+    say,
+) -> tuple[list[Estimate], list[Estimate]]:
+    """Every candidate priced: those that fit ``budget`` (with ``margin`` on their peak),
+    fastest first, and those that do not, with why."""
+    ranked, dropped = [], []
+    for i, c in enumerate(cands):
+        e = price_one(c)
+        if e.memory * (1 + margin) > budget:
+            e.fits = False
+            e.why = (
+                f"does not fit: {e.memory / 2**30:.3f} GiB + {margin:.0%} > "
+                f"{budget / 2**30:.3f} GiB"
+            )
+            dropped.append(e)
+        else:
+            ranked.append(e)
+        if (i + 1) % 500 == 0:
+            say(f"plan: priced {i + 1}/{len(cands)}")
+    ranked.sort(key=lambda e: (e.step, e.memory))
+    return ranked, dropped
+
+
+def _space(
+    facts: ModelFacts,
+    dev: DeviceSpec,
+    world: int,
+    global_batch: int,
+    micro_batches: Sequence[int] | None,
+    ac: tuple[bool, ...],
+    amp: Sequence[bool],
+    strategies: Sequence[str],
+) -> tuple[list[Candidate], list[str]]:
+    """The candidates for the world and batch, and the notes on what is not searched."""
+    cands, notes = enumerate_space(
+        world,
+        global_batch,
+        tp_degrees=facts.tp_degrees(min(dev.per_node, world)),
+        per_node=dev.per_node,
+        micro_batches=list(micro_batches) if micro_batches else None,
+        ac=ac,
+        amp=tuple(amp),
+        strategies=tuple(strategies),
+    )
+    if facts.tp_table is None:
+        notes.append(f"no tensor parallelism: {facts.tp_why}")
+    notes.append("activation checkpointing: none or per block (the trainer has no selective mode)")
+    return cands, notes
+
+
 def plan(
     model: nn.Module,
     batch: object,
@@ -78,6 +175,7 @@ def plan(
     base: TrainConfig | None = None,
     memory_model: MemoryModel | None = None,
     progress: Callable[[str], None] | None = None,
+    jobs: int | None = None,
 ) -> Plan:
     """Search every config the trainer can run ``model`` with on ``world`` devices, price
     each, and rank those that fit.
@@ -86,81 +184,58 @@ def plan(
     size not here; only its meta copy is read). ``batch``: one micro-batch as the trainer's
     loop takes it (``(inputs, targets)`` with a ``loss_fn``, a dict for Hugging Face models);
     its rows are the calibration's micro-batch and, times ``world``, the default global
-    batch. ``device``: ``h100``, ``h200``, ``a100`` or ``cpu`` (this machine's measured peak);
+    batch. ``device``: ``h100``, ``h200``, ``a100`` or ``cpu`` (this machine's measured peak),
+    or a ``DeviceSpec`` (``_cpuprobe.cpu_spec``: the profile measured by the ranks);
     ``memory`` the budget per device (default: the device's less ``headroom``);
     ``margin`` the share added to each predicted peak before it is compared (the dry run's
     peak is within a few percent of a real run's; the 4-rank benchmark measured real peaks up
     to 0.7% above the prediction); ``interconnect``/``intra`` the links across and inside
     nodes, ``bandwidth``/``latency`` one link for all. ``optimizer``: ``params -> Optimizer``
     (default AdamW). ``base``: the settings the plan does not decide (clipping, schedule),
-    kept in the winner's config.
-    ``micro_batches``, ``ac``, ``amp`` and ``strategies`` narrow the search."""
+    kept in the winner's config. ``micro_batches``, ``ac``, ``amp`` and ``strategies`` narrow
+    the search (and the calibration: a memory model made for a narrow search refuses a wider
+    one). ``jobs``: calibration dry runs at once (forked workers; default: the usable cores;
+    1 runs them in this process)."""
     say = progress or (lambda _: None)
     t0 = time.perf_counter()
-    dev = (
-        device
-        if isinstance(device, DeviceSpec)
-        else device_spec(
-            device,
-            interconnect=interconnect,
-            intra=intra,
-            bandwidth=bandwidth,
-            latency=latency,
-            per_node=per_node,
-        )
-    )
+    dev = _device(device, interconnect, intra, bandwidth, latency, per_node)
     budget = budget_bytes(dev, memory) if memory is not None else dev.memory * (1 - headroom)
     if loss_fn is None:
         loss_fn = guess_loss_fn(batch)
     optimizer = optimizer or (lambda params: torch.optim.AdamW(params))
     inputs = _inputs(batch, loss_fn)
-    say(f"plan: reading {type(model).__name__} (meta copy)")
-    facts = read_model(model, inputs)
-    say(
-        f"plan: {facts.parameters:,} parameters in {facts.blocks} blocks; TP "
-        + (
-            f"degrees {facts.tp_degrees(min(dev.per_node, world))[1:] or 'none'} ({facts.tp_why})"
-            if facts.tp_table
-            else f"not offered: {facts.tp_why}"
-        )
-    )
+    facts = _read(model, inputs, dev, world, say)
+    ac = tuple(ac) if facts.blocks else (False,)
     mem = memory_model or calibrate(
-        model, batch, facts, loss_fn=loss_fn, optimizer=optimizer, log=say
+        model,
+        batch,
+        facts,
+        loss_fn=loss_fn,
+        optimizer=optimizer,
+        log=say,
+        needs=(True in ac, True in amp, "fsdp" in strategies),
+        jobs=jobs or _jobs(),
     )
-    rows = mem.rows
-    global_batch = global_batch or rows * world
-    cands, notes = enumerate_space(
-        world,
-        global_batch,
-        tp_degrees=facts.tp_degrees(min(dev.per_node, world)),
-        per_node=dev.per_node,
-        micro_batches=list(micro_batches) if micro_batches else None,
-        ac=tuple(ac) if facts.blocks else (False,),
-        amp=tuple(amp),
-        strategies=tuple(strategies),
+    global_batch = global_batch or mem.rows * world
+    cands, notes = _space(facts, dev, world, global_batch, micro_batches, ac, amp, strategies)
+    say(f"plan: pricing {len(cands)} candidates ({time.perf_counter() - t0:.1f}s in)")
+    cfg = base or TrainConfig()
+    seq, clip = _seq(inputs), cfg.training.max_grad_norm is not None
+    ranked, dropped = _rank(
+        cands,
+        lambda c: price(
+            c,
+            facts,
+            mem,
+            dev,
+            seq=seq,
+            clip=clip,
+            reshard_after_forward=cfg.fsdp.reshard_after_forward,
+        ),
+        budget,
+        margin,
+        say,
     )
-    if facts.tp_table is None:
-        notes.append(f"no tensor parallelism: {facts.tp_why}")
-    notes.append("activation checkpointing: none or per block (the trainer has no selective mode)")
-    say(f"plan: pricing {len(cands)} candidates")
-    seq = _seq(inputs)
-    clip = (base or TrainConfig()).training.max_grad_norm is not None
-    reshard = (base or TrainConfig()).fsdp.reshard_after_forward
-    ranked, dropped = [], []
-    for i, c in enumerate(cands):
-        e = price(c, facts, mem, dev, seq=seq, clip=clip, reshard_after_forward=reshard)
-        if e.memory * (1 + margin) > budget:
-            e.fits = False
-            e.why = (
-                f"does not fit: {e.memory / 2**30:.3f} GiB + {margin:.0%} > "
-                f"{budget / 2**30:.3f} GiB"
-            )
-            dropped.append(e)
-        else:
-            ranked.append(e)
-        if (i + 1) % 500 == 0:
-            say(f"plan: priced {i + 1}/{len(cands)}")
-    ranked.sort(key=lambda e: (e.step, e.memory))
     return Plan(
         world=world,
         global_batch=global_batch,

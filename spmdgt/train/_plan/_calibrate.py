@@ -24,6 +24,9 @@ the parameters per rank (``_cost``).
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import multiprocessing.connection as mp_connection
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from spmdgt.train._config import TrainConfig, TrainingConfig
-from spmdgt.train._dryrun import DryRunReport, dry_run
+from spmdgt.train._dryrun import DryRunError, DryRunReport, dry_run
 from spmdgt.train._plan._model import ModelFacts, meta_copy, truncated
 
 __all__ = ["MemoryModel", "calibrate", "guess_loss_fn"]
@@ -59,13 +62,19 @@ class MemoryModel:
     """Dynamic bytes per block, by (activation checkpointing, AMP)."""
     tp_keep: float = 1.0
     """Share of a block's dynamic bytes that tensor parallelism leaves whole on every rank."""
-    fsdp_extra: float = 0.0
+    fsdp_extra: float | None = 0.0
     """FSDP's extra dynamic bytes at the peak per byte of one block plus the root (the units
-    gathered at once, their all-gather buffers)."""
+    gathered at once, their all-gather buffers); None when FSDP was not calibrated."""
     runs: list[str] = field(default_factory=list)
     """Each dry run: what it was and its seconds."""
 
     def dynamic(self, rows: int, ac: bool, amp: bool, blocks: int, tp: int) -> float:
+        if (ac, amp) not in self.block:
+            raise ValueError(
+                f"this memory model was calibrated without {'AMP' if amp else 'activation'}"
+                f"{'' if amp else ' checkpointing'}: plan without memory_model= (or with one "
+                "calibrated for the whole search)"
+            )
         block = self.block[(ac, amp)] * (self.tp_keep + (1 - self.tp_keep) / tp)
         return (self.rest[(ac, amp)] + blocks * block) * rows / self.rows
 
@@ -127,6 +136,133 @@ def _builder(model: nn.Module, batch: object, optimizer: Callable) -> Callable:
     return build
 
 
+@dataclass
+class _Measured:
+    """What the planner keeps of one dry run (small enough to come back from a worker)."""
+
+    dynamic: float
+    optimizer: int
+    params: int
+    buffers: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class _Run:
+    key: str
+    label: str
+    blocks: int | None
+    world: int
+    config: TrainConfig
+
+
+def _plan_runs(facts: ModelFacts, needs: tuple[bool, bool, bool]) -> list[_Run]:
+    """The dry runs the search needs (``needs``: activation checkpointing, AMP, FSDP are in
+    it), slowest first (a worker pool finishes sooner). Each is independent of the others."""
+    ac, amp, fsdp = needs
+    cut = facts.blocks >= 2
+    two = 2 if cut else None
+    plain = TrainConfig(log_every=1000)
+    ac_cfg = TrainConfig(activation_checkpointing=True)
+    runs = []
+    if cut and 2 in facts.tp_degrees(2):
+        tp_cfg = TrainConfig(strategy="placements", placements="auto")
+        runs.append(_Run("tp", "placements: auto, world 2", two, 2, tp_cfg))
+    runs.append(_Run("base2", "world 1, 2 blocks" if cut else "world 1", two, 1, plain))
+    if amp:
+        amp_cfg = TrainConfig(training=TrainingConfig(use_amp=True))
+        runs.append(_Run("amp", "AMP", two, 1, amp_cfg))
+    if fsdp:
+        runs.append(_Run("fsdp", "fsdp, world 2", two, 2, TrainConfig(strategy="fsdp")))
+    if ac:
+        runs.append(_Run("ac2", "activation checkpointing, 2 blocks", two, 1, ac_cfg))
+    if cut:
+        runs.append(_Run("base1", "world 1, 1 block", 1, 1, plain))
+        if ac:
+            runs.append(_Run("ac1", "activation checkpointing, 1 block", 1, 1, ac_cfg))
+    return runs
+
+
+def _measure(model: nn.Module, batch: object, optimizer: Callable, loss_fn, run: _Run) -> _Measured:
+    t0 = time.perf_counter()
+    m = truncated(model, run.blocks) if run.blocks else model
+    try:
+        r = dry_run(_builder(m, batch, optimizer), run.world, run.config, loss_fn=loss_fn)
+    finally:
+        _forget_runtime()
+    return _Measured(
+        dynamic=_dynamic(r),
+        optimizer=r.optimizer[0],
+        params=r.params[0],
+        buffers=r.peak_breakdown.get("buffers", 0),
+        seconds=time.perf_counter() - t0,
+    )
+
+
+def _worker(conn, model, batch, optimizer, loss_fn, run: _Run) -> None:
+    """A forked worker: one dry run, its result (or its error's text) sent back."""
+    try:
+        torch.set_num_threads(1)  # fake tensors: nothing to compute; the workers share cores
+        conn.send(_measure(model, batch, optimizer, loss_fn, run))
+    except BaseException as e:  # the parent raises it, with the run named
+        conn.send(f"{type(e).__name__}: {e}")
+    finally:
+        conn.close()
+        os._exit(0)  # no atexit handlers of the parent's state in the copy
+
+
+def _execute(
+    model: nn.Module,
+    batch: object,
+    optimizer: Callable,
+    loss_fn,
+    runs: list[_Run],
+    jobs: int,
+    log: Callable[[str], None],
+) -> dict[str, _Measured]:
+    """Every run's measurement: in this process when ``jobs`` is 1, else in up to ``jobs``
+    forked workers at once (each dry run is a fresh trainer on its own fake world; a fork
+    takes the model and batch as they are, nothing is pickled but the result)."""
+    out: dict[str, _Measured] = {}
+    t0 = time.perf_counter()
+
+    def done(run: _Run, got: _Measured) -> None:
+        out[run.key] = got
+        log(
+            f"calibrating memory: dry run {len(out)}/{len(runs)} ({run.label}) done in "
+            f"{got.seconds:.1f}s ({time.perf_counter() - t0:.1f}s in)"
+        )
+
+    if jobs <= 1 or len(runs) == 1:
+        for run in runs:
+            done(run, _measure(model, batch, optimizer, loss_fn, run))
+        return out
+    ctx = mp.get_context("fork")
+    waiting, busy = list(runs), {}
+    log(f"calibrating memory: {len(runs)} dry runs, {jobs} at a time")
+    while waiting or busy:
+        while waiting and len(busy) < jobs:
+            run = waiting.pop(0)
+            recv, send = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_worker, args=(send, model, batch, optimizer, loss_fn, run))
+            proc.start()
+            send.close()
+            busy[recv] = (run, proc)
+        for recv in mp_connection.wait(list(busy)):
+            run, proc = busy.pop(recv)
+            try:
+                got = recv.recv()
+            except EOFError:
+                got = f"the worker died (exit code {proc.exitcode})"
+            proc.join()
+            if isinstance(got, str):
+                for _, other in busy.values():
+                    other.kill()
+                raise DryRunError(f"the planner's calibration dry run ({run.label}) failed: {got}")
+            done(run, got)
+    return out
+
+
 def calibrate(
     model: nn.Module,
     batch: object,
@@ -135,67 +271,60 @@ def calibrate(
     loss_fn: Callable | None,
     optimizer: Callable,
     log: Callable[[str], None] = lambda _: None,
+    needs: tuple[bool, bool, bool] = (True, True, True),
+    jobs: int = 1,
 ) -> MemoryModel:
-    """The memory model of ``model`` from its dry runs (see the module's table)."""
-    rows = _rows(batch)
-    cut = facts.blocks >= 2
-    runs: list[str] = []
+    """The memory model of ``model`` from its dry runs (see the module's table). ``needs``:
+    whether activation checkpointing, AMP and FSDP are searched (runs for what is not are
+    skipped, and the model refuses to price them); ``jobs``: dry runs at once."""
+    runs = _plan_runs(facts, needs)
+    got = _execute(model, batch, optimizer, loss_fn, runs, jobs, log)
+    return _fit(
+        model, facts, got, _rows(batch), [f"{r.label}: {got[r.key].seconds:.1f}s" for r in runs]
+    )
 
-    def run(label: str, blocks: int | None, world: int, cfg: TrainConfig) -> DryRunReport:
-        t0 = time.perf_counter()
-        m = truncated(model, blocks) if blocks else model
-        try:
-            report = dry_run(_builder(m, batch, optimizer), world, cfg, loss_fn=loss_fn)
-        finally:
-            _forget_runtime()
-        runs.append(f"{label}: {time.perf_counter() - t0:.1f}s")
-        log(f"calibrating memory: dry run {len(runs)} ({label}) done")
-        return report
 
-    plain = TrainConfig(log_every=1000)
-    two = 2 if cut else None
-    base2 = run("world 1, 2 blocks" if cut else "world 1", two, 1, plain)
-    d2 = _dynamic(base2)
-    if cut:
-        d1 = _dynamic(run("world 1, 1 block", 1, 1, plain))
-        blk = max(0.0, d2 - d1)
-        rest = max(0.0, d1 - blk)
-    else:
-        blk, rest = 0.0, d2
-    # Under AC a block keeps its input, and the one block being recomputed holds its whole
-    # activations at the peak: a part per block plus a constant, pinned by 1 and 2 blocks.
-    ac_cfg = TrainConfig(activation_checkpointing=True)
-    ac2 = _dynamic(run("activation checkpointing, 2 blocks", two, 1, ac_cfg))
-    if cut:
-        ac1 = _dynamic(run("activation checkpointing, 1 block", 1, 1, ac_cfg))
-        blk_ac = max(0.0, ac2 - ac1)
-        rest_ac = max(0.0, ac1 - blk_ac)
-    else:
-        blk_ac, rest_ac = 0.0, ac2
-    amp = run("AMP", two, 1, TrainConfig(training=TrainingConfig(use_amp=True)))
-    r_amp = _dynamic(amp) / d2 if d2 else 1.0
+def _line(two: float, one: float | None) -> tuple[float, float]:
+    """(outside the blocks, per block) from the dynamic bytes at 2 blocks and at 1 (None:
+    no blocks to cut, all of it outside)."""
+    if one is None:
+        return two, 0.0
+    blk = max(0.0, two - one)
+    return max(0.0, one - blk), blk
+
+
+def _fit(
+    model: nn.Module, facts: ModelFacts, got: dict[str, _Measured], rows: int, runs: list[str]
+) -> MemoryModel:
+    """The memory model from the runs' dynamic bytes (a line in the blocks per setting)."""
+    base2 = got["base2"]
+    d2 = base2.dynamic
+    rest, blk = _line(d2, got["base1"].dynamic if "base1" in got else None)
     mem = MemoryModel(
         rows=rows,
-        opt_ratio=base2.optimizer[0] / max(base2.params[0], 1),
-        buffers=base2.peak_breakdown.get("buffers", 0),
-        rest={(False, False): rest, (True, False): rest_ac},
-        block={(False, False): blk, (True, False): blk_ac},
+        opt_ratio=base2.optimizer / max(base2.params, 1),
+        buffers=base2.buffers,
+        rest={(False, False): rest},
+        block={(False, False): blk},
         runs=runs,
     )
-    for ac_on in (False, True):
-        mem.rest[(ac_on, True)] = mem.rest[(ac_on, False)] * r_amp
-        mem.block[(ac_on, True)] = mem.block[(ac_on, False)] * r_amp
-    fsdp = run("fsdp, world 2", two, 2, TrainConfig(strategy="fsdp"))
-    units = _unit_bytes(model, two)
-    mem.fsdp_extra = max(0.0, _dynamic(fsdp) - d2) / units if units else 0.0
-    if cut and 2 in facts.tp_degrees(2) and blk:
-        tp = run(
-            "placements: auto, world 2",
-            two,
-            2,
-            TrainConfig(strategy="placements", placements="auto"),
-        )
-        per_block = (_dynamic(tp) - rest) / 2
+    if "ac2" in got:
+        # Under AC a block keeps its input, and the one block being recomputed holds its
+        # whole activations at the peak: a part per block plus a constant.
+        one = got["ac1"].dynamic if "ac1" in got else None
+        mem.rest[(True, False)], mem.block[(True, False)] = _line(got["ac2"].dynamic, one)
+    if "amp" in got:
+        r_amp = got["amp"].dynamic / d2 if d2 else 1.0
+        for ac_on in [k[0] for k in list(mem.rest)]:
+            mem.rest[(ac_on, True)] = mem.rest[(ac_on, False)] * r_amp
+            mem.block[(ac_on, True)] = mem.block[(ac_on, False)] * r_amp
+    if "fsdp" in got:
+        units = _unit_bytes(model, 2 if facts.blocks >= 2 else None)
+        mem.fsdp_extra = max(0.0, got["fsdp"].dynamic - d2) / units if units else 0.0
+    else:
+        mem.fsdp_extra = None
+    if "tp" in got and blk:
+        per_block = (got["tp"].dynamic - rest) / 2
         mem.tp_keep = min(1.0, max(0.0, 2 * per_block / blk - 1))
     return mem
 

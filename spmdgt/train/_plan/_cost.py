@@ -75,11 +75,148 @@ def _link(dev: DeviceSpec, group: int, stride: int) -> Link:
 
 
 def _comm(link: Link, n: int, totals: dict[str, dict[str, float]]) -> float:
-    """Seconds of ``totals`` (kind -> count, buffer bytes) on a ring of ``n`` over ``link``."""
+    """Seconds of ``totals`` (kind -> count, buffer bytes) on a ring of ``n`` over ``link``
+    (its latency and bandwidth for a group of ``n``)."""
     if n <= 1 or not totals:
         return 0.0
-    prof = CommunicationProfiler(bandwidth=link.bandwidth, latency=link.latency)
+    latency, bandwidth = link.at(n)
+    prof = CommunicationProfiler(bandwidth=bandwidth, latency=latency)
     return prof.estimate_counted(totals, n)["estimated_sec"]
+
+
+def _local_bytes(c: Candidate, facts: ModelFacts) -> float:
+    """Parameter bytes per rank after TP (before FSDP's sharding)."""
+    P, P_tp = float(facts.param_bytes), float(facts.tp_bytes if c.tp > 1 else 0)
+    return P - P_tp + P_tp / c.tp
+
+
+def _memory(c: Candidate, facts: ModelFacts, mem: MemoryModel) -> dict[str, float]:
+    """Bytes per rank at the peak, by part."""
+    t = c.tp
+    half = 2 if c.amp else 4  # bytes of a compute-dtype element
+    local = _local_bytes(c, facts)
+    params = local / (c.dp_shard if c.strategy == "fsdp" else 1)
+    grads_step = params  # sharded (FSDP) or whole (DDP), at the step
+    grads_accum = local if c.accumulation > 1 else 0.0  # FSDP2 no_sync keeps them unsharded
+    if c.strategy != "fsdp":
+        grads_accum = grads_step if c.accumulation > 1 else 0.0
+    dyn = mem.dynamic(c.micro_batch, c.ac, c.amp, facts.blocks, t)
+    extra = 0.0
+    if c.strategy == "fsdp":
+        if mem.fsdp_extra is None:
+            raise ValueError(
+                "this memory model was calibrated without FSDP: plan without memory_model= "
+                "(or with one calibrated for the whole search)"
+            )
+        block = facts.block_bytes - facts.tp_block_bytes * (1 - 1 / t)
+        extra = mem.fsdp_extra * (facts.root_bytes + block) * (half / 4)
+    # the gradients held beside the step's dynamic bytes: earlier micro-steps' (FSDP2's
+    # unsharded under no_sync) through the next forward, else this step's, taken whole at
+    # the peak (under AC the peak is late in the backward, when most of them exist)
+    live = (grads_accum if c.accumulation > 1 else grads_step) + dyn + extra
+    return {
+        "params": params,
+        "optimizer": params * mem.opt_ratio,
+        "buffers": float(mem.buffers),
+        "step (activations, temporaries, gathered units, grads)": live,
+        "DDP buckets": grads_step if c.strategy == "ddp" and c.world > 1 else 0.0,
+    }
+
+
+def _flops_per_rank(c: Candidate, facts: ModelFacts, seq: int) -> float:
+    """FLOPs of one micro-step on one rank: the TP-split share and attention over ``tp``,
+    the forward again under activation checkpointing."""
+    fm = facts.flops
+    if fm is None:
+        return 0.0
+    tokens = c.micro_batch * seq
+    flops = fm.per_step(c.micro_batch, tokens)
+    split = facts.tp_flop_share if c.tp > 1 else 0.0
+    attn = tokens * 12 * fm.layers * fm.width * seq if tokens and fm.layers and fm.width else 0.0
+    dense = flops - attn
+    per_rank = dense * (1 - split) + dense * split / c.tp + attn / c.tp
+    return per_rank * (4 / 3 if c.ac else 1)  # AC: the forward again (2 of the 6 per token)
+
+
+def _overhead(c: Candidate, facts: ModelFacts, dev: DeviceSpec) -> float:
+    """Seconds per step of fixed costs that do not scale with the arithmetic, per micro-step:
+    the model's ops (forward and backward, again forward under AC), each FSDP unit's hooks
+    and copies, each TP module's DTensor dispatch (again in the recomputed forward), each
+    checkpointed block's bookkeeping. All 0 on GPUs, where the host runs ahead."""
+    ops = facts.ops_forward * (3 + (1 if c.ac else 0)) * dev.op_seconds
+    units = facts.blocks + (1 if facts.root_bytes else 0)
+    fsdp = units * dev.unit_seconds if c.strategy == "fsdp" else 0.0
+    tp_modules = facts.tp_row_calls + facts.tp_col_calls if c.tp > 1 else 0
+    tp = tp_modules * dev.tp_module_seconds * (4 / 3 if c.ac else 1)
+    ac = facts.blocks * dev.ac_block_seconds if c.ac else 0.0
+    return c.accumulation * (ops + fsdp + tp + ac)
+
+
+def _optimizer_seconds(c: Candidate, facts: ModelFacts, mem: MemoryModel, dev: DeviceSpec) -> float:
+    """The optimizer step: memory-bound over the state each rank holds, plus a for-loop
+    AdamW's ops per parameter tensor."""
+    params = _local_bytes(c, facts) / (c.dp_shard if c.strategy == "fsdp" else 1)
+    seconds = (params * (2 + 2 * mem.opt_ratio) + params) / dev.memory_bandwidth
+    return seconds + facts.param_tensors * 12 * dev.op_seconds
+
+
+def _communication(
+    c: Candidate, facts: ModelFacts, dev: DeviceSpec, seq: int, clip: bool, reshard: bool
+) -> dict[str, float]:
+    """Seconds per step of each kind of collective, on its mesh dim's link and group size."""
+    r, s, t, k = c.dp_replicate, c.dp_shard, c.tp, c.accumulation
+    half = 2 if c.amp else 4
+    local = _local_bytes(c, facts)
+    comm: dict[str, float] = {}
+    if c.strategy == "fsdp":
+        units = facts.blocks + (1 if facts.root_bytes else 0)
+        gathers = (2 if reshard else 1) * k
+        link = _link(dev, s, t)
+        comm["fsdp all-gather"] = _comm(
+            link, s, {"all_gather": {"count": gathers * units, "bytes": gathers * local * half / 4}}
+        )
+        comm["fsdp reduce-scatter"] = _comm(
+            link, s, {"reduce_scatter": {"count": units, "bytes": local}}
+        )
+        if r > 1:
+            comm["hsdp all-reduce"] = _comm(
+                _link(dev, r, s * t), r, {"all_reduce": {"count": units, "bytes": local / s}}
+            )
+    elif c.strategy == "ddp" and c.world > 1:
+        grad = float(facts.param_bytes)
+        comm["ddp all-reduce"] = _comm(
+            _link(dev, c.world, 1),
+            c.world,
+            {"all_reduce": {"count": max(1, math.ceil(grad / DDP_BUCKET)), "bytes": grad}},
+        )
+    if t > 1:
+        act = c.micro_batch * seq * half / 4
+        fwd = 2 if c.ac else 1
+        calls = k * (fwd * facts.tp_row_calls + facts.tp_col_calls) + (
+            1 if facts.tp_sharded_input else 0
+        )
+        nbytes = k * act * (fwd * facts.tp_row_bytes + facts.tp_col_bytes)
+        comm["tp all-reduce"] = _comm(
+            _link(dev, t, 1), t, {"all_reduce": {"count": calls, "bytes": nbytes}}
+        )
+    if clip and c.world > 1:
+        comm["clip norm"] = _comm(
+            _link(dev, c.world, 1), c.world, {"all_reduce": {"count": 1, "bytes": 4}}
+        )
+    return comm
+
+
+def _exposed(comm: dict[str, float], compute: float, facts: ModelFacts, dev: DeviceSpec) -> float:
+    """Communication left on the critical path: all of it where nothing overlaps (gloo on
+    the step's own cores); on GPUs TP's all-reduces and the clip, the first unit's gather,
+    and whatever of the rest exceeds the compute (FSDP2's prefetch, DDP's buckets)."""
+    total = sum(comm.values())
+    if not dev.overlap:
+        return total
+    tp_part = comm.get("tp all-reduce", 0.0) + comm.get("clip norm", 0.0)
+    hidden = total - tp_part
+    first = hidden / max(facts.blocks + 1, 1)  # the first unit's gather overlaps nothing
+    return tp_part + first + max(0.0, hidden - first - compute)
 
 
 def price(
@@ -94,118 +231,28 @@ def price(
 ) -> Estimate:
     """The candidate's memory and step time on ``dev`` (``seq``: tokens per row, 0 when the
     batch is not token ids)."""
-    r, s, t = c.dp_replicate, c.dp_shard, c.tp
-    half = 2 if c.amp else 4  # bytes of a compute-dtype element
-    # ---- memory
-    P, P_tp = float(facts.param_bytes), float(facts.tp_bytes if t > 1 else 0)
-    local = P - P_tp + P_tp / t  # after TP
-    shard = s if c.strategy == "fsdp" else 1
-    params = local / shard
-    opt = params * mem.opt_ratio
-    grads_step = params  # sharded (FSDP) or whole (DDP), at the step
-    grads_accum = local if c.accumulation > 1 else 0.0  # FSDP2 no_sync keeps them unsharded
-    if c.strategy != "fsdp":
-        grads_accum = grads_step if c.accumulation > 1 else 0.0
-    dyn = mem.dynamic(c.micro_batch, c.ac, c.amp, facts.blocks, t)
-    extra = 0.0
-    if c.strategy == "fsdp":
-        block = facts.block_bytes - facts.tp_block_bytes * (1 - 1 / t)
-        extra = mem.fsdp_extra * (facts.root_bytes + block) * (half / 4)
-    buckets = grads_step if c.strategy == "ddp" and c.world > 1 else 0.0
-    # the gradients held beside the step's dynamic bytes: earlier micro-steps' (FSDP2's
-    # unsharded under no_sync) through the next forward, else this step's, taken whole at
-    # the peak (under AC the peak is late in the backward, when most of them exist)
-    live = (grads_accum if c.accumulation > 1 else grads_step) + dyn + extra
-    parts = {
-        "params": params,
-        "optimizer": opt,
-        "buffers": float(mem.buffers),
-        "step (activations, temporaries, gathered units, grads)": live,
-        "DDP buckets": buckets,
-    }
-    memory = sum(parts.values())
-    # ---- compute
-    rows = c.micro_batch
-    tokens = rows * seq
-    fm = facts.flops
-    flops = fm.per_step(rows, tokens) if fm is not None else 0.0
-    split = facts.tp_flop_share if t > 1 else 0.0
-    attn = 0.0
-    if tokens and fm is not None and fm.layers and fm.width:
-        attn = tokens * 12 * fm.layers * fm.width * seq
-    dense = flops - attn
-    per_rank = dense * (1 - split) + dense * split / t + attn / t
-    if c.ac:
-        per_rank *= 4 / 3  # the forward again (2 of the 6 FLOPs per parameter per token)
-    rate = dev.peak(c.amp) * dev.efficiency
-    compute = c.accumulation * per_rank / rate
-    ops = facts.ops_forward * (3 + (1 if c.ac else 0))
-    overhead = c.accumulation * ops * dev.op_seconds
-    optimizer = (params * (2 + 2 * mem.opt_ratio) + grads_step) / dev.memory_bandwidth
-    optimizer += facts.param_tensors * 12 * dev.op_seconds  # a for-loop AdamW's ops
-    # ---- communication
-    k = c.accumulation
-    comm: dict[str, float] = {}
-    if c.strategy == "fsdp":
-        units = facts.blocks + (1 if facts.root_bytes else 0)
-        gathers = (2 if reshard_after_forward else 1) * k
-        link = _link(dev, s, t)
-        comm["fsdp all-gather"] = _comm(
-            link, s, {"all_gather": {"count": gathers * units, "bytes": gathers * local * half / 4}}
-        )
-        comm["fsdp reduce-scatter"] = _comm(
-            link, s, {"reduce_scatter": {"count": units, "bytes": local}}
-        )
-        if r > 1:
-            comm["hsdp all-reduce"] = _comm(
-                _link(dev, r, s * t), r, {"all_reduce": {"count": units, "bytes": local / s}}
-            )
-    elif c.strategy == "ddp" and c.world > 1:
-        grad = P
-        comm["ddp all-reduce"] = _comm(
-            _link(dev, c.world, 1),
-            c.world,
-            {"all_reduce": {"count": max(1, math.ceil(grad / DDP_BUCKET)), "bytes": grad}},
-        )
-    if t > 1:
-        act = tokens * half / 4
-        fwd = 2 if c.ac else 1
-        calls = k * (fwd * facts.tp_row_calls + facts.tp_col_calls) + (
-            1 if facts.tp_sharded_input else 0
-        )
-        nbytes = k * act * (fwd * facts.tp_row_bytes + facts.tp_col_bytes)
-        comm["tp all-reduce"] = _comm(
-            _link(dev, t, 1), t, {"all_reduce": {"count": calls, "bytes": nbytes}}
-        )
-    if clip and c.world > 1:
-        comm["clip norm"] = _comm(
-            _link(dev, c.world, 1), c.world, {"all_reduce": {"count": 1, "bytes": 4}}
-        )
-    total_comm = sum(comm.values())
-    exposed = total_comm
-    if dev.overlap:
-        tp_part = comm.get("tp all-reduce", 0.0) + comm.get("clip norm", 0.0)
-        hidden = total_comm - tp_part
-        units = max(facts.blocks + 1, 1)
-        first = hidden / units  # the first unit's gather waits for nothing to overlap
-        exposed = tp_part + first + max(0.0, hidden - first - compute)
+    parts = _memory(c, facts, mem)
+    compute = c.accumulation * _flops_per_rank(c, facts, seq) / (dev.peak(c.amp) * dev.efficiency)
+    overhead = _overhead(c, facts, dev)
+    optimizer = _optimizer_seconds(c, facts, mem, dev)
+    comm = _communication(c, facts, dev, seq, clip, reshard_after_forward)
+    exposed = _exposed(comm, compute, facts, dev)
     step = compute + overhead + optimizer + exposed
-    global_tokens = seq * c.micro_batch * c.accumulation * c.data_parallel
-    model_flops = (
-        fm.per_step(c.micro_batch * c.accumulation * c.data_parallel, global_tokens) if fm else 0.0
-    )
-    mfu = model_flops / (step * c.world * dev.peak(c.amp)) if step > 0 else 0.0
+    rows = c.micro_batch * c.accumulation * c.data_parallel
+    global_tokens = seq * rows
+    fm = facts.flops
+    model_flops = fm.per_step(rows, global_tokens) if fm else 0.0
     return Estimate(
         candidate=c,
-        memory=memory,
+        memory=sum(parts.values()),
         memory_parts=parts,
         compute=compute,
         overhead=overhead,
         optimizer=optimizer,
-        comm=total_comm,
+        comm=sum(comm.values()),
         exposed=exposed,
         comm_parts=comm,
         step=step,
         tokens_per_s=global_tokens / step if global_tokens and step > 0 else None,
-        mfu=mfu,
+        mfu=model_flops / (step * c.world * dev.peak(c.amp)) if step > 0 else 0.0,
     )

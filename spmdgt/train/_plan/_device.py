@@ -12,6 +12,7 @@ checked here. Nothing here communicates.
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import time
 from dataclasses import dataclass, replace
@@ -33,11 +34,37 @@ __all__ = ["DeviceSpec", "Link", "device_spec"]
 
 @dataclass(frozen=True)
 class Link:
-    """One link: bus bandwidth per device (bytes/s), latency per collective (s), a label."""
+    """One link: bus bandwidth per device (bytes/s), latency per collective (s), a label.
+
+    ``by_size``: numbers measured per group size, ``(ranks, latency, bus bandwidth)`` in
+    ascending ranks (``_cpuprobe``). A collective's fixed cost grows with its group (a ring
+    of ``n`` takes ``n - 1`` steps, and on a shared CPU every step waits for one more process
+    to be scheduled), so where they are given a group's latency comes from them: linear in
+    the group size between two measured sizes and beyond the last two, never below the
+    smallest measured; its bandwidth is the nearest measured size's. Without them the
+    latency is the same whatever the group (datasheet links, where it is small)."""
 
     bandwidth: float
     latency: float
     label: str
+    by_size: tuple[tuple[int, float, float], ...] = ()
+
+    def at(self, n: int) -> tuple[float, float]:
+        """``(latency, bandwidth)`` of one collective on a group of ``n`` ranks."""
+        pts = self.by_size
+        if not pts:
+            return self.latency, self.bandwidth
+        if len(pts) == 1:
+            return pts[0][1], pts[0][2]
+        lo, hi = pts[0], pts[1]
+        for a, b in itertools.pairwise(pts):
+            lo, hi = a, b
+            if n <= b[0]:
+                break
+        lat = lo[1] + (n - lo[0]) * (hi[1] - lo[1]) / (hi[0] - lo[0])
+        lat = max(lat, min(p[1] for p in pts))
+        bw = min(pts, key=lambda p: (abs(p[0] - n), p[0]))[2]
+        return lat, bw
 
 
 @dataclass(frozen=True)
@@ -67,6 +94,16 @@ class DeviceSpec:
     """Whether FSDP's gathers and DDP's reductions overlap compute (separate CUDA streams)."""
     source: str = ""
     """Where the peak comes from (datasheet or measured)."""
+    unit_seconds: float = 0.0
+    """Fixed cost of one FSDP2 unit per micro-step beyond its collectives and its model's
+    ops (its hooks, the copy-in and copy-out of the gathers, the gradients' reduce-scatter
+    preparation): 0 where the host runs ahead of the device (GPUs), measured on ``cpu``."""
+    tp_module_seconds: float = 0.0
+    """Fixed cost of one tensor-parallel module's forward and backward beyond its
+    all-reduces (DTensor's dispatch and the input/output redistribution hooks)."""
+    ac_block_seconds: float = 0.0
+    """Fixed cost of one checkpointed block per micro-step beyond the recomputed ops (the
+    saved-tensor hooks, the recompute's bookkeeping)."""
 
     def peak(self, amp: bool) -> float:
         return self.peak_half if amp else self.peak_full
