@@ -64,11 +64,22 @@ def agree_on_creation(
     name = str(dtype).removeprefix("torch.")
     place = intent(shape) if where is None else where
     point = f"{what} of {name}{list(shape)}{digest}, {place}"
-    if where is None and will_shard(shape):
+    if where is None and will_shard(shape) and not _compiled_code_may_run():
         # a sharded result is read only through agreement points and ops that settle first
         _agree.agree_soon(point)
     else:  # a replicated one is a plain tensor, readable at once: checked now
         _agree.agree(point)
+
+
+def _compiled_code_may_run() -> bool:
+    """Whether compiled code may run ops before the next check of an in-flight point: the
+    compile pass on (its graphs run ops, collectives too, that no eager ``settle`` sees), or
+    any frame compiled by ``torch.compile`` in this process. Then creations agree at once."""
+    c = sys.modules.get("spmdgt.compile")
+    if c is not None and (c.is_enabled() or c.regions_enabled()):
+        return True
+    dynamo = sys.modules.get("torch._dynamo.utils")
+    return dynamo is not None and dynamo.counters["frames"]["ok"] > 0
 
 
 def _digest(base: torch.Tensor) -> str:

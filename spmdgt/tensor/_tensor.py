@@ -106,7 +106,7 @@ class Tensor(DTensor):
         """DTensor's ``to_local``, after a pending result is filled."""
         if _scope.lazy_sync is not None and "_gt_lazy" in self.__dict__:
             _scope.lazy_sync("to_local")
-        if _soon:  # the shard of a creation still being agreed on: agreed first
+        if not _compiling() and _soon:  # a creation still being agreed on
             _agree.settle()
         return DTensor.to_local(self, grad_placements=grad_placements)
 
@@ -114,7 +114,7 @@ class Tensor(DTensor):
         """DTensor's ``redistribute`` (``full_tensor`` too), after a pending result is filled."""
         if _scope.lazy_sync is not None and "_gt_lazy" in self.__dict__:
             _scope.lazy_sync("redistribute")
-        if _soon:
+        if not _compiling() and _soon:
             _agree.settle()
         return DTensor.redistribute(self, device_mesh, placements, **kwargs)
 
@@ -183,7 +183,7 @@ def _dispatch(func, args, kwargs):
         if _rng[1]:  # DTensor drew outside our calls: its cached sharding goes (_random)
             _random.settle()
     try:
-        if _soon:  # creations whose agreement is in flight: checked before data can move
+        if not _compiling() and _soon:  # creations being agreed on: checked before data moves
             _agree.settle()
         if _fwad._current_level >= 0 or _functorch_active():  # two cheap reads
             _transforms.check(func, args, kwargs)  # torch.func / dual tensors: refused
@@ -366,6 +366,8 @@ def _retag(out):
 
 _routes = _optable._routes  # read on every op: one dict lookup
 _soon = _agree._soon  # agreement points in flight (a list, emptied in place by settle)
+# read first, so dynamo tracing an op never reads (or guards on) the list above
+_compiling = torch.compiler.is_compiling
 _dtensor_path = _optable.dtensor_path
 _AUTOGRAD = _optable.AUTOGRAD
 _INPLACE = _optable.INPLACE

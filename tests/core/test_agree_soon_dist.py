@@ -15,10 +15,20 @@ from tests._dist import run_ranks
 AFTER = ("local_op", "to_local", "matmul", "numpy", "end", "then_agree")
 
 
+def _no_compiled_frames():
+    # creations agree at once in a process where torch.compile ran (a compiled graph could
+    # move data before the check): a forked rank inherits the suite's compiles, a user's
+    # process starts without
+    from torch._dynamo.utils import counters
+
+    counters["frames"].clear()
+
+
 def _diverge(rank, world, after):
     import spmdgt as gt
     from spmdgt.runtime import _agree
 
+    _no_compiled_frames()
     gt.register_config("rows", gt.SignalConfig(shard=gt.ShardConfig(axis=0)))
     gt.device_mesh()  # made first: making a mesh checks the points in flight
     shown, in_flight = [], None
@@ -67,6 +77,7 @@ def _rows_at_rows(rank, world):
     import spmdgt as gt
     from spmdgt.runtime import _agree
 
+    _no_compiled_frames()
     gt.register_config("rows", gt.SignalConfig(shard=gt.ShardConfig(axis=0)))
     gt.device_mesh()
     out = {}
@@ -126,3 +137,28 @@ def test_rows_at_rows_gathers_the_second_operand_and_equals_torch(tmp_path, worl
         torch.testing.assert_close(
             torch.from_numpy(r["big"]), torch.from_numpy(r["ref_big"]), rtol=1e-5, atol=1e-5
         )
+
+
+def _after_compile(rank, world):
+    import torch
+
+    import spmdgt as gt
+    from spmdgt.runtime import _agree
+
+    _no_compiled_frames()
+    gt.register_config("rows", gt.SignalConfig(shard=gt.ShardConfig(axis=0)))
+    gt.device_mesh()
+    with gt.signal.context("rows"):
+        gt.randn(6, 2)
+    before = len(_agree._soon)
+    f = torch.compile(lambda t: t * 2 + 1, backend="eager")
+    f(torch.ones(3))
+    with gt.signal.context("rows"):
+        gt.randn(6, 2)
+    return before, len(_agree._soon)
+
+
+def test_creations_agree_at_once_once_compiled_code_may_run(tmp_path):
+    # a compiled graph runs its ops (collectives too) with no eager check before them
+    for before, after in run_ranks(_after_compile, 2, tmp_path, timeout=90):
+        assert (before, after) == (1, 0)
