@@ -14,9 +14,10 @@ the second operand is the bigger move (a few rows against a wide matrix) DTensor
 choice stands. Two ways to run it:
 
 - ``direct``: nothing records autograd, no mode or compile watches: the second operand's
-  shard is gathered by DTensor's own redistribution step, the product runs on the local
-  tensors and is wrapped with its spec (DTensor's constructor), as the dispatch fast path
-  replays an op (``_fastpath``): one collective and a local ``mm``, no sharding propagation.
+  row shards are all-gathered (c10d's own all-gather on the mesh's group, padded as DTensor
+  pads uneven shards), the product runs on the local tensors and is wrapped with its spec
+  (DTensor's constructor), as the dispatch fast path replays an op (``_fastpath``): one
+  collective and a local ``mm``, no sharding propagation.
 - ``gather_second``: otherwise, the second operand is ``redistribute``d (differentiable: the
   backward reduces its gradient back to rows) and DTensor runs ``Shard(0) @ Replicate``.
 
@@ -26,15 +27,14 @@ Measured in ``docs/benchmarks.md`` ("rows @ rows").
 from __future__ import annotations
 
 import torch
-from torch.distributed._functional_collectives import AsyncCollectiveTensor
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor import _redistribute as _redist
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from spmdgt._core import scope as _scope
 from spmdgt.runtime import _agree
 
-__all__ = ["FUNCS", "counts", "direct", "gather_second"]
+__all__ = ["FUNCS", "counts", "direct", "gather_rows", "gather_second"]
 
 # The torch-level functions a 2-D matrix product reaches ``__torch_function__`` through.
 FUNCS = frozenset(
@@ -89,6 +89,8 @@ _autocast = torch._C._is_any_autocast_enabled
 _compiling = torch.compiler.is_compiling
 _DisableSubclass = torch._C.DisableTorchFunctionSubclass
 _new = torch.Tensor._dtensor__new__
+# torch 2.13 renamed it (the old name warns); torch 2.6-2.12 have the old one only
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def direct(func, args: tuple, gt: type):
@@ -99,8 +101,11 @@ def direct(func, args: tuple, gt: type):
     a, b = args
     if type(a) is not gt or type(b) is not gt or a._gt_view is not None or b._gt_view is not None:
         return NotImplemented
+    with _DisableSubclass():  # attribute reads without gt.Tensor's own __torch_function__
+        grads = a.requires_grad or b.requires_grad
+    sa, sb = a._spec, b._spec
     if (
-        ((a.requires_grad or b.requires_grad) and torch.is_grad_enabled())
+        (grads and torch.is_grad_enabled())
         or _fn_stack()
         or _mode_stack()
         or _scope.lazy_sync is not None
@@ -108,30 +113,43 @@ def direct(func, args: tuple, gt: type):
         or _autocast()
         or _compiling()
         or _agree.checking()
-        or a.dtype != b.dtype
+        or sa.tensor_meta.dtype != sb.tensor_meta.dtype
         or not _rows_at_rows(a, b)
-        or a._spec.mesh.get_coordinate() is None  # off the mesh: DTensor's path skips it
+        or sa.mesh.get_coordinate() is None  # off the mesh: DTensor's path skips it
     ):
         return NotImplemented
-    sa, sb = a._spec, b._spec
-    specs = _specs.get((sa, sb))
-    if specs is None:
+    entry = _specs.get((sa, sb))
+    if entry is None:
         m, n = sa.shape[0], sb.shape[1]
-        rep = DTensorSpec(sb.mesh, _REPLICATE, sb.tensor_meta)
         meta = TensorMeta(torch.Size((m, n)), (n, 1), sa.tensor_meta.dtype)
-        specs = (rep, DTensorSpec(sa.mesh, sa.placements, meta))
+        k, w = sb.shape[0], sb.mesh.size()
+        entry = (DTensorSpec(sa.mesh, sa.placements, meta), sb.mesh.get_group(), -(-k // w), k)
         if len(_specs) >= _SPECS_MAX:
             _specs.clear()
-        _specs[(sa, sb)] = specs
+        _specs[(sa, sb)] = entry
+    spec, group, rows, k = entry
     if _agree._soon:  # data moves: the creations still being agreed on are checked first
         _agree.settle()
     try:
         with _DisableSubclass():
-            full = _redist.redistribute_local_tensor(b._local_tensor, sb, specs[0])
-            if isinstance(full, AsyncCollectiveTensor):
-                full = full.wait()
+            full = gather_rows(b._local_tensor, group, rows, k)
             out = torch.mm(a._local_tensor, full)
     except Exception as e:  # a collective's timeout names the op (GT_TIMEOUT)
         raise _agree.translate(e, func)  # noqa: B904
     counts["direct"] += 1
-    return _new(gt, out, specs[1], requires_grad=False)
+    return _new(gt, out, spec, requires_grad=False)
+
+
+def gather_rows(local: torch.Tensor, group, rows: int, k: int) -> torch.Tensor:
+    """The whole ``k``-row matrix from each rank's row shard, by one all-gather on the mesh's
+    group (c10d's own, under no autograd or functional layer). Shards follow ``torch.chunk``:
+    ``rows`` each but at the end (fewer, or none), so the shards padded to ``rows`` and
+    gathered in rank order hold the matrix in their first ``k`` rows."""
+    w = dist.get_world_size(group)
+    local = local.contiguous()
+    if local.shape[0] != rows:
+        pad = local.new_zeros((rows - local.shape[0], *local.shape[1:]))
+        local = torch.cat([local, pad]) if local.shape[0] else pad
+    full = local.new_empty((w * rows, *local.shape[1:]))
+    _all_gather(full, local, group=group)
+    return full if w * rows == k else full[:k]

@@ -259,7 +259,8 @@ def _host_value(t: DTensor) -> torch.Tensor:
     A 1-D mesh over every rank holding a ``Shard``: the value is what ``full_tensor()`` gets,
     the same ``Shard._to_replicate_tensor`` (pad, all-gather, unpad) that
     ``redistribute_local_tensor`` runs for this layout, without the autograd function, plan
-    and wrapping around it, which cost a 1000x1000 read ~20% (docs/benchmarks.md). Every
+    and wrapping around it, which cost a 1000x1000 read ~20% (docs/benchmarks.md); rows by
+    c10d's all-gather itself (``_contract.gather_rows``), without the functional layer. Every
     other layout (a sub-mesh, n-D, partial, a stale view) takes ``global_value``.
     Decided from the spec, the same on every rank."""
     spec = t._spec
@@ -272,10 +273,13 @@ def _host_value(t: DTensor) -> torch.Tensor:
     ):
         if _agree.checking():  # GT_CHECK_RANKS: as DTensor's redistribution is checked
             _agree.before_collective(f"the all-gather of a host read of {_spec_text(spec)[0]}")
+        shape = spec.tensor_meta.shape
         with torch.no_grad():
-            out = placements[0]._to_replicate_tensor(
-                t._local_tensor, spec.mesh, 0, spec.tensor_meta.shape
-            )
+            if placements[0].dim == 0:  # rows: c10d's all-gather, no functional layer
+                k = shape[0]
+                rows = -(-k // spec.mesh.size())
+                return _contract.gather_rows(t._local_tensor, spec.mesh.get_group(), rows, k)
+            out = placements[0]._to_replicate_tensor(t._local_tensor, spec.mesh, 0, shape)
         return out.wait() if isinstance(out, AsyncCollectiveTensor) else out
     return global_value(t)
 
