@@ -144,12 +144,16 @@ def gather_rows(local: torch.Tensor, group, rows: int, k: int) -> torch.Tensor:
     """The whole ``k``-row matrix from each rank's row shard, by one all-gather on the mesh's
     group (c10d's own, under no autograd or functional layer). Shards follow ``torch.chunk``:
     ``rows`` each but at the end (fewer, or none), so the shards padded to ``rows`` and
-    gathered in rank order hold the matrix in their first ``k`` rows."""
-    w = dist.get_world_size(group)
-    local = local.contiguous()
-    if local.shape[0] != rows:
-        pad = local.new_zeros((rows - local.shape[0], *local.shape[1:]))
-        local = torch.cat([local, pad]) if local.shape[0] else pad
-    full = local.new_empty((w * rows, *local.shape[1:]))
-    _all_gather(full, local, group=group)
-    return full if w * rows == k else full[:k]
+    gathered in rank order hold the matrix in their first ``k`` rows.
+
+    Its own tensor ops (the padding only some ranks need) run with torch function modes off:
+    a lazy region or the interceptor must not see ops that differ between ranks."""
+    with torch._C.DisableTorchFunction():
+        w = dist.get_world_size(group)
+        local = local.contiguous()
+        if local.shape[0] != rows:
+            pad = local.new_zeros((rows - local.shape[0], *local.shape[1:]))
+            local = torch.cat([local, pad]) if local.shape[0] else pad
+        full = local.new_empty((w * rows, *local.shape[1:]))
+        _all_gather(full, local, group=group)
+        return full if w * rows == k else full[:k]
