@@ -126,21 +126,15 @@ def _warm() -> None:
     A forked rank inherits its parent's modules. The test process itself rarely touches the
     tensor layer or the trainer, so without this each rank of each test imported them again
     (with what torch loads behind them: ~3.5 s of CPU per rank on a 2-core machine, ~2/3 of a
-    small test's cost). ``spmdgt.tensor._tensor`` itself stays unimported: importing it
-    installs spmdgt's hooks on DTensor and dynamo in this process, and a test process that then
-    compiled in-process handed its forked ranks a dynamo state in which their own compiles
-    lost gradients. What that module imports behind it is imported here instead: dynamo
-    (``torch._dynamo.callback``, for the compile hooks it installs; ~1.1 s of CPU per rank
-    otherwise), without installing anything. So is ``numpy.random``, which each rank reseeds.
-    Harmless where ranks are spawned."""
+    small test's cost). That includes ``gt.Tensor`` and the compile hooks it installs in
+    dynamo, which outlive a test process's own ``torch._dynamo.reset()`` (they did not once,
+    and a 2-D hot function's compiled loss came out doubled: ``tests/compile/
+    test_dynamo_reset.py``). ``numpy.random`` too, which each rank reseeds. Harmless where
+    ranks are spawned."""
 
     import numpy.random  # noqa: F401
-    import torch._dynamo.callback  # noqa: F401
 
-    import spmdgt.tensor._creation
-    import spmdgt.tensor._fallback
-    import spmdgt.tensor._hook
-    import spmdgt.tensor._optable
+    import spmdgt.tensor._tensor
     import spmdgt.train  # noqa: F401
 
 

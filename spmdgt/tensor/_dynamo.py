@@ -34,7 +34,7 @@ _installed = False
 
 def install(cls) -> None:
     """Register the compile-start/end callbacks that switch ``cls`` to plain DTensor behaviour
-    while torch traces (once per process)."""
+    while torch traces (once per process, and again after every ``torch._dynamo.reset()``)."""
     global _installed
     if _installed:
         return
@@ -53,8 +53,22 @@ def install(cls) -> None:
         cls.__torch_function__ = ours
         torch._C._set_dtensor_allow_implicit_replication(saved.pop() if saved else False)
 
-    callback_handler.register_start_callback(start)
-    callback_handler.register_end_callback(end)
+    def register() -> None:
+        callback_handler.register_start_callback(start)
+        callback_handler.register_end_callback(end)
+
+    # ``torch._dynamo.reset()`` clears every callback. Without ours, dynamo traces spmdgt's
+    # own ``__torch_function__`` into the graph, and a hot function on a 2-D mesh came out
+    # with a doubled loss (a test's reset before forking its ranks; a notebook's reset alike).
+    clear = callback_handler.clear
+
+    def clear_then_register() -> None:
+        clear()
+        saved.clear()
+        register()
+
+    callback_handler.clear = clear_then_register
+    register()
     _coerce_tangents_to(cls)
 
 

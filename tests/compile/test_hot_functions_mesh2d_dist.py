@@ -144,6 +144,11 @@ def _train(rank, world, path):
     import spmdgt.compile as gt_compile
 
     torch.set_num_threads(1)
+    # A user's (or a test's) reset clears dynamo's compile callbacks, spmdgt's included: they
+    # must come back, or dynamo traces gt.Tensor's own hook and every compiled loss doubled.
+    import spmdgt.tensor._tensor  # installs them
+
+    torch._dynamo.reset()
     # the parent imported spmdgt without the variable: turn the pass on as a rank's import does
     assert gt_compile.maybe_enable_from_env(), gt_compile.status()
     compiled = _loop(gt, gt_compile, path, _forward)

@@ -7,28 +7,19 @@ from __future__ import annotations
 import pytest
 import torch
 
+import spmdgt.tensor._tensor  # noqa: F401  (imports every module that registers decisions)
+from spmdgt.tensor import _attention, _optable, _registry, _routedoc
+from spmdgt.tensor._registry import (
+    EMPTY_SENSITIVE,
+    GLOBAL,
+    GUARDED,
+    IRREGULAR,
+    TIES,
+    record,
+    register,
+)
+
 aten = torch.ops.aten
-
-
-@pytest.fixture(autouse=True)
-def _modules():
-    """The registry's modules, imported when a test here runs, not when pytest collects this
-    file: importing ``gt.Tensor`` in pytest's own process before the compile tests fork their
-    ranks gives those ranks DTensor's state from before the fork (an open defect: a 2-D hot
-    function's loss came out doubled, see the closing note of issue 25's third round)."""
-    global _attention, _optable, _registry, _routedoc, record, register
-    global EMPTY_SENSITIVE, GLOBAL, GUARDED, IRREGULAR, TIES
-    import spmdgt.tensor._tensor  # noqa: F401  (imports every module that registers decisions)
-    from spmdgt.tensor import _attention, _optable, _registry, _routedoc
-    from spmdgt.tensor._registry import (
-        EMPTY_SENSITIVE,
-        GLOBAL,
-        GUARDED,
-        IRREGULAR,
-        TIES,
-        record,
-        register,
-    )
 
 
 def test_doc_route_table_is_the_registry():
