@@ -28,7 +28,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["CAPTURE", "DYNAMIC_FLOAT", "OTHER", "RANDOM", "SAFE", "VIEWS", "out_meta", "verdict"]
+__all__ = [
+    "CAPTURE",
+    "DYNAMIC_FLOAT",
+    "OTHER",
+    "RANDOM",
+    "SAFE",
+    "TABLE",
+    "VIEWS",
+    "out_meta",
+    "verdict",
+]
 
 CAPTURE, SAFE, OTHER, VIEWS = 0, 1, 2, 3
 
@@ -141,6 +151,7 @@ def _build() -> dict[Any, int]:
 
 
 _TABLE = _build()
+TABLE = _TABLE  # func -> verdict (``verdict`` without kwargs: ``TABLE.get(func, OTHER)``)
 # calls that draw from torch's generator (dropout: a fresh result only when it drops, see
 # ``verdict``); recorded in plain regions, which run them in order from the recorded state
 RANDOM = frozenset({F.dropout})

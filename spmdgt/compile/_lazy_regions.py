@@ -39,13 +39,14 @@ import torch
 from spmdgt.compile import _lazy_ops
 from spmdgt.compile._before_op import PASS
 from spmdgt.compile._graphs import Graphs
-from spmdgt.compile._region import NOFLUSH, Region, fill
+from spmdgt.compile._region import _SLOW, NOFLUSH, Region, fill
 from spmdgt.compile._stats import RegionStats
 
 __all__ = ["LazyPass"]
 
 _verdict, _SAFE, _CAPTURE = _lazy_ops.verdict, _lazy_ops.SAFE, _lazy_ops.CAPTURE
-_VIEWS = _lazy_ops.VIEWS
+_VIEWS, _OTHER = _lazy_ops.VIEWS, _lazy_ops.OTHER
+_table_get = _lazy_ops.TABLE.get  # ``verdict`` of a call without kwargs
 _Tensor = torch.Tensor
 _SCALARS = (int, float, bool)
 MIN_NUMEL = 65536  # elements; the study's break-even for one compiled graph over eager ops
@@ -126,28 +127,54 @@ class LazyPass:
         eagerly, ending the open region first where the call needs its values. It runs
         before every torch-level call while the hook is in: with no region open, a call on
         small plain tensors only is told apart with one look at each argument (the common
-        case; no key is built and nothing is allocated)."""
+        case; no key is built and nothing is allocated). Written for speed, as
+        ``Region._fast``: a recorded call's whole cost is this and that."""
         if self.busy:
             return PASS
-        v = _verdict(func, kwargs)
+        if kwargs:
+            v = _verdict(func, kwargs)
+        else:
+            try:
+                v = _table_get(func, _OTHER)
+            except TypeError:  # an unhashable callable
+                v = _OTHER
         if v == _SAFE:
             return PASS
         reg = self.region
         if v == _CAPTURE:
-            if not reg.nodes and not kwargs and _small(args, self.min_numel):
+            if reg.nodes:
+                if not kwargs:  # the common case: straight to the region's fast path
+                    got = reg._fast(func, args)
+                    if got is _SLOW:
+                        return self._capture(reg, func, args, kwargs, False)
+                    if got is None or got is NOFLUSH:
+                        return self._capture(reg, func, args, kwargs, got)
+                    if len(reg.nodes) >= self.batch:
+                        self.flush("batch size")
+                    return got
+            elif not kwargs and _small(args, self.min_numel):
                 return PASS  # no region open (so nothing pending) and nothing to open one
             return self._capture(reg, func, args, kwargs)
-        if v == _VIEWS and not (reg.nodes and _pending(args, kwargs)):
-            return PASS  # views of real tensors: eager, the region goes on
+        if v == _VIEWS:
+            if not (reg.nodes and _pending(args, kwargs)):
+                return PASS  # views of real tensors: eager, the region goes on
+            got = reg.record_views(func, args, kwargs)  # views of a pending result
+            if got is not None:
+                if len(reg.nodes) >= self.batch:
+                    self.flush("batch size")
+                return got
         if reg.nodes:
             self.flush(_name(func))
         return PASS
 
-    def _capture(self, reg: Region, func: Any, args: tuple, kwargs: dict | None) -> Any:
+    def _capture(
+        self, reg: Region, func: Any, args: tuple, kwargs: dict | None, fast: Any = True
+    ) -> Any:
         """A capturable call: its placeholder, or ``PASS`` (run eagerly, the open region
-        first where the region cannot hold the call)."""
+        first where the region cannot hold the call). ``fast``: False when ``reg._fast``
+        has said ``_SLOW``; ``NOFLUSH`` or None when it has answered that."""
         opens = not reg.nodes
-        got = reg.record(func, args, kwargs)
+        got = reg.record(func, args, kwargs, fast) if fast is True or fast is False else fast
         if got is NOFLUSH:
             return PASS
         if got is None and reg.nodes:
@@ -157,7 +184,6 @@ class LazyPass:
             opens = True
         if got is None or got is NOFLUSH:
             return PASS
-        self.stats.ops_captured += 1
         if opens:
             self._open()
         if len(reg.nodes) >= self.batch:
@@ -180,6 +206,7 @@ class LazyPass:
         plan = None
         try:
             st = self.stats
+            st.ops_captured += reg.calls
             st.regions_seen += 1
             st.flushes[reason] += 1
             plan = reg.take()
@@ -214,7 +241,9 @@ class LazyPass:
             eval_frame._stance = st
 
     def snapshot(self) -> dict[str, Any]:
-        return self.stats.snapshot(len(self.graphs) + len(self.sharded))
+        got = self.stats.snapshot(len(self.graphs) + len(self.sharded))
+        got["ops_captured"] += self.region.calls  # the open region's too
+        return got
 
 
 def _grad() -> bool:
@@ -252,6 +281,8 @@ def _poison(plan: Any) -> None:
     import torch
 
     with torch._C.DisableTorchFunction(), torch.no_grad():
+        for v in plan.views:  # views of the outputs: NaN through their bases
+            v.__dict__.pop("_gt_lazy", None)
         for p in plan.outputs:
             p.__dict__.pop("_gt_lazy", None)
             p = getattr(p, "_local_tensor", p)  # a sharded placeholder: its shard

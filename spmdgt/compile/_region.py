@@ -1,6 +1,6 @@
 """One lazy region: the ops recorded since the last sync point, and their placeholders.
 
-``Region.record`` turns a capturable call (``_lazy_ops``) into a ``_Node`` and hands back a
+``Region.record`` turns a capturable call (``_lazy_ops``) into a node and hands back a
 *placeholder*: a real tensor of the result's shape, strides, dtype and device, not yet filled.
 The placeholder carries its node in the attribute ``_gt_lazy`` (so a later op finds it without
 any table keyed by ``id()``: ids are reused once an object dies), and the node holds only a
@@ -24,6 +24,7 @@ computed from the changed value.
 
 from __future__ import annotations
 
+import itertools
 import operator
 import weakref
 from typing import Any
@@ -41,6 +42,7 @@ _CONST = (int, bool, str, type(None), torch.dtype)
 NOFLUSH = object()  # ``record``: not captured, and pure: no need to end the region
 _SLOW = object()  # ``_fast``: not its case, ``_record`` decides
 _Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
 _NoTorchFunction = torch._C.DisableTorchFunction
 _DYNAMIC = _lazy_ops.DYNAMIC_FLOAT
 _RANDOM = _lazy_ops.RANDOM
@@ -51,8 +53,10 @@ _autocast = torch.is_autocast_enabled
 _empty_strided = torch.empty_strided
 _mode_depth = torch._C._len_torch_function_stack
 _weakref = weakref.ref
-_fast_meta: dict[tuple, tuple] = {}  # ``_fast``'s keys -> (shape, stride, dtype)
+_fast_meta: dict[tuple, tuple] = {}  # ``_fast``'s keys -> (meta, spec, part)
 _getitem = operator.getitem  # a tuple call's element, one node each
+# views without autograd's view tracking: never recorded (the region ends first)
+_UNSAFE_VIEWS = frozenset({torch.unsafe_split, torch.Tensor.unsafe_split})
 
 
 def _no_placeholder() -> None:
@@ -60,28 +64,38 @@ def _no_placeholder() -> None:
     return None
 
 
-class _Node:
-    __slots__ = ("args", "func", "index", "kwargs", "meta", "mkey", "ref", "region", "rg")
+# A recorded call is a tuple in ``Region.nodes``: ``(func, args, kwargs, meta, ref)`` (``meta``
+# is ``(shape, stride, dtype)``, None for a tuple call; ``ref`` a weak reference to its
+# placeholder). Its placeholder carries the tag ``(region, index, part, rg)`` in ``_gt_lazy``
+# (``part``: its interned metadata, its share of a later call's key in ``_fast``; ``rg``: it
+# will need grad). Tuples, not objects: one is built per recorded op (``bench_record.py``).
+_FUNC, _ARGS, _KWARGS, _META, _REF = range(5)
+_REGION, _INDEX, _PART, _RG = range(4)
 
-    def __init__(self, func, args, kwargs, meta, rg, index, region) -> None:
-        self.func = func
-        self.args = args
-        self.kwargs = kwargs
-        self.meta = meta  # (shape, stride, dtype)
-        # its part of a later call's metadata key (``_mkey``); a tuple call has none: only
-        # its elements' nodes are arguments
-        self.mkey = ("t", *meta) if meta is not None else None
-        self.rg = rg
-        self.ref: Any = None
-        self.index = index
-        self.region = region
+# ``_fast``'s keys hold each tensor's metadata as a small int (its interned ``("t", shape,
+# stride, dtype)`` or ``("d", spec)``): hashing an int costs less than hashing the tuple each
+# op. Ids are never reused (a counter), so when the table is cleared at its cap a key built
+# before simply misses; it never finds another tensor's metadata.
+_parts: dict[Any, int] = {}
+_next_part = itertools.count()
+_PARTS_CAP = 16384
+
+
+def _part(what: tuple) -> int:
+    """The interned id of a tensor's metadata ``what``."""
+    got = _parts.get(what)
+    if got is None:
+        if len(_parts) >= _PARTS_CAP:
+            _parts.clear()
+        got = _parts[what] = next(_next_part)
+    return got
 
 
 class Plan:
     """What a region computes, ready to be keyed (``base`` and ``floats``) and built."""
 
-    __slots__ = ("base", "comm", "float_dtypes", "floats", "grad", "inputs", "mesh", "nodes",
-                 "ops", "outputs", "rng", "rng_state")  # fmt: skip
+    __slots__ = ("base", "comm", "float_dtypes", "floats", "grad", "inplace", "inputs", "mesh",
+                 "nodes", "ops", "outputs", "rng", "rng_state", "views")  # fmt: skip
 
     def __init__(self) -> None:
         self.nodes: list[tuple] = []  # (func, args, kwargs) with descriptors remapped
@@ -96,6 +110,11 @@ class Plan:
         self.comm = False  # a sharded plan holds collectives
         self.rng: Any = None  # random calls: the generator and its state at the first
         self.rng_state: Any = None
+        # views (``record_views``): the live view placeholders, whose data comes with their
+        # base's (only their tags go at ``fill``), and the ids of the bases among the outputs,
+        # filled in place (``copy_``) so that the views see their values
+        self.views: list[torch.Tensor] = []
+        self.inplace: set[int] = set()
 
 
 def _ckey(v: Any) -> Any:
@@ -112,7 +131,8 @@ class Region:
 
     def __init__(self, min_numel: int) -> None:
         self.min_numel = min_numel
-        self.nodes: list[_Node] = []
+        self.nodes: list[tuple] = []  # (func, args, kwargs, meta, ref)
+        self.calls = 0  # calls recorded (a tuple call is one)
         self.inputs: list[torch.Tensor] = []
         self.versions: list[int] = []
         self._pos: dict[int, int] = {}  # id(input) -> index; the input is held in self.inputs
@@ -130,101 +150,210 @@ class Region:
         self.rng: Any = None
         self.rng_state: Any = None
         self.keep: list[torch.Tensor] = []
+        # views of pending results (``record_views``): node index of a view -> its root
+        # base's; root base's index -> the base, held (the views' data will be its storage)
+        self.view_root: dict[int, int] = {}
+        self.bases: dict[int, torch.Tensor] = {}
 
-    def record(self, func: Any, args: tuple, kwargs: dict | None) -> Any:
+    def record(self, func: Any, args: tuple, kwargs: dict | None, fast: bool = True) -> Any:
         """The placeholder for ``func(*args, **kwargs)`` (for a call returning a tuple, the
         same tuple type of placeholders); ``NOFLUSH`` for a small pure call on real tensors (it
         runs eagerly, the region goes on); None when the call cannot be captured (the caller
-        ends the region and runs it eagerly)."""
-        if not kwargs and self.mesh is None:
+        ends the region and runs it eagerly). ``fast=False``: ``_fast`` has declined it."""
+        if fast and not kwargs:
             got = self._fast(func, args)
             if got is not _SLOW:
                 return got
         # metadata reads of a gt.Tensor (shape, stride, numel) would each run its
         # __torch_function__: read them as the DTensor's own
         with _NoSubclass():
-            return self._record(func, args, kwargs or {})
+            got = self._record(func, args, kwargs or {})
+        if got is not None and got is not NOFLUSH:
+            self.calls += 1
+        return got
 
     def _fast(self, func: Any, args: tuple) -> Any:
-        """``_record`` for the common calls of a plain region: positional arguments only,
-        each a plain tensor (pending here, or real) or a constant; recorded when one is
-        pending (and the real ones are on the region's device), ``NOFLUSH`` when all are real
-        and small; ``_SLOW`` for anything else (``_record`` then decides). One pass builds the
-        descriptors and the metadata key; a float is keyed by its type only (its value never
-        changes a result's shape, strides or dtype). Written for speed: it runs once per
-        recorded op (``benchmarks/bench_compile.py``, ``record``); a real input already in the
-        region is read from ``_seen``."""
+        """``_record`` for the common calls: positional arguments only, each a constant or a
+        tensor that is pending in this region or real (plain in a plain region; in a sharded
+        one a ``gt.Tensor`` of its mesh); recorded when one is pending, ``NOFLUSH`` when all
+        are real, plain and small; ``_SLOW`` for anything else (``_record`` then decides).
+        One pass builds the descriptors and the metadata key (ints: ``_part``); a float is
+        keyed by its type in a plain region (its value never changes a plain result's shape,
+        strides or dtype), by its value in a sharded one. Written for speed: it runs once per
+        recorded op (``benchmarks/bench_record.py``); a real input already in the region is
+        read from ``_seen``, a pending one from its tag."""
         key: list[Any] = [func]
         descs: list[tuple] = []
         fresh: list[tuple] = []  # (position, key part, requires_grad, big) of new real inputs
-        lazy = rg = commit = big = elsewhere = False
-        least = self.min_numel
+        lazy = rg = big = commit = False
+        mesh = self.mesh
         dyn = 2 if func in _DYNAMIC else 0  # the first two float slots become graph inputs
-        device = self.device
         seen = self._seen
         for a in args:
             t = type(a)
-            if t is _Tensor:
-                node = a.__dict__.get("_gt_lazy")
-                if node is None:
-                    got = seen.get(id(a))  # held by the region: the id is this tensor's
-                    if got is not None:
-                        part, r, b, d = got
-                    else:
-                        b = a.numel() >= least
-                        r = a.requires_grad
-                        elsewhere = elsewhere or a.device != device
-                        part = ("t", tuple(a.shape), a.stride(), a.dtype)
-                        fresh.append((len(descs), part, r, b))
-                        d = ("I", a)
-                        commit = True
-                    big = big or b
-                    rg = rg or r
-                    key.append(part)
-                    descs.append(d)
-                elif node.region is self:
-                    lazy = True
-                    rg = rg or node.rg
-                    key.append(node.mkey)
-                    descs.append(("n", node.index))
+            if t is float:
+                if mesh is None:
+                    key.append(_FKEY)
                 else:
-                    return _SLOW
-            elif t is float:
-                key.append(_FKEY)
+                    key.append((t, a))
                 if dyn > len(descs):
                     descs.append(("F", a))
                     commit = True
                 else:
                     descs.append(("c", a))
-            elif t is int or t is bool:
+                continue
+            if t is int or t is bool:
                 key.append((t, a))
                 descs.append(("c", a))
-            else:
+                continue
+            if t is not _Tensor and not isinstance(a, _Tensor):
                 return _SLOW
-        if not lazy:  # real tensors only: small ones run eagerly, the region goes on
-            return NOFLUSH if not big and func not in _RANDOM else _SLOW
-        if elsewhere or func in _RANDOM:
+            tag = a.__dict__.get("_gt_lazy")
+            if tag is not None:
+                if tag[_REGION] is not self:
+                    return _SLOW
+                lazy = True
+                rg = rg or tag[_RG]
+                key.append(tag[_PART])
+                descs.append(("n", tag[_INDEX]))
+                continue
+            got = seen.get(id(a))  # held by the region: the id is this tensor's
+            if got is None:
+                got = self._first(a, t)
+                if got is None:
+                    return _SLOW
+                fresh.append((len(descs), *got[:3]))
+                commit = True
+            part, r, b, d = got
+            big = big or b
+            rg = rg or r
+            key.append(part)
+            descs.append(d)
+        if not lazy:  # real tensors only: small plain ones run eagerly, the region goes on
+            return NOFLUSH if not big and mesh is None and func not in _RANDOM else _SLOW
+        if func in _RANDOM:
             return _SLOW
         grad = _grad_on()
-        if grad != self.grad or _inference() or _autocast(device.type):
+        if grad != self.grad or _inference() or _autocast(self.device.type):
+            return _SLOW
+        if mesh is not None and not _sharded.recordable(func, mesh):
             return _SLOW
         key = tuple(key)
-        meta = _fast_meta.get(key)
-        if meta is None:
-            try:
-                meta = _lazy_ops.out_meta(key, func, args, {})
-            except Exception:
-                meta = None
-            if meta is None:
+        got = _fast_meta.get(key)
+        if got is None:
+            got = self._meta_miss(key, func, args)
+            if got is None:
                 return None  # eager runs it (and raises the program's own error)
-            _fast_meta[key] = meta
-            if len(_fast_meta) > 4096:
-                _fast_meta.clear()
+        meta, spec, part = got
         if commit:  # nothing is added to the region before the call is known to be recorded
-            descs = [self._commit(d) for d in descs]
-            for i, part, r, b in fresh:
+            if mesh is None:
+                descs = [self._commit(d) for d in descs]
+            else:
+                with _NoSubclass():  # a gt.Tensor's version, as the DTensor's own
+                    descs = [self._commit(d) for d in descs]
+            for i, part, r, b in fresh:  # an argument's position is its descriptor's
                 seen[id(args[i])] = (part, r, b, descs[i])
-        return self._emit(func, tuple(descs), (), meta, grad and rg, device)
+        if spec is not None:
+            self.comm = self.comm or spec[3]
+        self.calls += 1
+        return self._emit(func, tuple(descs), (), meta, grad and rg, self.device, spec, part)
+
+    def _first(self, a: torch.Tensor, t: type) -> tuple | None:
+        """What ``_fast`` keeps of a real input it meets first in this region: ``(key part,
+        requires_grad, big, descriptor)``; None when ``_fast`` cannot take it (another
+        device, a plain tensor in a sharded region or the converse, a view ``gt.Tensor``,
+        another mesh)."""
+        mesh = self.mesh
+        if t is _Tensor or t is _Parameter:
+            if mesh is not None or (self.device is not None and a.device != self.device):
+                return None
+            part = _part(("t", tuple(a.shape), a.stride(), a.dtype))
+            return part, a.requires_grad, a.numel() >= self.min_numel, ("I", a)
+        if mesh is None or not isinstance(a, DTensor):
+            return None
+        spec = a._spec
+        if spec.mesh is not mesh or getattr(a, "_gt_view", None) is not None:
+            return None
+        with _NoSubclass():  # its metadata as the DTensor's own (no gt.Tensor hop)
+            if a.device != self.device:
+                return None
+            big = a.numel() // mesh.size() >= self.min_numel  # per rank, from global sizes
+            return _part(("d", spec)), a.requires_grad, big, ("I", a)
+
+    def _meta_miss(self, key: tuple, func: Any, args: tuple) -> tuple | None:
+        """``(meta, spec, part)`` of ``_fast``'s call on a cache miss (``_out_meta``; ``part``:
+        the result's interned metadata, None for a tuple), kept by its key; None when the
+        call cannot be recorded."""
+        with _NoSubclass():
+            try:
+                got = self._out_meta(key, func, args, {}, self.mesh)
+            except Exception:
+                got = None
+        if got is None:
+            return None
+        meta, spec = got
+        what = ("t", *meta) if spec is None else ("d", spec[0])
+        part = None if meta[0] is None else _part(what)
+        got = _fast_meta[key] = (meta, spec, part)
+        if len(_fast_meta) > 4096:
+            _fast_meta.clear()
+        return got
+
+    def record_views(self, func: Any, args: tuple, kwargs: dict | None) -> Any:
+        """``split``/``chunk``/``unbind`` (``_lazy_ops.VIEWS``) of a pending plain result of
+        this region: the call's node and one ``getitem`` node per element, whose placeholders
+        are eager's own views of the base's placeholder (run now on its unfilled memory: no
+        data is read), so a view aliases its base as eager's does (``_base``, an in-place
+        change of either seen by the other, autograd's view rules). The base is then filled in
+        place at ``fill`` and the views need no filling; a later recorded op on a view reads
+        the graph's ``getitem``. None when the call is not that (the caller ends the region):
+        a sharded region, a base that will need grad, another tensor argument, a mode
+        change."""
+        if self.mesh is not None or not args or func in _UNSAFE_VIEWS:
+            return None
+        kwargs = kwargs or {}
+        base = args[0]
+        tag = base.__dict__.get("_gt_lazy") if type(base) is _Tensor else None
+        if tag is None or tag[_REGION] is not self or tag[_RG]:
+            # a base that will need grad: it is filled in place under autograd, which the
+            # views of a call returning several views may not see (autograd raises at their
+            # next use); the region runs first, and eager makes the views of its result
+            return None
+        descs: list[tuple] = [("n", tag[_INDEX])]
+        for a in args[1:]:
+            d = self._desc(a, False)
+            if d is None or d[0] != "c":
+                return None
+            descs.append(d)
+        kdescs = []
+        for k, a in kwargs.items():
+            d = self._desc(a, False)
+            if d is None or d[0] != "c":
+                return None
+            kdescs.append((k, d))
+        if _grad_on() != self.grad or _inference() or _autocast(self.device.type):
+            return None
+        try:
+            with _NoTorchFunction():
+                views = func(*args, **kwargs)
+        except Exception:
+            return None  # eager runs it (and raises the program's own error)
+        if not isinstance(views, tuple) or not all(type(v) is _Tensor for v in views):
+            return None
+        root = self.view_root.get(tag[_INDEX], tag[_INDEX])
+        if root == tag[_INDEX]:
+            self.bases[root] = base  # held: the views' values come with it, in place
+        nodes = self.nodes
+        ref = ("n", len(nodes))
+        nodes.append((func, tuple(descs), tuple(kdescs), None, _no_placeholder))
+        for i, v in enumerate(views):
+            index = len(nodes)
+            meta = (tuple(v.shape), v.stride(), v.dtype)
+            v._gt_lazy = (self, index, _part(("t", *meta)), tag[_RG])
+            nodes.append((_getitem, (ref, ("c", i)), (), meta, _weakref(v)))
+            self.view_root[index] = root
+        self.calls += 1
+        return views
 
     def _record(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """``record``'s general path: any arguments, plain or sharded (see ``record``)."""
@@ -287,7 +416,7 @@ class Region:
                 plain = True
             if node is not None:
                 lazy = True
-                rg = rg or node.rg
+                rg = rg or node[_RG]
             else:
                 rg = rg or a.requires_grad
                 # per rank of the mesh, from global sizes: the same on every rank
@@ -358,16 +487,17 @@ class Region:
         rg: bool,
         device: Any,
         spec: tuple | None = None,
+        part: int | None = None,
     ) -> Any:
         """Add the call's node (committed descriptors) and hand back its placeholder; for a
         call returning a tuple (``meta[0] is None``), one ``getitem`` node and placeholder per
-        element, in the call's own tuple type."""
+        element, in the call's own tuple type. ``part``: the result's interned metadata
+        (``_fast`` keeps it with the call's metadata; computed here when None)."""
+        nodes = self.nodes
         if meta[0] is None:
             _, kind, metas = meta
-            call = _Node(func, args, kwargs, None, rg, len(self.nodes), self)
-            call.ref = _no_placeholder
-            self.nodes.append(call)
-            ref = ("n", call.index)
+            ref = ("n", len(nodes))
+            nodes.append((func, args, kwargs, None, _no_placeholder))
             items = [
                 self._emit(_getitem, (ref, ("c", i)), (), m, rg, device)
                 for i, m in enumerate(metas)
@@ -375,12 +505,13 @@ class Region:
             return kind(items)
         shape, stride, dtype = meta
         rg = rg and (dtype.is_floating_point or dtype.is_complex)
-        node = _Node(func, args, kwargs, meta, rg, len(self.nodes), self)
         # a placeholder that will need grad says so already: dynamo picks a hot function's
         # graph by guards on ``requires_grad`` (checked in C++, before the graph's runner fills
         # the region), so a pending input must show what the filled one will
         if spec is not None:
             p = _sharded.placeholder(spec[0], spec[1], spec[2], device, rg)
+            if part is None:
+                part = _part(("d", spec[0]))
         else:
             if _mode_depth():  # another function mode below the hook's: it must not see this
                 with _NoTorchFunction():
@@ -389,9 +520,10 @@ class Region:
                 p = _empty_strided(shape, stride, dtype=dtype, device=device)
             if rg:
                 p.requires_grad_()
-        p._gt_lazy = node
-        node.ref = _weakref(p)
-        self.nodes.append(node)
+            if part is None:
+                part = _part(("t", *meta))
+        p._gt_lazy = (self, len(nodes), part, rg)
+        nodes.append((func, args, kwargs, meta, _weakref(p)))
         return p
 
     def _desc(self, a: Any, dyn_float: bool) -> tuple | None:
@@ -404,7 +536,7 @@ class Region:
         if isinstance(a, torch.Tensor):
             node = a.__dict__.get("_gt_lazy")
             if node is not None:
-                return ("n", node.index) if node.region is self else None
+                return ("n", node[_INDEX]) if node[_REGION] is self else None
             return ("I", a)
         t = type(a)
         if t is float:
@@ -440,11 +572,17 @@ class Region:
         self.device = None
         mesh, comm, self.mesh, self.comm = self.mesh, self.comm, None, False
         keep, self.keep = self.keep, []  # held until the plan holds them as outputs
+        view_root, self.view_root = self.view_root, {}
+        bases, self.bases = self.bases, {}
         live = {}
-        for n in nodes:
-            p = n.ref()
+        views = []
+        for i, n in enumerate(nodes):
+            p = n[_REF]()
             if p is not None:
-                live[n.index] = p
+                if i in view_root:  # a view: its base is live and fills it
+                    views.append(p)
+                else:
+                    live[i] = p
         for i, t in enumerate(inputs):
             if t._version != versions[i]:
                 for p in live.values():
@@ -457,12 +595,15 @@ class Region:
         if not live:
             return None
         needed = set(live)
-        for n in reversed(nodes):
-            if n.index in needed:
-                for d in _flat((*n.args, *(d for _, d in n.kwargs))):
+        for i in range(len(nodes) - 1, -1, -1):
+            if i in needed:
+                n = nodes[i]
+                for d in _flat((*n[_ARGS], *(d for _, d in n[_KWARGS]))):
                     if d[0] == "n":
                         needed.add(d[1])
         plan = Plan()
+        plan.views = views
+        plan.inplace = {id(b) for b in bases.values()}
         plan.rng, plan.rng_state, self.rng, self.rng_state = self.rng, self.rng_state, None, None
         plan.grad = self.grad
         plan.mesh = mesh
@@ -472,7 +613,7 @@ class Region:
         fl_map: dict[int, int] = {}
         keyed = []
 
-        def desc(d: tuple, n: _Node) -> tuple:
+        def desc(d: tuple, n: tuple) -> tuple:
             kind, v = d
             if kind == "L":
                 return ("L", tuple(desc(x, n) for x in v))
@@ -487,23 +628,26 @@ class Region:
                 if v not in fl_map:
                     fl_map[v] = len(plan.floats)
                     plan.floats.append(floats[v])
-                    plan.float_dtypes.append(n.meta[2])
+                    plan.float_dtypes.append(n[_META][2])
                 return ("f", fl_map[v])
             return d
 
         outs = []
-        for n in nodes:
-            if n.index not in needed:
+        for i, n in enumerate(nodes):
+            if i not in needed:
                 continue
-            a = tuple(desc(d, n) for d in n.args)
-            k = tuple((name, desc(d, n)) for name, d in n.kwargs)
-            remap[n.index] = len(plan.nodes)
-            plan.nodes.append((n.func, a, k))
-            keyed.append((n.func, _dkey(a), tuple((name, _dkey(d)) for name, d in k)))
-            if n.index in live:
-                outs.append(remap[n.index])
-                plan.outputs.append(live[n.index])
-        del keep
+            func = n[_FUNC]
+            a = tuple(desc(d, n) for d in n[_ARGS])
+            k = tuple((name, desc(d, n)) for name, d in n[_KWARGS])
+            remap[i] = len(plan.nodes)
+            plan.nodes.append((func, a, k))
+            keyed.append(
+                (func, tuple(_dkey(d) for d in a), tuple((name, _dkey(d)) for name, d in k))
+            )
+            if i in live:
+                outs.append(remap[i])
+                plan.outputs.append(live[i])
+        del keep, bases
         ins = tuple(_inkey(t) for t in plan.inputs)
         plan.base = (tuple(keyed), ins, tuple(outs), plan.grad, tuple(plan.float_dtypes))
         plan.ops = len(plan.nodes)
@@ -575,7 +719,10 @@ def fill(plan: Plan, results: Any) -> None:
     # an in-place change of the placeholder later cannot reach the saved value unseen
     grad = plan.grad and any(t.requires_grad for t in plan.inputs)
     seen: set[int] = set()
+    inplace = plan.inplace
     with torch._C.DisableTorchFunction():
+        for v in plan.views:  # views of a base filled below: their data comes with it
+            v.__dict__.pop("_gt_lazy", None)
         for p, out in pairs:
             p.__dict__.pop("_gt_lazy", None)
             if p.requires_grad:  # a leaf until now (see ``record``): the result decides
@@ -586,7 +733,8 @@ def fill(plan: Plan, results: Any) -> None:
                 continue
             ptr = out.untyped_storage().data_ptr()
             if (
-                grad
+                id(p) in inplace  # a base of views: their memory is its own, kept
+                or grad
                 or ptr in seen
                 or out.stride() != p.stride()
                 or out.storage_offset() != 0

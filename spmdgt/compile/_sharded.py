@@ -137,13 +137,24 @@ def placeholder(
 ) -> torch.Tensor:
     """A ``gt.Tensor`` of ``spec`` over an unfilled local tensor (``requires_grad``: a leaf
     until ``fill``, as ``_region`` explains)."""
-    from spmdgt.tensor._tensor import Tensor
-
-    with torch._C.DisableTorchFunction():
-        loc = torch.empty_strided(shape, stride, dtype=spec.tensor_meta.dtype, device=device)
+    global _GtTensor
+    if _GtTensor is None:
+        from spmdgt.tensor._tensor import Tensor as _GtTensor
+    dtype = spec.tensor_meta.dtype
+    if _mode_depth():  # another function mode below the hook's: it must not see this
+        with torch._C.DisableTorchFunction():
+            loc = _empty_strided(shape, stride, dtype=dtype, device=device)
+    else:
+        loc = _empty_strided(shape, stride, dtype=dtype, device=device)
     # DTensor's own constructor (C++), without the call of DTensor.__init__, which does nothing
     # but costs a torch._disable_dynamo wrapper (~3 us) per placeholder
-    return DTensor.__new__(Tensor, loc, spec, requires_grad=requires_grad)
+    return _dtensor_new(_GtTensor, loc, spec, requires_grad=requires_grad)
+
+
+_GtTensor: Any = None  # gt.Tensor, imported at the first placeholder
+_mode_depth = torch._C._len_torch_function_stack
+_empty_strided = torch.empty_strided
+_dtensor_new = DTensor.__new__
 
 
 def _like(t: torch.Tensor) -> tuple:

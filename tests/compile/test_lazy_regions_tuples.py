@@ -3,8 +3,8 @@
 Tuple-returning pure calls (``max(dim)``, ``sort``, ``topk``, ``var_mean``...) are recorded:
 one node for the call, one ``getitem`` node and placeholder per element, handed back in
 eager's own tuple type. ``split``/``chunk`` return views: on real tensors they run eagerly and
-the region goes on (the views alias their input as eager's do); on a pending result they end
-the region. Graphs use ``aot_eager`` (eager kernels: values match eager to float rounding);
+the region goes on (the views alias their input as eager's do); on a pending result they are
+recorded, as eager's views of its placeholder (``tests/compile/test_lazy_regions_views.py``). Graphs use ``aot_eager`` (eager kernels: values match eager to float rounding);
 the data has ties, so index results check tie-breaking too.
 """
 
@@ -79,9 +79,10 @@ def test_views_of_real_tensors_keep_the_region_and_alias(regions):
     assert torch.equal(c, base[N:]) and torch.equal(z, base[:N] * 3.0)
     assert torch.equal(y, base * 2.0)
     p = x * 1.0  # pending
-    q, r = p.chunk(2)  # views of a pending result: the region runs first
-    assert _reg()["flushes"]["chunk"] == 1
-    q.mul_(0.0)  # they are eager's views of the filled result
+    q, r = p.chunk(2)  # views of a pending result: recorded, eager's views of its placeholder
+    assert set(_reg()["flushes"]) == {"add_"} and q._base is p and r._base is p
+    q.mul_(0.0)  # in place on a view: the region runs first (p filled in place), then mul_
+    assert _reg()["flushes"]["mul_"] == 1
     assert torch.equal(p[:N], torch.zeros(N, N)) and torch.equal(r, x[N:])
 
 
