@@ -143,9 +143,11 @@ def _build() -> dict[Any, int]:
     for fn in _FUNCTIONAL:
         table[fn] = CAPTURE
     for fn in (_T.size, _T.dim, _T.numel, _T.__len__, _T.ndimension, _T.nelement,
-               _T.is_floating_point, _T.is_complex, _T.element_size, _T.get_device):  # fmt: skip
+               _T.is_floating_point, _T.is_complex, _T.element_size, _T.get_device,
+               _T._is_view):  # fmt: skip
         table[fn] = SAFE
-    for attr in ("shape", "dtype", "device", "ndim", "is_cuda", "layout", "is_sparse"):
+    # ``_base``: a recorded view's base is its base's placeholder already, as eager's
+    for attr in ("shape", "dtype", "device", "ndim", "is_cuda", "layout", "is_sparse", "_base"):
         table[getattr(_T, attr).__get__] = SAFE
     return table
 
