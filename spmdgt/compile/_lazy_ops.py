@@ -4,10 +4,10 @@ Only calls that are *pure* (a fresh result, no mutation, no aliasing of an input
 one tensor, or a tuple of fresh tensors (``max(dim)``, ``sort``, ``topk``, ``var_mean``...),
 are capturable: running them later, inside a compiled graph, gives what running them now would.
 Their tensor arguments may come in a list (``cat``, ``stack``). Calls whose results are views
-of their input, returned as a tuple (``split``, ``chunk``, ``unbind``: ``VIEWS``), are not
-recorded (a recorded result would be a fresh tensor, and an in-place change of it would not
-reach the input as eager's does), but on real tensors they run eagerly without ending the
-region: they neither read nor write what it holds. Dropout is
+of their input, returned as a tuple (``split``, ``chunk``, ``unbind``: ``VIEWS``), run eagerly
+on real tensors without ending the region (they neither read nor write what it holds); of a
+pending plain result they are recorded, their results eager's views of its placeholder
+(``Region.record_views``). Dropout is
 capturable too (``RANDOM``): its draws are eager's when the region runs them in order from the
 generator state the first one was recorded at (``_region``, ``_graphs``). Everything else
 reaching the region (in-place ops, views, ``out=``, other random ops, host reads, collectives,

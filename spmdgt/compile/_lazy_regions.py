@@ -7,8 +7,9 @@ saves), and every capturable call on a pending result, are recorded instead of r
 gets placeholders (``_region``). At a sync point the region runs as one compiled graph
 (``_graphs``) and the placeholders are filled. Sync points: a call that needs a value or that
 the region cannot hold (``.item()``, ``.numpy()``, ``print``, ``bool()``, ``backward``, an
-in-place op, a view, ``out=``, a random op, a sharded or unknown argument, any call the table
-does not know), a change of grad mode, the end (or start) of a scope, and
+in-place op, a view (``split``/``chunk``/``unbind`` of a pending plain result that needs no
+grad are recorded, as eager's views), ``out=``, a random op, a sharded or unknown argument,
+any call the table does not know), a change of grad mode, the end (or start) of a scope, and
 ``GT_WORKER_BATCH_SIZE`` recorded ops. Small pure calls on real tensors run eagerly without
 ending the region (they cannot see or change what it holds).
 
