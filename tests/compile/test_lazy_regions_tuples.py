@@ -4,8 +4,9 @@ Tuple-returning pure calls (``max(dim)``, ``sort``, ``topk``, ``var_mean``...) a
 one node for the call, one ``getitem`` node and placeholder per element, handed back in
 eager's own tuple type. ``split``/``chunk`` return views: on real tensors they run eagerly and
 the region goes on (the views alias their input as eager's do); on a pending result they are
-recorded, as eager's views of its placeholder (``tests/compile/test_lazy_regions_views.py``). Graphs use ``aot_eager`` (eager kernels: values match eager to float rounding);
-the data has ties, so index results check tie-breaking too.
+recorded, as eager's views of its placeholder (``test_lazy_regions_views.py``). Graphs use
+``aot_eager`` (eager kernels: values match eager to float rounding); the data has ties, so
+index results check tie-breaking too.
 """
 
 from __future__ import annotations
