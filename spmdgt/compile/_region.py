@@ -53,7 +53,7 @@ _autocast = torch.is_autocast_enabled
 _empty_strided = torch.empty_strided
 _mode_depth = torch._C._len_torch_function_stack
 _weakref = weakref.ref
-_fast_meta: dict[tuple, tuple] = {}  # ``_fast``'s keys -> (meta, spec, part)
+_fast_meta: dict[tuple, tuple] = {}  # ``_fast``'s keys -> (meta, spec, part, floating)
 _getitem = operator.getitem  # a tuple call's element, one node each
 # views without autograd's view tracking: never recorded (the region ends first)
 _UNSAFE_VIEWS = frozenset({torch.unsafe_split, torch.Tensor.unsafe_split})
@@ -143,6 +143,10 @@ class Region:
         self.floats: list[float] = []
         self.grad = False
         self.device: torch.device | None = None
+        # its type, read once (``torch.device.type`` builds a new string at each read), and
+        # whether it is the CPU (a placeholder there needs no ``device=``: see ``_fast``)
+        self.device_type = ""
+        self.cpu = False
         self.mesh: Any = None  # the mesh of a sharded region (None: plain)
         self.comm = False  # a sharded region's calls move data between ranks
         # random calls: the generator they draw from, its state at the first one, and their
@@ -234,7 +238,7 @@ class Region:
         if func in _RANDOM:
             return _SLOW
         grad = _grad_on()
-        if grad != self.grad or _inference() or _autocast(self.device.type):
+        if grad != self.grad or _inference() or _autocast(self.device_type):
             return _SLOW
         if mesh is not None and not _sharded.recordable(func, mesh):
             return _SLOW
@@ -244,7 +248,7 @@ class Region:
             got = self._meta_miss(key, func, args)
             if got is None:
                 return None  # eager runs it (and raises the program's own error)
-        meta, spec, part = got
+        meta, spec, part, floating = got
         if commit:  # nothing is added to the region before the call is known to be recorded
             if mesh is None:
                 descs = [self._commit(d) for d in descs]
@@ -253,10 +257,26 @@ class Region:
                     descs = [self._commit(d) for d in descs]
             for i, part, r, b in fresh:  # an argument's position is its descriptor's
                 seen[id(args[i])] = (part, r, b, descs[i])
-        if spec is not None:
-            self.comm = self.comm or spec[3]
         self.calls += 1
-        return self._emit(func, tuple(descs), (), meta, grad and rg, self.device, spec, part)
+        if spec is not None or meta[0] is None:  # a sharded or tuple result: ``_emit``
+            if spec is not None:
+                self.comm = self.comm or spec[3]
+            return self._emit(func, tuple(descs), (), meta, grad and rg, self.device, spec, part)
+        # ``_emit`` of a plain tensor result, inline (one call less per recorded op)
+        rg = grad and rg and floating
+        if _mode_depth():  # another function mode below the hook's: it must not see this
+            with _NoTorchFunction():
+                p = _empty_strided(meta[0], meta[1], dtype=meta[2], device=self.device)
+        elif self.cpu:  # with no mode, torch's factories make CPU tensors (``device=`` costs)
+            p = _empty_strided(meta[0], meta[1], dtype=meta[2])
+        else:
+            p = _empty_strided(meta[0], meta[1], dtype=meta[2], device=self.device)
+        if rg:  # it says so already (see ``_emit``)
+            p.requires_grad_()
+        nodes = self.nodes
+        p._gt_lazy = (self, len(nodes), part, rg)
+        nodes.append((func, tuple(descs), (), meta, _weakref(p)))
+        return p
 
     def _first(self, a: torch.Tensor, t: type) -> tuple | None:
         """What ``_fast`` keeps of a real input it meets first in this region: ``(key part,
@@ -281,9 +301,10 @@ class Region:
             return _part(("d", spec)), a.requires_grad, big, ("I", a)
 
     def _meta_miss(self, key: tuple, func: Any, args: tuple) -> tuple | None:
-        """``(meta, spec, part)`` of ``_fast``'s call on a cache miss (``_out_meta``; ``part``:
-        the result's interned metadata, None for a tuple), kept by its key; None when the
-        call cannot be recorded."""
+        """``(meta, spec, part, floating)`` of ``_fast``'s call on a cache miss
+        (``_out_meta``; ``part``: the result's interned metadata, None for a tuple;
+        ``floating``: a float or complex result, which may need grad), kept by its key; None
+        when the call cannot be recorded."""
         with _NoSubclass():
             try:
                 got = self._out_meta(key, func, args, {}, self.mesh)
@@ -294,7 +315,8 @@ class Region:
         meta, spec = got
         what = ("t", *meta) if spec is None else ("d", spec[0])
         part = None if meta[0] is None else _part(what)
-        got = _fast_meta[key] = (meta, spec, part)
+        floating = meta[0] is not None and (meta[2].is_floating_point or meta[2].is_complex)
+        got = _fast_meta[key] = (meta, spec, part, floating)
         if len(_fast_meta) > 4096:
             _fast_meta.clear()
         return got
@@ -331,7 +353,7 @@ class Region:
             if d is None or d[0] != "c":
                 return None
             kdescs.append((k, d))
-        if _grad_on() != self.grad or _inference() or _autocast(self.device.type):
+        if _grad_on() != self.grad or _inference() or _autocast(self.device_type):
             return None
         try:
             with _NoTorchFunction():
@@ -386,6 +408,8 @@ class Region:
             self.comm = self.comm or spec[3]
         self.grad = grad
         self.device = device
+        self.device_type = device.type
+        self.cpu = self.device_type == "cpu"
         self.mesh = mesh
         adesc = tuple(self._commit(d) for d in adesc)
         kdesc = tuple((k, self._commit(d)) for k, d in kdesc)
@@ -569,7 +593,7 @@ class Region:
         self.nodes, self.inputs, self.versions, self.floats = [], [], [], []
         self._pos = {}
         self._seen = {}
-        self.device = None
+        self.device, self.device_type, self.cpu = None, "", False
         mesh, comm, self.mesh, self.comm = self.mesh, self.comm, None, False
         keep, self.keep = self.keep, []  # held until the plan holds them as outputs
         view_root, self.view_root = self.view_root, {}
