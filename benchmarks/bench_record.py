@@ -142,11 +142,15 @@ def main() -> None:
         fn = child_plain if args.child == "plain" else child_sharded
         print(json.dumps(fn(args.ops, args.rounds)))
         return
+    from _results import Progress, write
+
     trees = args.tree or [os.path.normpath(os.path.join(os.path.dirname(__file__), ".."))]
     results: dict[str, dict[str, list]] = {}
+    progress = Progress("bench_record")
     for case in args.cases.split(","):
-        for _ in range(args.repeat):
+        for i in range(args.repeat):
             for tree in trees:  # alternating: load drift hits every tree alike
+                progress(f"{case} {i + 1}/{args.repeat} {tree}")
                 got = _run_child(tree, case, args.ops, args.rounds)
                 results.setdefault(case, {}).setdefault(tree, []).append(got)
     print(f"recording {args.ops} elementwise ops on 64x64 (us per op; best of runs)")
@@ -161,8 +165,13 @@ def main() -> None:
                 f"x bare 4x4 op {min(rel):5.2f}-{max(rel):5.2f}"
             )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"ops": args.ops, "results": results}, f, indent=1)
+        write(
+            args.json,
+            "record",
+            {"ops": args.ops, "rounds": args.rounds, "results": results},
+            device="cpu",
+            threads={"per_rank": 1},
+        )
 
 
 if __name__ == "__main__":
