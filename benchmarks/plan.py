@@ -171,7 +171,7 @@ def _bench(bm: BenchModel, dev, old, args) -> dict:
     """One model planned, every fitting candidate trained, and the ranking scored."""
     print(f"\n=== {bm.name}: {' '.join(bm.flags)} ({_load()})", flush=True)
     t0 = time.perf_counter()
-    mbs = [int(v) for v in args.micro_batches.split(",")]
+    mbs = list(bm.micro_batches or (int(v) for v in args.micro_batches.split(",")))
     result, old_step, budget = _plans(bm, dev, old, mbs)
     print(result)
     rows = _measure(bm, result, old_step, budget, args)
@@ -249,7 +249,7 @@ def main() -> int:
     p.add_argument("--models", default=",".join(MODELS), help=f"of {', '.join(MODELS)}")
     p.add_argument("--steps", type=int, default=6, help="optimizer steps per run (2 warm-up)")
     p.add_argument("--json", help="write the results here")
-    p.add_argument("--micro-batches", default="4")
+    p.add_argument("--micro-batches", default="4", help="to search (GPT-2's are 2,4: it has no TP)")
     p.add_argument("--passes", type=int, default=2, help="timing passes (alternating order)")
     args = p.parse_args()
     names = args.models.split(",")
