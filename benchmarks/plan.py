@@ -1,23 +1,27 @@
 """The planner against real runs: every candidate it lists for 4 CPU gloo ranks, trained.
 
-    PYTHONPATH=. python benchmarks/plan.py [--steps 6] [--passes 2] [--micro-batches 2,4]
-        [--no-memory] [--json out.json]
+    PYTHONPATH=. python benchmarks/plan.py [--models decoder,gpt2-s,gpt2-m,llama-s,llama-m]
+        [--steps 6] [--passes 2] [--micro-batches 4] [--json out.json]
 
 1. The 4 ranks measure this machine's ``cpu`` profile at once (``_plan._cpuprobe.probe_cpu``:
    collective latency and bandwidth per group size, per-op, FSDP-unit, TP-module and
    checkpointed-block costs), and the 4-rank all-reduce the model before it priced with.
-2. ``spmdgt.train.plan`` plans the example decoder (``examples/train_transformer.py``) for
-   world 4 on that profile, with a memory budget set between the candidates' predicted
-   peaks, so some do not fit; the same candidates are priced by the model before the profile
-   (one link, one latency whatever the group, no per-unit costs) for comparison.
+2. For each of ``--models`` (``benchmarks/_plan_models.py``: the example decoder, HF GPT-2
+   and Llama at two sizes each, built from configs), ``spmdgt.train.plan`` plans it for
+   world 4 and global batch 16 on that profile, with a memory budget set at the 75th
+   percentile of the candidates' predicted peaks, so some do not fit; the same candidates
+   are priced by the model before the profile (one link, one latency whatever the group, no
+   per-unit costs) for comparison.
 3. Every candidate that fits is written as its YAML and trained for real on 4 forked gloo
-   ranks by the example's own ``run_trainer`` (``--config`` that YAML, nothing else changed),
+   ranks by the model's example script (``--config`` that YAML, nothing else changed),
    ``--passes`` times in alternating order (the planner's, then reversed): its least step
-   after the 2 warm-up steps (load only adds time) and its mean; then (unless
-   ``--no-memory``) 2 steps under torch's ``MemTracker`` for each rank's tensor peak.
-4. Reported, for both models against the least and the mean step: the pick against the
-   fastest measured (within 10%?) and Spearman's rank correlation of predicted and measured
-   step times; and whether any candidate said to fit measured over its budget.
+   after the 2 warm-up steps (load only adds time), its mean, and each rank's tensor peak
+   as the trainer reports it (``peak_memory_allocated_gb``: on a CPU its tensor meter over
+   the first 2 steps, which the timings leave out).
+4. Reported per model, for both models against the least and the mean step: the pick against
+   the fastest measured (within 10%?) and Spearman's rank correlation of predicted and
+   measured step times; and whether any candidate said to fit measured over its budget. The
+   load average is printed as each model starts and ends.
 
 The machine is shared: step times carry the load of whatever else runs. Results go to
 ``--json`` with the machine's context.
@@ -35,10 +39,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._example import load_example  # noqa: E402
+from benchmarks._plan_models import MODELS, BenchModel  # noqa: E402
 from benchmarks._ranks import run_ranks  # noqa: E402
 
-MODEL_FLAGS = ["--dim", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--seq-len", "32"]
 GLOBAL_BATCH = 16
 WORLD = 4
 
@@ -55,46 +58,14 @@ def _profile(rank: int, world: int) -> dict:
     return {"profile": probe_cpu(), "latency": lat, "bandwidth": bw}
 
 
-def _train(rank: int, world: int, yaml_path: str, steps: int, track: bool) -> dict:
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    ex = load_example()
-    args = ex.parse_args(
-        [*MODEL_FLAGS, "--config", yaml_path, "--steps", str(steps), "--workers", "0"]
-    )
-    import torch
-
-    if not track:  # the timing run: no tracker (its dispatch mode slows every op)
-        got = ex.run_trainer(args)
-        return {"step": got["min_step_time"], "mean": got["avg_step_time"], "peak": None}
-    tracker = MemTracker()
-    # MemTracker refuses a second top-level forward (the next micro-step) unless its
-    # per-module stats are reset (the peak is kept): reset them as the root module's forward
-    # starts outside a backward (a global hook, registered before the tracker's own; the
-    # root is the first module called)
-    root: list = []
-
-    def pre(module, args):
-        if not root:
-            root.append(module)
-        if module is root[0] and torch._C._current_graph_task_id() == -1:
-            tracker.reset_mod_stats()
-
-    hooks = [torch.nn.modules.module.register_module_forward_pre_hook(pre)]
-    peak = None
-    try:
-        with tracker:
-            summary = ex.run_trainer(args)
-        snap = tracker.get_tracker_snapshot("peak")
-        peak = max(int(v.get("Total", 0)) for v in snap.values()) if snap else None
-    except Exception as e:  # the tracker on a real FSDP run: report, do not hide
-        if "summary" not in locals():
-            raise
-        peak = f"tracker failed: {type(e).__name__}: {e}"
-    finally:
-        for h in hooks:
-            h.remove()
-    return {"step": summary["avg_step_time"], "peak": peak}
+def _train(rank: int, world: int, name: str, yaml_path: str, steps: int) -> dict:
+    """One rank's run: its least and mean step, and its tensor peak as the trainer measures
+    it on a CPU (its meter over the first 2 steps, left out of the timings; the meter
+    ``tests/train/test_dryrun_peak.py`` checks the dry run against)."""
+    got = MODELS[name].train(yaml_path, steps, GLOBAL_BATCH)
+    tensors = str(got.get("memory_kind", "")).startswith("tensors")
+    peak = round(got["peak_memory_allocated_gb"] * 1e9) if tensors else None
+    return {"step": got["min_step_time"], "mean": got["avg_step_time"], "peak": peak}
 
 
 def _spearman(a: list[float], b: list[float]) -> float:
@@ -129,51 +100,42 @@ def _ranking(pred: list[float], meas: list[float]) -> tuple[float, float]:
     return pick / min(meas), _spearman(pred, meas)
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=6, help="optimizer steps per run (2 warm-up)")
-    p.add_argument("--json", help="write the results here")
-    p.add_argument("--micro-batches", default="4")
-    p.add_argument("--no-memory", action="store_true", help="skip the MemTracker runs")
-    p.add_argument("--passes", type=int, default=2, help="timing passes (alternating order)")
-    args = p.parse_args()
+def _load() -> str:
+    return "load average " + " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def _plans(bm: BenchModel, dev, old, micro_batches: list[int]):
+    """The model's plan on the measured profile with a budget some candidates miss, and the
+    same candidates priced by the model before the profile."""
     import torch
 
-    from spmdgt.train._plan import config_yaml, device_spec, plan
-    from spmdgt.train._plan._cpuprobe import cpu_spec
+    from spmdgt.train._plan import plan
 
-    torch.set_num_threads(1)  # as each rank runs
-    t0 = time.perf_counter()
-    probed = run_ranks(_profile, WORLD)[0]
-    prof, lat, bw = probed["profile"], probed["latency"], probed["bandwidth"]
-    print(f"cpu profile, measured by {WORLD} ranks at once: {prof}")
-    dev = cpu_spec(prof)
-    # the model before the profile: one latency for every group, no per-unit costs
-    old = device_spec("cpu", bandwidth=bw, latency=lat)
-    ex = load_example()
-    margs = ex.parse_args(MODEL_FLAGS)
-    model = ex.build_model(margs)
-    x = torch.zeros(4, margs.seq_len, dtype=torch.long)
+    torch.manual_seed(0)
+    model = bm.build()
+    batch = bm.batch(4)
     common = dict(
         world=WORLD,
         global_batch=GLOBAL_BATCH,
-        loss_fn=ex.lm_loss,
-        micro_batches=[int(v) for v in args.micro_batches.split(",")],
+        loss_fn=bm.loss_fn(),
+        micro_batches=micro_batches,
         amp=(False,),  # bf16 matmuls run ~20x slower than fp32 on this CPU: never picked
         base=_base(),
         progress=print,
     )
-    first = plan(model, (x, x), device=dev, **common)
+    first = plan(model, batch, device=dev, **common)
     mems = sorted(e.memory for e in first.ranked)
     budget = mems[(3 * len(mems)) // 4]  # a quarter of the candidates do not fit
-    result = plan(
-        model, (x, x), device=dev, memory=budget, memory_model=first.memory_model, **common
-    )
-    before = plan(
-        model, (x, x), device=old, memory=budget, memory_model=first.memory_model, **common
-    )
-    old_step = {e.candidate: e.step for e in before.ranked}
-    print(result)
+    mm = first.memory_model
+    result = plan(model, batch, device=dev, memory=budget, memory_model=mm, **common)
+    before = plan(model, batch, device=old, memory=budget, memory_model=mm, **common)
+    return result, {e.candidate: e.step for e in before.ranked}, budget
+
+
+def _measure(bm: BenchModel, result, old_step: dict, budget: float, args) -> list[tuple]:
+    """Every fitting candidate trained: (estimate, least step, mean step, per-rank peaks)."""
+    from spmdgt.train._plan import config_yaml
+
     n = len(result.ranked)
     least, means = [float("inf")] * n, [float("inf")] * n
     peaks: list[list] = [[None] * WORLD for _ in range(n)]
@@ -189,21 +151,41 @@ def main() -> int:
             order = range(n) if p % 2 == 0 else reversed(range(n))
             for i in order:
                 e = result.ranked[i]
-                got = run_ranks(_train, WORLD, paths[i], args.steps, False, timeout=900)
+                got = run_ranks(_train, WORLD, bm.name, paths[i], args.steps, timeout=900)
                 least[i] = min(least[i], max(g["step"] for g in got))  # the slowest rank's
                 means[i] = min(means[i], max(g["mean"] for g in got))
-                if p == 0 and not args.no_memory:  # 2 steps (the second holds the state)
-                    got = run_ranks(_train, WORLD, paths[i], 2, True, timeout=900)
+                if p == 0:
                     peaks[i] = [g["peak"] for g in got]
                 print(
-                    f"[pass {p + 1}, {i + 1}/{n}] {e.candidate.label()}  predicted "
+                    f"[{bm.name} pass {p + 1}, {i + 1}/{n}] {e.candidate.label()}  predicted "
                     f"{e.step * 1e3:8.1f} ms (before {old_step[e.candidate] * 1e3:7.1f})  "
                     f"measured {least[i] * 1e3:8.1f} ms least, {means[i] * 1e3:8.1f} mean  peak "
                     f"{_mib(peaks[i])} MiB (predicted {e.memory / 2**20:.3f}, "
                     f"budget {budget / 2**20:.3f})",
                     flush=True,
                 )
-    rows = list(zip(result.ranked, least, means, peaks, strict=True))
+    return list(zip(result.ranked, least, means, peaks, strict=True))
+
+
+def _bench(bm: BenchModel, dev, old, args) -> dict:
+    """One model planned, every fitting candidate trained, and the ranking scored."""
+    print(f"\n=== {bm.name}: {' '.join(bm.flags)} ({_load()})", flush=True)
+    t0 = time.perf_counter()
+    mbs = list(bm.micro_batches or (int(v) for v in args.micro_batches.split(",")))
+    result, old_step, budget = _plans(bm, dev, old, mbs)
+    print(result)
+    rows = _measure(bm, result, old_step, budget, args)
+    print(
+        f"\n{bm.name}: candidate, in the planner's order | predicted ms | before ms | "
+        "least ms | mean ms | peak MiB (max rank) | predicted MiB"
+    )
+    for e, s, m, pk in rows:
+        top = max((q for q in pk if isinstance(q, int)), default=None)
+        print(
+            f"  {e.candidate.label():<40} {e.step * 1e3:8.1f} {old_step[e.candidate] * 1e3:8.1f} "
+            f"{s * 1e3:8.1f} {m * 1e3:8.1f} "
+            f"{'-' if top is None else f'{top / 2**20:8.3f}'} {e.memory / 2**20:8.3f}"
+        )
     pred = [e.step for e, _, _, _ in rows]
     pred_old = [old_step[e.candidate] for e, _, _, _ in rows]
     summary = {}
@@ -213,8 +195,9 @@ def main() -> int:
             ratio, rho = _ranking(pr, meas)
             summary[f"{model_name} {timing}"] = (ratio, rho)
             print(
-                f"{model_name:<6} model vs {timing:<5} step: pick {(ratio - 1) * 100:+.1f}% over "
-                f"the fastest ({'within' if ratio <= 1.1 else 'NOT within'} 10%), Spearman "
+                f"{bm.name}: {model_name:<6} model vs {timing:<5} step: pick "
+                f"{(ratio - 1) * 100:+.1f}% over the fastest "
+                f"({'within' if ratio <= 1.1 else 'NOT within'} 10%), Spearman "
                 f"{rho:.3f} over {len(rows)} candidates"
             )
     over = [
@@ -223,38 +206,80 @@ def main() -> int:
         if any(isinstance(q, int) and q > budget for q in pk)
     ]
     print(
-        f"dropped for the budget: {len(result.dropped)}; said to fit but over budget: "
-        f"{over or 'none'}"
+        f"{bm.name}: dropped for the budget: {len(result.dropped)}; said to fit but over "
+        f"budget: {over or 'none'}; {time.perf_counter() - t0:.0f}s ({_load()})",
+        flush=True,
     )
-    print(f"total {time.perf_counter() - t0:.0f}s")
+    return {
+        "flags": list(bm.flags),
+        "budget": budget,
+        "dropped": len(result.dropped),
+        "summary": {k: {"pick_over_fastest": r, "spearman": s} for k, (r, s) in summary.items()},
+        "over_budget": over,
+        "rows": [
+            {
+                "candidate": e.candidate.label(),
+                "predicted_s": e.step,
+                "predicted_before_s": old_step[e.candidate],
+                "measured_least_s": s,
+                "measured_mean_s": m,
+                "predicted_peak": e.memory,
+                "measured_peaks": pk,
+            }
+            for e, s, m, pk in rows
+        ],
+    }
+
+
+def _final(results: dict) -> None:
+    """One line per model: the targets, on the new model against the least and mean step."""
+    print("\nmodel     n  dropped  pick/least  rho/least  pick/mean  rho/mean  over budget")
+    for name, r in results.items():
+        least, mean = r["summary"]["after least"], r["summary"]["after mean"]
+        print(
+            f"{name:<8} {len(r['rows']):2d} {r['dropped']:8d}  "
+            f"{(least['pick_over_fastest'] - 1) * 100:+9.1f}%  {least['spearman']:9.3f}  "
+            f"{(mean['pick_over_fastest'] - 1) * 100:+8.1f}%  {mean['spearman']:8.3f}  "
+            f"{r['over_budget'] or 'none'}"
+        )
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", default=",".join(MODELS), help=f"of {', '.join(MODELS)}")
+    p.add_argument("--steps", type=int, default=6, help="optimizer steps per run (2 warm-up)")
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--micro-batches", default="4", help="to search (GPT-2's are 2,4: it has no TP)")
+    p.add_argument("--passes", type=int, default=2, help="timing passes (alternating order)")
+    args = p.parse_args()
+    names = args.models.split(",")
+    unknown = [n for n in names if n not in MODELS]
+    if unknown:
+        p.error(f"--models: unknown {unknown}; known: {', '.join(MODELS)}")
+    import torch
+
+    from spmdgt.train._plan import device_spec
+    from spmdgt.train._plan._cpuprobe import cpu_spec
+
+    torch.set_num_threads(1)  # as each rank runs
+    t0 = time.perf_counter()
+    print(_load())
+    probed = run_ranks(_profile, WORLD)[0]
+    prof, lat, bw = probed["profile"], probed["latency"], probed["bandwidth"]
+    print(f"cpu profile, measured by {WORLD} ranks at once: {prof}")
+    dev = cpu_spec(prof)
+    # the model before the profile: one latency for every group, no per-unit costs
+    old = device_spec("cpu", bandwidth=bw, latency=lat)
+    results = {name: _bench(MODELS[name], dev, old, args) for name in names}
+    _final(results)
+    print(f"total {time.perf_counter() - t0:.0f}s ({_load()})")
     if args.json:
         from benchmarks import _results
 
         _results.write(
             args.json,
             "plan",
-            {
-                "profile": prof,
-                "latency": lat,
-                "bandwidth": bw,
-                "budget": budget,
-                "summary": {
-                    k: {"pick_over_fastest": r, "spearman": s} for k, (r, s) in summary.items()
-                },
-                "over_budget": over,
-                "rows": [
-                    {
-                        "candidate": e.candidate.label(),
-                        "predicted_s": e.step,
-                        "predicted_before_s": old_step[e.candidate],
-                        "measured_least_s": s,
-                        "measured_mean_s": m,
-                        "predicted_peak": e.memory,
-                        "measured_peaks": pk,
-                    }
-                    for e, s, m, pk in rows
-                ],
-            },
+            {"profile": prof, "latency": lat, "bandwidth": bw, "models": results},
         )
     return 0
 

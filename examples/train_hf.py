@@ -21,7 +21,8 @@ Tensor parallel: torchrun --nproc_per_node=2 examples/train_hf.py --strategy pla
                 (torchtitan's recipe: the placements table inside each pair of neighbouring
                 ranks, FSDP per decoder layer across them; --dp-shard and --dp-replicate set
                 the data dims, e.g. --dp-replicate 2 --dp-shard 2 --strategy fsdp for HSDP;
-                --global-batch is split over the data-parallel ranks only)
+                --global-batch is split over the data-parallel ranks only, then into the
+                config's gradient_accumulation_steps micro-batches)
 Check:          python examples/train_hf.py --reference   (a plain one-process HF loop over
                 the same global batches: the losses every strategy must reproduce)
 """
@@ -131,8 +132,9 @@ def _train_config(args: argparse.Namespace):
 
 def run_trainer(args: argparse.Namespace) -> dict:
     """The example: ``DistributedTrainer`` on the HF model, no loss function given. Each
-    data-parallel rank reads ``--global-batch`` / its data-parallel size rows of every step
-    (the tensor-parallel ranks of a data group read the same rows)."""
+    data-parallel rank reads ``--global-batch`` / its data-parallel size rows of every step,
+    in ``gradient_accumulation_steps`` micro-batches (the tensor-parallel ranks of a data
+    group read the same rows)."""
     from spmdgt.train import DistributedTrainer, OptimizedDataLoader
 
     cfg = _train_config(args)
@@ -141,14 +143,17 @@ def run_trainer(args: argparse.Namespace) -> dict:
     trainer = DistributedTrainer(
         model, opt, config=cfg, log_every=args.log_every, logdir=args.logdir
     )
-    dp = trainer.data_parallel_size  # the same on every rank: the same decision everywhere
-    if args.global_batch % dp:
+    # the same on every rank: the same decision everywhere
+    dp, accum = trainer.data_parallel_size, trainer.accum
+    if args.global_batch % (dp * accum):
         raise SystemExit(
-            f"--global-batch {args.global_batch} must divide by the {dp} data-parallel ranks"
+            f"--global-batch {args.global_batch} must divide by the {dp} data-parallel ranks "
+            f"x {accum} accumulation steps"
         )
     data = TokenDataset(args.steps * args.global_batch, args.seq_len, args.vocab, args.seed)
-    # written as for one process: the trainer shards it over its data-parallel ranks
-    loader = OptimizedDataLoader.create(data, args.global_batch // dp, shuffle=False)
+    # written as for one process: the trainer shards it over its data-parallel ranks; each
+    # optimizer step reads `accum` micro-batches (a planner's YAML sets the accumulation)
+    loader = OptimizedDataLoader.create(data, args.global_batch // (dp * accum), shuffle=False)
     return trainer.train(loader, epochs=1, max_steps=args.steps)
 
 

@@ -11,7 +11,9 @@ runs of a two-block copy, prices every config the trainer can run on ``--world``
 (memory per rank, compute over the device's peak, each collective on its mesh dim's link,
 FSDP2's overlap), drops what does not fit ``--memory`` (default: the device's, less
 ``--headroom``), prints the ranked table and writes the winner as the trainer's YAML.
-``--device cpu`` prices against this machine's measured peak. See ``docs/planner.md``.
+``--device cpu`` prices against this machine's measured peak; ``--cpu-profile PATH`` against
+the profile ``--world`` ranks measure at once (collectives per group size, per-op, per-unit
+costs), measured and saved the first time, read from PATH after. See ``docs/planner.md``.
 Exit 0 with a plan, 1 when nothing fits, 2 on bad input.
 """
 
@@ -46,7 +48,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         + ", ".join(INTERCONNECTS),
     )
     p.add_argument("--world", type=int, required=True, help="devices to plan for")
-    p.add_argument("--device", default="h100", help="h100, h200, a100 or cpu (measured here)")
+    p.add_argument("--device", help="h100 (default), h200, a100 or cpu (measured here)")
+    p.add_argument(
+        "--cpu-profile",
+        metavar="PATH",
+        help="the cpu profile measured by --world ranks (implies --device cpu): read from "
+        "PATH when it exists, else measured once by --world gloo ranks forked here and "
+        "saved to PATH for later plans",
+    )
     p.add_argument(
         "--global-batch",
         type=int,
@@ -76,6 +85,26 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _cpu_profile(args: argparse.Namespace, say) -> dict:
+    """``--cpu-profile``: the profile saved at the path, or measured now by ``--world``
+    forked ranks and saved there (before the script runs: a fork copies one thread)."""
+    import os
+
+    from spmdgt.train._plan._cpuprofile import load_profile, measure_profile, save_profile
+
+    if args.device not in (None, "cpu"):
+        raise ValueError(f"--cpu-profile prices --device cpu, not --device {args.device}")
+    if os.path.exists(args.cpu_profile):
+        prof = load_profile(args.cpu_profile)
+        say(f"plan: cpu profile read from {args.cpu_profile} (measured by {prof['ranks']} ranks)")
+        return prof
+    say(f"plan: measuring the cpu profile on {args.world} forked gloo ranks (seconds)")
+    prof = measure_profile(args.world)
+    save_profile(prof, args.cpu_profile)
+    say(f"plan: cpu profile saved to {args.cpu_profile}; later plans read it")
+    return prof
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Plan; print the table; write the winner; return the exit status."""
     from spmdgt.config import ConfigError
@@ -90,6 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(line, file=sys.stderr, flush=True)
 
     try:
+        profile = _cpu_profile(args, say) if args.cpu_profile else None
         base = load_train_config(args.config) if args.config else None
         say(f"plan: running {args.script} to its model's first call")
         model, batch = capture_script(args.script, args.args)
@@ -97,7 +127,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             model,
             batch,
             world=args.world,
-            device=args.device,
+            device="cpu" if profile is not None else (args.device or "h100"),
+            device_profile=profile,
             global_batch=args.global_batch,
             memory=args.memory,
             headroom=args.headroom,

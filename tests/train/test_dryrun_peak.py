@@ -6,12 +6,13 @@ measures its two steps with the same meter on fake tensors, for a gloo job
 (``backend="gloo"``: its reduce-scatter works on a copy of its input). For the example's
 decoder, a tiny HF Llama (its own loss, rows padded with ``-100`` labels) and one bias-free
 ``Linear(512, 512)`` under SGD with momentum (whose FSDP peak is at the reduce-scatter), under
-ddp (3 gradient buckets), fsdp and tensor-parallel placements on 2 ranks, and fsdp x tp on
-4 ranks as 2 x 2: the collectives of a step (per mesh dim, kind, count and bytes) equal what
-every rank counted in its last step, and the peak is within 5% of every rank's (measured:
-equal, or a few KiB apart; before: ddp 1.19 on the HF model and 1.24 on the Linear, fsdp 0.78
-on the Linear: DDP's buckets counted twice, HF's 4-D mask built for fake tensors, gloo's
-reduce-scatter copy missing).
+ddp (3 gradient buckets), fsdp and tensor-parallel placements on 2 ranks, fsdp x tp on
+4 ranks as 2 x 2, and HSDP (``dp_replicate`` 2 x ``dp_shard`` 2) on 4 ranks: the
+collectives of a step (per mesh dim, kind, count and bytes) equal what every rank counted
+in its last step, and the peak is within 5% of every rank's (measured: equal, or a few KiB
+apart; before: ddp 1.19 on the HF model and 1.24 on the Linear, fsdp 0.78 on the Linear:
+DDP's buckets counted twice, HF's 4-D mask built for fake tensors, gloo's reduce-scatter
+copy missing).
 """
 
 from __future__ import annotations
@@ -71,25 +72,33 @@ def _placements(name: str) -> dict[str, str]:
     return _example_plan()
 
 
-def _config(strategy: str, name: str, tp: int = 1) -> TrainConfig:
+def _config(strategy: str, name: str, tp: int = 1, replicate: int = 1) -> TrainConfig:
+    """``tp`` > 1: fsdp over 2 x tensor parallel over ``tp``; ``replicate`` > 1: HSDP,
+    ``replicate`` replicas of FSDP shards over 2 ranks."""
     tensor_parallel = strategy == "placements" or tp > 1
+    two_d = tp > 1 or replicate > 1
     return TrainConfig(
         strategy=strategy,
         log_every=100,
         training=TrainingConfig(max_grad_norm=1.0),
         placements=_placements(name) if tensor_parallel else {},
-        parallelism=ParallelismConfig(dp_shard=2, tp=tp) if tp > 1 else ParallelismConfig(),
+        parallelism=ParallelismConfig(dp_replicate=replicate, dp_shard=2, tp=tp)
+        if two_d
+        else ParallelismConfig(),
         ddp=DDPConfig(bucket_cap_mb=0.04),  # the decoder's 137 KiB of gradients in 3 buckets
     )
 
 
-def _real(strategy: str, name: str, tp: int) -> dict:
+def _real(strategy: str, name: str, tp: int, replicate: int) -> dict:
     """One rank's run: its tensor peak (the trainer's meter) and its last step's collectives."""
     from spmdgt.train import DistributedTrainer, OptimizedDataLoader
 
     model, loss_fn = _model_and_loss(name)
     trainer = DistributedTrainer(
-        model, _optimizer(model, name), loss_fn=loss_fn, config=_config(strategy, name, tp)
+        model,
+        _optimizer(model, name),
+        loss_fn=loss_fn,
+        config=_config(strategy, name, tp, replicate),
     )
 
     class PerStep(CollectiveCounter):
@@ -115,8 +124,10 @@ def _real(strategy: str, name: str, tp: int) -> dict:
     }
 
 
-def _ranks(rank: int, world: int, cases: list[tuple[str, str]], tp: int) -> list[dict]:
-    return [_real(strategy, name, tp) for strategy, name in cases]
+def _ranks(
+    rank: int, world: int, cases: list[tuple[str, str]], tp: int, replicate: int = 1
+) -> list[dict]:
+    return [_real(strategy, name, tp, replicate) for strategy, name in cases]
 
 
 def _builder(name: str):
@@ -138,9 +149,11 @@ def _builder(name: str):
     return build
 
 
-def _check(cases: list[tuple[str, str]], world: int, tp: int, real: list[list[dict]]) -> None:
+def _check(
+    cases: list[tuple[str, str]], world: int, tp: int, real: list[list[dict]], replicate: int = 1
+) -> None:
     for i, (strategy, name) in enumerate(cases):
-        config = _config(strategy, name, tp)
+        config = _config(strategy, name, tp, replicate)
         loss_fn = _model_and_loss(name)[1]
         report = dry_run(_builder(name), world, config, loss_fn=loss_fn, backend="gloo")
         for rank, runs in enumerate(real):
@@ -166,6 +179,19 @@ def test_dry_peak_and_collectives_equal_a_real_run_on_2x2(tmp_path):
     cases = [("fsdp", "hf")]  # fsdp over dp_shard x HF's own placements over tp
     real = run_ranks(_ranks, 4, tmp_path, cases, 2)
     _check(cases, 4, 2, real)
+
+
+@pytest.mark.slow  # about 60 s on 2 loaded cores
+def test_dry_peak_and_collectives_equal_a_real_run_on_hsdp_2x2(tmp_path):
+    """HSDP: 2 replicas x FSDP over 2 ranks (``dp_replicate`` x ``dp_shard``): the gathers
+    and reduce-scatters on ``dp_shard``, the gradient all-reduce on ``dp_replicate``."""
+    cases = [("fsdp", "hf"), ("fsdp", "linear")]
+    real = run_ranks(_ranks, 4, tmp_path, cases, 1, 2)
+    for runs in real:  # HSDP ran: FSDP's collectives on dp_shard, the replicas' on dp_replicate
+        for run in runs:
+            assert {"dp_shard", "dp_replicate"} <= set(run["collectives"]), run["collectives"]
+            assert "all_reduce" in run["collectives"]["dp_replicate"], run["collectives"]
+    _check(cases, 4, 1, real, 2)
 
 
 @pytest.mark.slow

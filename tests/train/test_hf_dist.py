@@ -70,6 +70,24 @@ def test_hf_example_on_two_ranks_equals_one_process(tmp_path, argv):
     assert ref[-1] < ref[0] - 0.5  # it learns: a loop that did nothing would not pass
 
 
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 3])
+def test_hf_example_takes_a_plans_accumulation_and_equals_one_process(tmp_path, world):
+    """A planner's YAML sets ``gradient_accumulation_steps``: the example splits
+    ``--global-batch`` over the data-parallel ranks and the micro-steps (12 rows: 3 x 2 on 2
+    ranks, 2 x 2 on 3), so each optimizer step still reads one global batch, as the plain
+    loop does (before, each step read ``accum`` global batches and the run ended early)."""
+    cfg = yaml.safe_load(EX.EXAMPLE_YAML.read_text())
+    cfg["training"]["gradient_accumulation_steps"] = 2
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    argv = [*SMALL, "--config", str(path), "--strategy", "fsdp", "--global-batch", "12"]
+    ref = EX.run_reference(EX.parse_args(argv))["losses"]
+    results = run_ranks(_trainer_losses, world, tmp_path, argv, timeout=240)
+    for losses, got_world, _ in results:
+        assert got_world == world and len(losses) == len(ref) == 6
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), atol=1e-5, rtol=1e-5)
+
+
 def documented_table() -> dict[str, str]:
     """The placements table train_hf.yaml keeps as a comment (what ``auto`` derives for
     Qwen3), read from the file."""

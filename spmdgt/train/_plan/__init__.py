@@ -62,10 +62,31 @@ def _device(
     bandwidth: float | str | None,
     latency: float | str | None,
     per_node: int | None,
+    profile: dict | str | os.PathLike | None = None,
 ) -> DeviceSpec:
-    """The device as given, or the named one with its links."""
+    """The device as given, the ``cpu`` priced with a measured profile (a dict or the file
+    ``_cpuprofile.save_profile`` wrote), or the named one with its links."""
     if isinstance(device, DeviceSpec):
+        if profile is not None:
+            raise ValueError("plan: give device_profile with device='cpu', not a DeviceSpec")
         return device
+    if profile is not None:
+        from spmdgt.train._plan._cpuprobe import cpu_spec
+        from spmdgt.train._plan._cpuprofile import check_profile, load_profile
+
+        links = {"interconnect": interconnect, "intra": intra, "bandwidth": bandwidth}
+        links.update(latency=latency, per_node=per_node)
+        given = [k for k, v in links.items() if v is not None]
+        if device.lower() != "cpu" or given:
+            raise ValueError(
+                f"plan: device_profile is a measured cpu profile: it prices device='cpu' "
+                f"with its own links (got device={device!r}"
+                + (f" and {', '.join(given)}" if given else "")
+                + ")"
+            )
+        if isinstance(profile, dict):
+            return cpu_spec(check_profile(profile, "given"))
+        return cpu_spec(load_profile(profile))
     return device_spec(
         device,
         interconnect=interconnect,
@@ -176,6 +197,7 @@ def plan(
     memory_model: MemoryModel | None = None,
     progress: Callable[[str], None] | None = None,
     jobs: int | None = None,
+    device_profile: dict | str | os.PathLike | None = None,
 ) -> Plan:
     """Search every config the trainer can run ``model`` with on ``world`` devices, price
     each, and rank those that fit.
@@ -186,6 +208,8 @@ def plan(
     its rows are the calibration's micro-batch and, times ``world``, the default global
     batch. ``device``: ``h100``, ``h200``, ``a100`` or ``cpu`` (this machine's measured peak),
     or a ``DeviceSpec`` (``_cpuprobe.cpu_spec``: the profile measured by the ranks);
+    ``device_profile``: with ``device="cpu"``, a measured profile (``probe_cpu``'s dict, or
+    the JSON file ``_cpuprofile.save_profile`` wrote, ``--cpu-profile``) to price with;
     ``memory`` the budget per device (default: the device's less ``headroom``);
     ``margin`` the share added to each predicted peak before it is compared (the dry run's
     peak is within a few percent of a real run's; the 4-rank benchmark measured real peaks up
@@ -198,7 +222,7 @@ def plan(
     1 runs them in this process)."""
     say = progress or (lambda _: None)
     t0 = time.perf_counter()
-    dev = _device(device, interconnect, intra, bandwidth, latency, per_node)
+    dev = _device(device, interconnect, intra, bandwidth, latency, per_node, device_profile)
     budget = budget_bytes(dev, memory) if memory is not None else dev.memory * (1 - headroom)
     if loss_fn is None:
         loss_fn = guess_loss_fn(batch)
