@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from spmdgt._core import scope as _scope
-from spmdgt.runtime import _agree
+from spmdgt.runtime import _agree, _rank_errors
 
 __all__ = ["FUNCS", "counts", "direct", "gather_rows", "gather_second"]
 
@@ -135,7 +135,7 @@ def direct(func, args: tuple, gt: type):
             full = gather_rows(b._local_tensor, group, rows, k)
             out = torch.mm(a._local_tensor, full)
     except Exception as e:  # a collective's timeout names the op (GT_TIMEOUT)
-        raise _agree.translate(e, func)  # noqa: B904
+        raise _rank_errors.translate(e, func)  # noqa: B904
     counts["direct"] += 1
     return _new(gt, out, spec, requires_grad=False)
 

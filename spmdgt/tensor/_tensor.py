@@ -20,7 +20,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor, Shard
 
 from spmdgt._core import scope as _scope
-from spmdgt.runtime import _agree
+from spmdgt.runtime import _agree, _rank_errors
 from spmdgt.runtime._state import get_runtime
 from spmdgt.tensor import (
     _assign,
@@ -203,7 +203,7 @@ def _dispatch(func, args, kwargs):
         else:
             out = _optable.run(func, args, kwargs, route)
     except Exception as e:  # a collective's timeout names the op (GT_TIMEOUT); free if none
-        raise _agree.translate(e, func)  # noqa: B904 (e, or a timeout error caused by e)
+        raise _rank_errors.translate(e, func)  # noqa: B904 (e, or a timeout error caused by e)
     finally:
         if not implicit:
             _set_implicit(False)
@@ -230,7 +230,7 @@ def _read(t: DTensor, what: str) -> torch.Tensor:
     try:
         return global_value(t) if tracing else _host_value(t)
     except Exception as e:
-        raise _agree.translate(e, what)  # noqa: B904 (e, or a timeout error caused by e)
+        raise _rank_errors.translate(e, what)  # noqa: B904 (e, or a timeout error caused by e)
 
 
 def _spec_text(spec) -> tuple[str, str, bool]:
