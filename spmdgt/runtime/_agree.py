@@ -39,7 +39,6 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import numpy
 import torch
 import torch.distributed as dist
 
@@ -84,30 +83,41 @@ _group: Any = None  # the gloo side group for agreement points; None: no exchang
 _backend: Any = None
 _world = 1
 _count = 0  # agreement points passed on this rank
+# this rank's last agreed point, for messages: (number, what, detail, call site)
+_last: tuple[int, str, str, str] = (0, "none yet", "", "")
 # One exchange is one 64-bit word a rank, all-reduced with bitwise OR: the smallest all-reduce
 # gloo runs (one element; two or more cost 1.5-2x its round trip on gloo's ring, see
 # docs/benchmarks.md). Bits 31-61 hold x, 31 bits of the point's fingerprint, and bits 0-30
 # its complement; the OR of every rank's word is then (OR of the x's, NOT (AND of the x's)),
-# whose halves are complements iff every rank sent the same x. That test reads exchanged data
-# only, so every rank decides alike. Bit 62: some rank has proposals waiting (``propose``);
-# bit 63: ``any_rank``'s flag. Written and read through numpy, so no torch op runs.
+# whose halves are complements iff every rank sent the same x, that is iff the OR's bits 0-61
+# equal this rank's word (``_word_of``). That test reads exchanged data only, so every rank
+# decides alike. Bit 62: some rank has proposals waiting (``propose``); bit 63: ``any_rank``'s
+# flag.
 _BITS = 31
 _MASK = (1 << _BITS) - 1
+_LOW = (1 << 62) - 1  # the fingerprint's bits 0-61
 _PENDING = 1 << 62
 _FLAG = 1 << 63
 _OR = dist.AllreduceOptions()
 _OR.reduceOp = dist.ReduceOp.BOR
-_word_np = numpy.zeros(1, dtype=numpy.int64)
-_word_u = _word_np.view(numpy.uint64)  # the same memory, read and written as unsigned
-_word = torch.from_numpy(_word_np)
+# The words, made once: an agreement point costs no allocation. Slot 0 is the exchange's,
+# slots 1.._SOON_MAX those of the points ``agree_soon`` has in flight (slot i + 1 for the i-th,
+# each settled before its slot is taken again). ``_slots`` reads and writes them as unsigned
+# Python ints (a memoryview: no numpy scalar, no torch op); ``_args[i]`` is slot i's argument
+# list for the backend's all-reduce.
+_SOON_MAX = 64  # agree_soon's points are settled at once past this many
+_words = torch.zeros(_SOON_MAX + 1, dtype=torch.int64)
+_slots = memoryview(_words.numpy()).cast("B").cast("Q")
+_args = [[_words[i : i + 1]] for i in range(_SOON_MAX + 1)]
 _GOLDEN = 0x9E3779B1  # odd: n -> n * _GOLDEN is one-to-one modulo 2**31 (the point's number)
-# (what, site) or (what, id of the user's code object, line) -> (that code object, the 31-bit
-# hash of the description and call site, the call site's text). A pure function of its key,
+# (what, site) or (what, id of the user's code object, line) -> (the 31-bit hash of the
+# description and call site, the call site's text, that code object). A pure function of its key,
 # so a hit and a miss give the same fingerprint on every rank; emptied past _PRINTS_MAX.
-_prints: dict[tuple, tuple[Any, int, str]] = {}
+_prints: dict[tuple, tuple[int, str, Any]] = {}
 _PRINTS_MAX = 4096
 _check = False  # GT_CHECK_RANKS
-_lock = threading.Lock()
+_lock = threading.Lock()  # one exchange at a time: they share slot 0 and the count
+_acquire, _release = _lock.acquire, _lock.release
 _at_exit = False  # the end-of-program exchange is registered
 _ENDED = object()  # the side group after a failure on one rank ended it: active, but ended
 
@@ -127,19 +137,19 @@ def active() -> bool:
 def setup(rank: int, world: int) -> None:
     """Make the side group (a collective: every rank calls it from ``init``), read
     ``GT_CHECK_RANKS`` and arrange the end-of-program agreement."""
-    global _group, _backend, _world, _count, _check, _at_exit
+    global _group, _backend, _world, _count, _last, _check, _at_exit
     check = _env.flag("GT_CHECK_RANKS")  # read before the collective: a bad value raises alike
     kwargs = {"timeout": timeout()} if timeout() is not None else {}
     _group = dist.new_group(backend="gloo", **kwargs)
     _backend = _group._get_backend(torch.device("cpu"))
-    _world, _count = world, 0
+    _world, _count, _last = world, 0, (0, "none yet", "", "")
     _check = check
     if _check:
         _install_redistribute_check()
     if not _at_exit:
         atexit.register(_end_at_exit)
         _at_exit = True
-    _errors.setup(rank, world, _drop_side_group)
+    _errors.setup(rank, world, _drop_side_group, _last_agreed)
 
 
 def _drop_side_group() -> None:
@@ -147,6 +157,10 @@ def _drop_side_group() -> None:
     # its connections only if nothing holds it; agreement points raise from then on
     global _group, _backend
     _group, _backend = _ENDED, None
+
+
+def _last_agreed() -> tuple[int, str, str, str]:
+    return _last
 
 
 def forget() -> None:
@@ -159,6 +173,12 @@ def forget() -> None:
 
 
 # -- the exchange -----------------------------------------------------------------------------
+def _word_of(h: int, n: int) -> int:
+    """The word agreement point number ``n`` with fingerprint ``h`` sends: x = the two mixed,
+    in bits 31-61, and its complement in bits 0-30, which is x * 2**31 + (_MASK - x)
+    = (x + 1) * _MASK. The point's number takes part: a rank that skipped a point pairs its
+    next one with another number, so even the same read at the same line does not agree."""
+    return (((h ^ (n * _GOLDEN)) & _MASK) + 1) * _MASK
 
 
 def _fingerprint(text: str) -> int:
@@ -166,9 +186,9 @@ def _fingerprint(text: str) -> int:
     return int.from_bytes(digest, "little") & _MASK
 
 
-def _print(what: str, site: str | None) -> tuple[int, str]:
-    """(the fingerprint of ``what`` at ``site``, ``site``), ``site`` None meaning the user's
-    call site. Hashed once per description and call site (``_prints``): a point reached again
+def _print(what: str, site: str | None) -> tuple[int, str, Any]:
+    """(the fingerprint of ``what`` at ``site``, ``site``, a key), ``site`` None meaning the
+    user's call site. Hashed once per description and call site (``_prints``): a point reached again
     (a read in a loop) costs a dictionary look-up. The hash takes the file's base name:
     checkouts on different nodes differ in path."""
     code = f = None
@@ -180,14 +200,14 @@ def _print(what: str, site: str | None) -> tuple[int, str]:
             code = f.f_code
     key = (what, site) if code is None else (what, id(code), f.f_lineno)
     entry = _prints.get(key)
-    if entry is None or entry[0] is not code:  # new, or another code object at the same id
+    if entry is None or entry[2] is not code:  # new, or another code object at the same id
         text = site if f is None else site_text(f)
         path, _, rest = text.partition(":")
-        entry = (code, _fingerprint(f"{what}@{os.path.basename(path)}:{rest}"), text)
+        entry = (_fingerprint(f"{what}@{os.path.basename(path)}:{rest}"), text, code)
         if len(_prints) >= _PRINTS_MAX:
             _prints.clear()
         _prints[key] = entry
-    return entry[1], entry[2]
+    return entry  # the kept tuple itself: a hit allocates nothing
 
 
 def agree(what: str, site: str | None = None, detail: str = "") -> None:
@@ -198,26 +218,25 @@ def agree(what: str, site: str | None = None, detail: str = "") -> None:
     sub-mesh). No-op without a side group (a world of one)."""
     if _group is None:
         return
-    h, site = _print(what, site)
+    h, site, _ = _print(what, site)
     if _errors.out_of_step is not None:
         raise _errors.stopped(point_text(what, detail, site))
-    _exchange(what, site, h, barrier=_check, detail=detail)
+    _exchange(what, site, h, _check, detail, False)
 
 
 def before_collective(what: str) -> None:
     """Under ``GT_CHECK_RANKS=1``: agree on ``what`` before a collective, naming a rank that
     does not arrive within ``GT_TIMEOUT`` (a gloo monitored barrier)."""
     if _check and _group is not None:
-        h, site = _print(what, None)
+        h, site, _ = _print(what, None)
         if _errors.out_of_step is not None:
             raise _errors.stopped(f"{what} at {site}")
-        _exchange(what, site, h, barrier=True)
+        _exchange(what, site, h, True, "", False)
 
 
 # Points started by ``agree_soon`` whose exchange is in flight, oldest first: (the work, its
-# word, x, number, what, detail, call site). ``settle`` checks them.
-_soon: list[tuple[Any, numpy.ndarray, int, int, str, str, str]] = []
-_SOON_MAX = 64  # settled at once past this many: a bounded queue of words
+# slot, its word, number, what, detail, call site). ``settle`` checks them.
+_soon: list[tuple[Any, int, int, int, str, str, str]] = []
 
 
 def agree_soon(what: str, site: str | None = None, detail: str = "") -> None:
@@ -233,19 +252,19 @@ def agree_soon(what: str, site: str | None = None, detail: str = "") -> None:
     if _check:
         agree(what, site, detail)
         return
-    h, site = _print(what, site)
+    h, site, _ = _print(what, site)
     if _errors.out_of_step is not None:
         raise _errors.stopped(point_text(what, detail, site))
     with _lock:
         _count += 1
         n = _count
-        x = (h ^ (n * _GOLDEN)) & _MASK
-        word = numpy.array([(x << _BITS) | (~x & _MASK)], dtype=numpy.uint64).view(numpy.int64)
+        slot = len(_soon) + 1  # free: the points before it were settled at _SOON_MAX
+        _slots[slot] = word = _word_of(h, n)
         try:
-            work = _backend.allreduce([torch.from_numpy(word)], _OR)
+            work = _backend.allreduce(_args[slot], _OR)
         except RuntimeError as e:
             _errors.exchange_failed(e, point_text(what, detail, site), n)
-        _soon.append((work, word, x, n, what, detail, site))
+        _soon.append((work, slot, word, n, what, detail, site))
     if len(_soon) >= _SOON_MAX:
         settle()
 
@@ -255,58 +274,63 @@ def settle() -> None:
     :class:`RankDivergenceError` at the first that did not (each rank received the same
     words, so each finds the same one). Call it before anything that moves data or makes a
     process group; free when nothing is in flight."""
+    global _last
     if not _soon:
         return
     with _lock:
         pending = list(_soon)
         _soon.clear()
         first_bad = None
-        for work, word, x, n, what, detail, site in pending:
+        for work, slot, word, n, what, detail, site in pending:
             try:
                 work.wait()
             except RuntimeError as e:
                 _errors.exchange_failed(e, point_text(what, detail, site), n)
-            got = int(word.view(numpy.uint64)[0])
-            if (got >> _BITS) & _MASK == x and got & _MASK == ~x & _MASK:
+            if _slots[slot] & _LOW == word:
                 if first_bad is None:
-                    _errors.last_agreed = (n, what, detail, site)
+                    _last = (n, what, detail, site)
             elif first_bad is None:
                 first_bad = (n, point_text(what, detail, site))
     if first_bad is not None:
         _errors.diverged(_group, _world, *first_bad)
 
 
-def _exchange(
-    what: str, site: str, h: int, barrier: bool, detail: str = "", flag: bool = False
-) -> bool:
-    """One exchange (see ``_word``): agreed, or every rank raises. Returns whether ``flag``
-    holds on any rank."""
-    global _count
+def _exchange(what: str, site: str, h: int, barrier: bool, detail: str, flag: bool) -> bool:
+    """One exchange (see ``_word_of``): agreed, or every rank raises. Returns whether ``flag``
+    holds on any rank. The path every agreement point takes: nothing here allocates but the
+    point's record, and the arguments are positional (the exchange's own Python is what an
+    agreement point costs above the all-reduce)."""
+    global _count, _last
     if _soon:
         settle()  # the points started earlier come first, in order
-    with _lock:
+    _acquire()  # not ``with _lock``: a third less of what the lock costs the exchange
+    try:
         _count += 1
         n = _count
-        # the point's number takes part: a rank that skipped a point pairs its next one with
-        # another number, so even the same read at the same line does not agree
-        x = (h ^ (n * _GOLDEN)) & _MASK
-        _word_u[0] = (
-            (x << _BITS) | (~x & _MASK) | (_PENDING if _proposals else 0) | (_FLAG if flag else 0)
-        )
+        word = (((h ^ (n * _GOLDEN)) & _MASK) + 1) * _MASK  # _word_of(h, n), inlined
+        if flag or _proposals:
+            _slots[0] = word | (_PENDING if _proposals else 0) | (_FLAG if flag else 0)
+        else:
+            _slots[0] = word
         try:
             if barrier:
                 dist.monitored_barrier(_group, timeout=timeout(), wait_all_ranks=True)
-            _backend.allreduce([_word], _OR).wait()
+            _backend.allreduce(_args[0], _OR).wait()
         except RuntimeError as e:
             _errors.exchange_failed(e, point_text(what, detail, site), n)
-        got = int(_word_u[0])
-        if (got >> _BITS) & _MASK == x and got & _MASK == ~x & _MASK:
-            _errors.last_agreed = (n, what, detail, site)
+        got = _slots[0]
+        if got == word:  # agreed, with no proposals and no flag anywhere: the common case
+            _last = (n, what, detail, site)
+            return False
+        if got & _LOW == word:
+            _last = (n, what, detail, site)
             if got & _PENDING:
                 _settle_proposals()
-            return bool(got & _FLAG)
+            return got >= _FLAG
         _errors.diverged(_group, _world, n, point_text(what, detail, site))
         raise AssertionError("unreachable: diverged raises")
+    finally:
+        _release()
 
 
 # -- proposals: per-rank observations turned into one decision at an agreement point -------------
@@ -370,10 +394,10 @@ def any_rank(flag: bool, what: str, site: str) -> bool:
     flag too (one all-reduce). This rank's ``flag`` in a world of one."""
     if _group is None:
         return flag
-    h, site = _print(what, site)
+    h, site, _ = _print(what, site)
     if _errors.out_of_step is not None:
         raise _errors.stopped(point_text(what, "", site))
-    return _exchange(what, site, h, barrier=_check, flag=flag)
+    return _exchange(what, site, h, _check, "", flag)
 
 
 def _settle_proposals() -> None:
@@ -397,7 +421,7 @@ def end() -> None:
     if _group is None or _errors.out_of_step is not None or not dist.is_initialized():
         return
     try:
-        _exchange(_errors.END, "", _fingerprint(f"{_errors.END}@"), barrier=_check)
+        _exchange(_errors.END, "", _fingerprint(f"{_errors.END}@"), _check, "", False)
     finally:
         forget()
 

@@ -83,9 +83,6 @@ OURS = (RankDivergenceError, RankTimeoutError, RankFailedError)
 
 _on = False  # a world of more than one, set up: an error may be one rank's
 _rank = 0
-# this rank's last agreed point, for messages: (number, what, detail, call site); written by
-# the exchange (``runtime._agree``) at every point that agreed
-last_agreed: tuple[int, str, str, str] = (0, "none yet", "", "")
 # Set once the ranks may no longer pair up their exchanges (a timeout, a peer that did not
 # answer, a divergence some rank met at its end of the program, a failure on one rank): (the
 # error class, what happened, each rank's description). Every later agreement point raises
@@ -99,8 +96,16 @@ def _drop_nothing() -> None:
     pass
 
 
+def _none_yet() -> tuple[int, str, str, str]:
+    return (0, "none yet", "", "")
+
+
 # the exchange's way to drop its references to the side group (see ``_fail_everywhere``)
 _drop_side_group: Callable[[], None] = _drop_nothing
+# the exchange's way to tell this rank's last agreed point, for messages: (number, what,
+# detail, call site). The exchange keeps it (its hot path writes it at every point) and only
+# an error reads it.
+_last_agreed: Callable[[], tuple[int, str, str, str]] = _none_yet
 
 _ROOTS = (
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))),  # spmdgt/
@@ -117,13 +122,19 @@ def timeout() -> datetime.timedelta | None:
     return None if seconds is None else datetime.timedelta(seconds=seconds)
 
 
-def setup(rank: int, world: int, drop_side_group: Callable[[], None]) -> None:
+def setup(
+    rank: int,
+    world: int,
+    drop_side_group: Callable[[], None],
+    last_agreed: Callable[[], tuple[int, str, str, str]],
+) -> None:
     """Start this rank's error paths (from ``_agree.setup``, every rank): ``drop_side_group``
     drops the exchange's references to its side group, so that ending the process groups
-    after a failure on one rank frees it and closes its connections."""
-    global _on, _rank, last_agreed, out_of_step, _drop_side_group
-    _on, _rank, out_of_step, _drop_side_group = True, rank, None, drop_side_group
-    last_agreed = (0, "none yet", "", "")
+    after a failure on one rank frees it and closes its connections; ``last_agreed`` tells
+    this rank's last agreed point (number, what, detail, call site)."""
+    global _on, _rank, out_of_step, _drop_side_group, _last_agreed
+    _on, _rank, out_of_step = True, rank, None
+    _drop_side_group, _last_agreed = drop_side_group, last_agreed
     _failed.setup(rank, world)
     _install_excepthook()
 
@@ -234,7 +245,7 @@ def exchange_failed(e: BaseException, doing: str, n: int) -> None:
     out_of_step = (RankTimeoutError, f"agreement point #{n} timed out: {who}", {})
     raise RankTimeoutError(
         f"rank {_rank}: {who} within {_waited()} at agreement point #{n} ({doing}); this "
-        f"rank's last agreed point was {_said(last_agreed)}. A rank is running something else, "
+        f"rank's last agreed point was {_said(_last_agreed())}. A rank is running something else, "
         "is stuck or has exited."
     ) from e
 
@@ -284,8 +295,8 @@ def translate(e: BaseException, op: object) -> BaseException:
         err = RankTimeoutError(
             f"rank {_rank}: a collective in {name} at {site} got no answer within {_waited()} "
             f"({text.strip().splitlines()[0]}). This rank's last agreement point was "
-            f"{_said(last_agreed)}; another rank is running something else, is stuck or has exited "
-            "(GT_CHECK_RANKS=1 names it)."
+            f"{_said(_last_agreed())}; another rank is running something else, is stuck or has "
+            "exited (GT_CHECK_RANKS=1 names it)."
         )
         err.__cause__ = e
         return err
