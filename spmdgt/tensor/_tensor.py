@@ -31,6 +31,7 @@ from spmdgt.tensor import (
     _moves,
     _optable,
     _random,
+    _registry,
     _transforms,
 )
 from spmdgt.tensor._meshes import describe_mesh, mesh_ranks
@@ -55,13 +56,13 @@ class Tensor(DTensor):
         # A key seen before whose op was proven local runs on the local shards (_fastpath);
         # a new key learns under a record; everything else takes the usual path below.
         if _fp_on[0] and not _rng[1]:
-            if func in _contract.FUNCS and not kwargs:  # rows @ rows, run directly
+            route = _routes.get(func)
+            if route is None:
+                route = _optable.route(func)  # also notes a rows_at_rows record
+            if func in _rows_at_rows and not kwargs:  # rows @ rows, run directly
                 out = _contract.direct(func, args, cls)
                 if out is not NotImplemented:
                     return out
-            route = _routes.get(func)
-            if route is None:
-                route = _optable.route(func)
             if route == 0 or route == _INPLACE:  # DTENSOR, or a pointwise one proven
                 key, entry = _fastpath.lookup(func, args, kwargs)
                 if key is not None:
@@ -197,7 +198,7 @@ def _dispatch(func, args, kwargs):
         if plain and mesh is not None and torch.is_grad_enabled() and route != _AUTOGRAD:
             args, kwargs = _moves.lift_grad_plain(mesh, args, kwargs)
         if route == 0 and "out" not in kwargs:  # DTENSOR, the common case
-            if func in _contract.FUNCS and not kwargs:  # rows @ rows: gather the second
+            if func in _rows_at_rows and not kwargs:  # rows @ rows: gather the second
                 args = _contract.gather_second(args)
             out = _dtensor_path(func, args, kwargs)
         else:
@@ -369,6 +370,7 @@ def _retag(out):
 
 
 _routes = _optable._routes  # read on every op: one dict lookup
+_rows_at_rows = _registry.rows_at_rows_funcs  # filled with _routes, emptied in place with it
 _soon = _agree._soon  # agreement points in flight (a list, emptied in place by settle)
 # read first, so dynamo tracing an op never reads (or guards on) the list above
 _compiling = torch.compiler.is_compiling
