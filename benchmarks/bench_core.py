@@ -275,6 +275,18 @@ def _two_rank(rank: int, world: int, q: bool) -> list | None:
         50,
         1e6,
     )
+    # the same pair timed call by call, alternating, medians: on a loaded box a best-of-rounds
+    # row swings with the scheduler more than the point's own microseconds move it
+    base_us, ours_us = paired(
+        lambda: _agree._backend.allreduce([one]).wait(),
+        lambda: _agree.agree("bench", site="bench"),
+        2000 if q else 10000,
+    )
+    results.append(("2 ranks: one agreement point vs 8 B all-reduce, median", base_us, ours_us))
+    base_us, ours_us = paired(
+        lambda: dbig.full_tensor().numpy(), lambda: gbig.numpy(), 100 if q else 400
+    )
+    results.append(("2 ranks: .numpy() 1000x1000, header, median", base_us, ours_us))
     # GT_CHECK_RANKS=1: the same calls with the check on (baseline: spmdgt, check off)
     _agree._install_redistribute_check()
 
@@ -311,6 +323,25 @@ def _two_rank(rank: int, world: int, q: bool) -> list | None:
     )
     _rank_error_rows(rank, q, loop(ga, gb, gc), n, results)
     return results if rank == 0 else None
+
+
+def paired(base: Callable[[], object], ours: Callable[[], object], calls: int) -> tuple:
+    """Median microseconds of ``base`` and of ``ours``, timed call by call in alternation
+    (which of the two goes first alternates too): both see the same moments of a shared
+    machine. Every rank makes the same calls in the same order."""
+    import numpy
+
+    times = numpy.zeros((2, calls))
+    clock = time.perf_counter
+    fns = (base, ours)
+    base(), ours()  # warm
+    for i in range(calls):
+        for j in (0, 1) if i % 2 else (1, 0):
+            t0 = clock()
+            fns[j]()
+            times[j, i] = clock() - t0
+    med = numpy.median(times, axis=1) * 1e6
+    return float(med[0]), float(med[1])
 
 
 def _rank_error_rows(rank: int, q: bool, ops, n: int, results: list) -> None:

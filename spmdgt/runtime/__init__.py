@@ -13,13 +13,8 @@ import torch
 import torch.distributed as dist
 
 from spmdgt.runtime import _agree
-from spmdgt.runtime._agree import (
-    RankDivergenceError,
-    RankFailedError,
-    RankTimeoutError,
-    all_ranks,
-    any_rank,
-)
+from spmdgt.runtime._agree import all_ranks, any_rank
+from spmdgt.runtime._rank_errors import RankDivergenceError, RankFailedError, RankTimeoutError
 from spmdgt.runtime._state import Runtime, get_runtime, init, shutdown, world_mesh
 
 __all__ = [

@@ -1,41 +1,29 @@
-"""Rank agreement: ranks that stop running the same program are caught and named.
+"""Rank agreement: the exchange that tells whether every rank runs the same program.
 
 SPMD has one failure mode of its own: ranks that stop running the same program. A collective
 then pairs with a different collective on another rank, and the job hangs without a word, or
-one rank reads another rank's data and prints a wrong number. This module turns those into an
-error on every rank that says what each rank was doing and where.
+one rank reads another rank's data and prints a wrong number. This module compares the ranks
+at *agreement points*; what happens when they differ, time out or fail on one rank (the one
+clear error every rank raises) is ``runtime._rank_errors``.
 
 Always on (a world of more than one):
 
-- Every *agreement point* exchanges a small fingerprint (one OR-reduced 64-bit word a rank,
+- Every agreement point exchanges a small fingerprint (one OR-reduced 64-bit word a rank,
   the smallest all-reduce gloo runs: see ``_exchange``) over a gloo side group made at
   ``init()``: creating a tensor (``gt.randn``, ``gt.tensor``, ...: global shape, dtype, signal,
   placement and mesh), each host read of a sharded tensor (``.numpy()``, ``.item()``,
   ``.tolist()``, ``print``: the read, shape, dtype, placement and the user's call site), and the
   end of the program. A side group, so a fingerprint only ever pairs with a fingerprint: rank
   0 reading ``x`` while rank 1 reads ``y``, or has already finished, is an error on both ranks
-  before any data moves. On a mismatch the ranks swap their descriptions (one more exchange,
-  on the error path only) and raise :class:`RankDivergenceError`, each listing every rank's.
-
-After a :class:`RankDivergenceError` every rank has raised at the same exchange, so the
-exchanges stay paired and checking simply goes on: a program that catches the error and runs
-on gets it again at the next point where the ranks differ, and computes only where they agree.
-Where the ranks may no longer pair up (a timeout, a peer that did not answer, a divergence
-some rank met at its end of the program) no rank exchanges again: every later agreement point
-raises at once, saying that an earlier error left the ranks out of step, rather than wait for
-a peer that is gone or compute with ranks that run different programs.
+  before any data moves (:class:`RankDivergenceError`, naming each rank's point).
+- A creation's exchange is started at once and checked later (``agree_soon``/``settle``),
+  before anything that moves data: the round trip overlaps the rank's own work.
+- The same exchange carries the ranks' proposals (``propose``/``on_agreed``) and
+  ``any_rank``'s flag; ``all_ranks`` swaps values on the side group.
 
 ``GT_CHECK_RANKS=1`` adds an agreement point before every collective spmdgt or DTensor issues
 (every redistribution: op, tensor specs and the user's call site), after a gloo monitored
 barrier that names a rank that does not arrive within ``GT_TIMEOUT``.
-
-``GT_TIMEOUT=seconds`` sets the process groups' timeout (default: torch's, 30 min for gloo). A
-collective that times out raises :class:`RankTimeoutError` naming the op and this rank's last
-agreement point.
-
-An op that raises on one rank only (its shard holds a bad index) ends the process groups on
-every rank within ``GT_RANK_ERROR_WAIT`` seconds, and every rank raises the same
-:class:`RankFailedError` naming the rank, the op and the message (``runtime._failed``).
 
 Every exchange is reached by the same calls on every rank and decided from exchanged data only:
 no rank, clock or terminal takes part in a decision.
@@ -44,22 +32,28 @@ no rank, clock or terminal takes part in a decision.
 from __future__ import annotations
 
 import atexit
-import datetime
 import hashlib
 import os
-import re
 import sys
 import threading
 from collections.abc import Callable
 from typing import Any
 
-import numpy
 import torch
 import torch.distributed as dist
 
 from spmdgt._core import env as _env
-from spmdgt.runtime import _failed
-from spmdgt.runtime._failed import RankFailedError
+from spmdgt.runtime import _rank_errors as _errors
+from spmdgt.runtime._rank_errors import (
+    RankDivergenceError,
+    RankFailedError,
+    RankTimeoutError,
+    call_site,
+    point_text,
+    site_text,
+    timeout,
+    user_frame,
+)
 
 __all__ = [
     "Listener",
@@ -68,43 +62,25 @@ __all__ = [
     "RankTimeoutError",
     "active",
     "agree",
+    "agree_soon",
     "all_ranks",
     "any_rank",
     "before_collective",
     "call_site",
     "checking",
     "end",
-    "agree_soon",
+    "forget",
     "on_agreed",
     "propose",
     "settle",
     "setup",
-    "timeout",
 ]
-
-
-class RankDivergenceError(RuntimeError):
-    """Ranks stopped running the same program: raised on every rank, listing each rank's
-    operation and call site (``rows``: rank -> description)."""
-
-    def __init__(self, message: str, rows: dict[int, str] | None = None) -> None:
-        super().__init__(message)
-        self.rows = rows or {}
-
-
-class RankTimeoutError(RuntimeError):
-    """A collective got no answer within ``GT_TIMEOUT`` (or a peer's connection closed)."""
-
-
-RankDivergenceError.__module__ = RankTimeoutError.__module__ = "spmdgt"  # gt.RankDivergenceError
-_OURS = (RankDivergenceError, RankTimeoutError, RankFailedError)
 
 
 _group: Any = None  # the gloo side group for agreement points; None: no exchanges
 # Its gloo backend, called directly: agreement traffic is spmdgt's own, not the program's, so
 # it bypasses the dispatcher and torch functions that the interceptor's levels record.
 _backend: Any = None
-_rank = 0
 _world = 1
 _count = 0  # agreement points passed on this rank
 # this rank's last agreed point, for messages: (number, what, detail, call site)
@@ -113,44 +89,37 @@ _last: tuple[int, str, str, str] = (0, "none yet", "", "")
 # gloo runs (one element; two or more cost 1.5-2x its round trip on gloo's ring, see
 # docs/benchmarks.md). Bits 31-61 hold x, 31 bits of the point's fingerprint, and bits 0-30
 # its complement; the OR of every rank's word is then (OR of the x's, NOT (AND of the x's)),
-# whose halves are complements iff every rank sent the same x. That test reads exchanged data
-# only, so every rank decides alike. Bit 62: some rank has proposals waiting (``propose``);
-# bit 63: ``any_rank``'s flag. Written and read through numpy, so no torch op runs.
+# whose halves are complements iff every rank sent the same x, that is iff the OR's bits 0-61
+# equal this rank's word (``_word_of``). That test reads exchanged data only, so every rank
+# decides alike. Bit 62: some rank has proposals waiting (``propose``); bit 63: ``any_rank``'s
+# flag.
 _BITS = 31
 _MASK = (1 << _BITS) - 1
+_LOW = (1 << 62) - 1  # the fingerprint's bits 0-61
 _PENDING = 1 << 62
 _FLAG = 1 << 63
 _OR = dist.AllreduceOptions()
 _OR.reduceOp = dist.ReduceOp.BOR
-_word_np = numpy.zeros(1, dtype=numpy.int64)
-_word_u = _word_np.view(numpy.uint64)  # the same memory, read and written as unsigned
-_word = torch.from_numpy(_word_np)
+# The words, made once: an agreement point costs no allocation. Slot 0 is the exchange's,
+# slots 1.._SOON_MAX those of the points ``agree_soon`` has in flight (slot i + 1 for the i-th,
+# each settled before its slot is taken again). ``_slots`` reads and writes them as unsigned
+# Python ints (a memoryview: no numpy scalar, no torch op); ``_args[i]`` is slot i's argument
+# list for the backend's all-reduce.
+_SOON_MAX = 64  # agree_soon's points are settled at once past this many
+_words = torch.zeros(_SOON_MAX + 1, dtype=torch.int64)
+_slots = memoryview(_words.numpy()).cast("B").cast("Q")
+_args = [[_words[i : i + 1]] for i in range(_SOON_MAX + 1)]
 _GOLDEN = 0x9E3779B1  # odd: n -> n * _GOLDEN is one-to-one modulo 2**31 (the point's number)
-# (what, site) or (what, id of the user's code object, line) -> (that code object, the 31-bit
-# hash of the description and call site, the call site's text). A pure function of its key,
+# (what, site) or (what, id of the user's code object, line) -> (the 31-bit hash of the
+# description and call site, the call site's text, that code object). A pure function of its key,
 # so a hit and a miss give the same fingerprint on every rank; emptied past _PRINTS_MAX.
-_prints: dict[tuple, tuple[Any, int, str]] = {}
+_prints: dict[tuple, tuple[int, str, Any]] = {}
 _PRINTS_MAX = 4096
-# Set once the ranks may no longer pair up their exchanges (a timeout, a peer that did not
-# answer, a divergence some rank met at its end of the program): (the error class, what
-# happened, each rank's description). Every later agreement point raises it without
-# exchanging, since an exchange could wait forever for a peer that is gone, and returning
-# instead would let the ranks compute with different programs. None: exchanges pair up.
-_out_of_step: tuple[type[RuntimeError], str, dict[int, str]] | None = None
 _check = False  # GT_CHECK_RANKS
-_lock = threading.Lock()
+_lock = threading.Lock()  # one exchange at a time: they share slot 0 and the count
+_acquire, _release = _lock.acquire, _lock.release
 _at_exit = False  # the end-of-program exchange is registered
-_ROOTS = (
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),  # spmdgt/
-    os.path.dirname(os.path.abspath(torch.__file__)),
-    os.path.dirname(os.path.abspath(threading.__file__)),  # the standard library
-)
-
-
-def timeout() -> datetime.timedelta | None:
-    """``GT_TIMEOUT`` as a timedelta, or None for torch's default. Bad values raise."""
-    seconds = _env.number("GT_TIMEOUT")  # declared finite and > 0
-    return None if seconds is None else datetime.timedelta(seconds=seconds)
+_ENDED = object()  # the side group after a failure on one rank ended it: active, but ended
 
 
 def checking() -> bool:
@@ -168,52 +137,48 @@ def active() -> bool:
 def setup(rank: int, world: int) -> None:
     """Make the side group (a collective: every rank calls it from ``init``), read
     ``GT_CHECK_RANKS`` and arrange the end-of-program agreement."""
-    global _group, _backend, _rank, _world, _count, _last, _out_of_step, _check, _at_exit
+    global _group, _backend, _world, _count, _last, _check, _at_exit
     check = _env.flag("GT_CHECK_RANKS")  # read before the collective: a bad value raises alike
     kwargs = {"timeout": timeout()} if timeout() is not None else {}
     _group = dist.new_group(backend="gloo", **kwargs)
     _backend = _group._get_backend(torch.device("cpu"))
-    _rank, _world, _count, _out_of_step = rank, world, 0, None
-    _last = (0, "none yet", "", "")
+    _world, _count, _last = world, 0, (0, "none yet", "", "")
     _check = check
     if _check:
         _install_redistribute_check()
     if not _at_exit:
         atexit.register(_end_at_exit)
         _at_exit = True
-    _failed.setup(rank, world)
-    _install_excepthook()
+    _errors.setup(rank, world, _drop_side_group, _last_agreed)
+
+
+def _drop_side_group() -> None:
+    # after a failure on one rank: ending the process groups frees the side group and closes
+    # its connections only if nothing holds it; agreement points raise from then on
+    global _group, _backend
+    _group, _backend = _ENDED, None
+
+
+def _last_agreed() -> tuple[int, str, str, str]:
+    return _last
 
 
 def forget() -> None:
     """Drop all state (a forked child, ``gt.shutdown()``): the side group is not ours."""
-    global _group, _count, _out_of_step
-    _group, _count, _out_of_step = None, 0, None
+    global _group, _count
+    _group, _count = None, 0
     _proposals.clear()
     _soon.clear()
-    _failed.stop()
+    _errors.forget()
 
 
 # -- the exchange -----------------------------------------------------------------------------
-def call_site() -> str:
-    """``file:line in function`` of the innermost frame outside spmdgt, torch and the standard
-    library: the user's line that led here (``<no user frame>`` on a thread of torch's)."""
-    f = _user_frame(sys._getframe(1))
-    return "<no user frame>" if f is None else _site_text(f)
-
-
-def _user_frame(f: Any) -> Any:
-    """The innermost frame from ``f`` outward outside spmdgt, torch and the standard library."""
-    while f is not None:
-        name = f.f_code.co_filename
-        if not name.startswith(_ROOTS) and not name.startswith("<"):
-            return f
-        f = f.f_back
-    return None
-
-
-def _site_text(f: Any) -> str:
-    return f"{f.f_code.co_filename}:{f.f_lineno} in {f.f_code.co_name}"
+def _word_of(h: int, n: int) -> int:
+    """The word agreement point number ``n`` with fingerprint ``h`` sends: x = the two mixed,
+    in bits 31-61, and its complement in bits 0-30, which is x * 2**31 + (_MASK - x)
+    = (x + 1) * _MASK. The point's number takes part: a rank that skipped a point pairs its
+    next one with another number, so even the same read at the same line does not agree."""
+    return (((h ^ (n * _GOLDEN)) & _MASK) + 1) * _MASK
 
 
 def _fingerprint(text: str) -> int:
@@ -221,28 +186,28 @@ def _fingerprint(text: str) -> int:
     return int.from_bytes(digest, "little") & _MASK
 
 
-def _print(what: str, site: str | None) -> tuple[int, str]:
-    """(the fingerprint of ``what`` at ``site``, ``site``), ``site`` None meaning the user's
-    call site. Hashed once per description and call site (``_prints``): a point reached again
+def _print(what: str, site: str | None) -> tuple[int, str, Any]:
+    """(the fingerprint of ``what`` at ``site``, ``site``, a key), ``site`` None meaning the
+    user's call site. Hashed once per description and call site (``_prints``): a point reached again
     (a read in a loop) costs a dictionary look-up. The hash takes the file's base name:
     checkouts on different nodes differ in path."""
     code = f = None
     if site is None:
-        f = _user_frame(sys._getframe(2))
+        f = user_frame(sys._getframe(2))
         if f is None:
             site = "<no user frame>"
         else:
             code = f.f_code
     key = (what, site) if code is None else (what, id(code), f.f_lineno)
     entry = _prints.get(key)
-    if entry is None or entry[0] is not code:  # new, or another code object at the same id
-        text = site if f is None else _site_text(f)
+    if entry is None or entry[2] is not code:  # new, or another code object at the same id
+        text = site if f is None else site_text(f)
         path, _, rest = text.partition(":")
-        entry = (code, _fingerprint(f"{what}@{os.path.basename(path)}:{rest}"), text)
+        entry = (_fingerprint(f"{what}@{os.path.basename(path)}:{rest}"), text, code)
         if len(_prints) >= _PRINTS_MAX:
             _prints.clear()
         _prints[key] = entry
-    return entry[1], entry[2]
+    return entry  # the kept tuple itself: a hit allocates nothing
 
 
 def agree(what: str, site: str | None = None, detail: str = "") -> None:
@@ -253,26 +218,25 @@ def agree(what: str, site: str | None = None, detail: str = "") -> None:
     sub-mesh). No-op without a side group (a world of one)."""
     if _group is None:
         return
-    h, site = _print(what, site)
-    if _out_of_step is not None:
-        raise _stopped(_out_of_step, _doing(what, detail, site))
-    _exchange(what, site, h, barrier=_check, detail=detail)
+    h, site, _ = _print(what, site)
+    if _errors.out_of_step is not None:
+        raise _errors.stopped(point_text(what, detail, site))
+    _exchange(what, site, h, _check, detail, False)
 
 
 def before_collective(what: str) -> None:
     """Under ``GT_CHECK_RANKS=1``: agree on ``what`` before a collective, naming a rank that
     does not arrive within ``GT_TIMEOUT`` (a gloo monitored barrier)."""
     if _check and _group is not None:
-        h, site = _print(what, None)
-        if _out_of_step is not None:
-            raise _stopped(_out_of_step, f"{what} at {site}")
-        _exchange(what, site, h, barrier=True)
+        h, site, _ = _print(what, None)
+        if _errors.out_of_step is not None:
+            raise _errors.stopped(f"{what} at {site}")
+        _exchange(what, site, h, True, "", False)
 
 
 # Points started by ``agree_soon`` whose exchange is in flight, oldest first: (the work, its
-# word, x, number, what, detail, call site). ``settle`` checks them.
-_soon: list[tuple[Any, numpy.ndarray, int, int, str, str, str]] = []
-_SOON_MAX = 64  # settled at once past this many: a bounded queue of words
+# slot, its word, number, what, detail, call site). ``settle`` checks them.
+_soon: list[tuple[Any, int, int, int, str, str, str]] = []
 
 
 def agree_soon(what: str, site: str | None = None, detail: str = "") -> None:
@@ -288,19 +252,19 @@ def agree_soon(what: str, site: str | None = None, detail: str = "") -> None:
     if _check:
         agree(what, site, detail)
         return
-    h, site = _print(what, site)
-    if _out_of_step is not None:
-        raise _stopped(_out_of_step, _doing(what, detail, site))
+    h, site, _ = _print(what, site)
+    if _errors.out_of_step is not None:
+        raise _errors.stopped(point_text(what, detail, site))
     with _lock:
         _count += 1
         n = _count
-        x = (h ^ (n * _GOLDEN)) & _MASK
-        word = numpy.array([(x << _BITS) | (~x & _MASK)], dtype=numpy.uint64).view(numpy.int64)
+        slot = len(_soon) + 1  # free: the points before it were settled at _SOON_MAX
+        _slots[slot] = word = _word_of(h, n)
         try:
-            work = _backend.allreduce([torch.from_numpy(word)], _OR)
+            work = _backend.allreduce(_args[slot], _OR)
         except RuntimeError as e:
-            _fail_timeout(e, _doing(what, detail, site), n)
-        _soon.append((work, word, x, n, what, detail, site))
+            _errors.exchange_failed(e, point_text(what, detail, site), n)
+        _soon.append((work, slot, word, n, what, detail, site))
     if len(_soon) >= _SOON_MAX:
         settle()
 
@@ -317,71 +281,56 @@ def settle() -> None:
         pending = list(_soon)
         _soon.clear()
         first_bad = None
-        for work, word, x, n, what, detail, site in pending:
+        for work, slot, word, n, what, detail, site in pending:
             try:
                 work.wait()
             except RuntimeError as e:
-                _fail_timeout(e, _doing(what, detail, site), n)
-            got = int(word.view(numpy.uint64)[0])
-            if (got >> _BITS) & _MASK == x and got & _MASK == ~x & _MASK:
+                _errors.exchange_failed(e, point_text(what, detail, site), n)
+            if _slots[slot] & _LOW == word:
                 if first_bad is None:
                     _last = (n, what, detail, site)
             elif first_bad is None:
-                first_bad = (n, _doing(what, detail, site))
+                first_bad = (n, point_text(what, detail, site))
     if first_bad is not None:
-        _diverged(*first_bad)
+        _errors.diverged(_group, _world, *first_bad)
 
 
-def _doing(what: str, detail: str, site: str) -> str:
-    return f"{what}{detail} at {site}" if site else f"{what}{detail}"
-
-
-def _stopped(state: tuple[type[RuntimeError], str, dict[int, str]], doing: str) -> RuntimeError:
-    """The error an agreement point raises, without exchanging, once the ranks fell out of
-    step (``state``: see ``_out_of_step``)."""
-    kind, why, rows = state
-    if kind is RankFailedError:
-        return _not_run(doing, why)
-    message = (
-        f"rank {_rank}: {doing}: not checked, because an earlier error left the ranks out of "
-        f"step ({why}). Their agreement points no longer pair up, so spmdgt stops here rather "
-        "than compute with ranks that may run different programs; let that error end the "
-        "program."
-    )
-    return RankDivergenceError(message, rows) if kind is RankDivergenceError else kind(message)
-
-
-def _exchange(
-    what: str, site: str, h: int, barrier: bool, detail: str = "", flag: bool = False
-) -> bool:
-    """One exchange (see ``_word``): agreed, or every rank raises. Returns whether ``flag``
-    holds on any rank."""
+def _exchange(what: str, site: str, h: int, barrier: bool, detail: str, flag: bool) -> bool:
+    """One exchange (see ``_word_of``): agreed, or every rank raises. Returns whether ``flag``
+    holds on any rank. The path every agreement point takes: nothing here allocates but the
+    point's record, and the arguments are positional (the exchange's own Python is what an
+    agreement point costs above the all-reduce)."""
     global _count, _last
     if _soon:
         settle()  # the points started earlier come first, in order
-    with _lock:
+    _acquire()  # not ``with _lock``: a third less of what the lock costs the exchange
+    try:
         _count += 1
         n = _count
-        # the point's number takes part: a rank that skipped a point pairs its next one with
-        # another number, so even the same read at the same line does not agree
-        x = (h ^ (n * _GOLDEN)) & _MASK
-        _word_u[0] = (
-            (x << _BITS) | (~x & _MASK) | (_PENDING if _proposals else 0) | (_FLAG if flag else 0)
-        )
+        word = (((h ^ (n * _GOLDEN)) & _MASK) + 1) * _MASK  # _word_of(h, n), inlined
+        if flag or _proposals:
+            _slots[0] = word | (_PENDING if _proposals else 0) | (_FLAG if flag else 0)
+        else:
+            _slots[0] = word
         try:
             if barrier:
                 dist.monitored_barrier(_group, timeout=timeout(), wait_all_ranks=True)
-            _backend.allreduce([_word], _OR).wait()
+            _backend.allreduce(_args[0], _OR).wait()
         except RuntimeError as e:
-            _fail_timeout(e, _doing(what, detail, site), n)
-        got = int(_word_u[0])
-        if (got >> _BITS) & _MASK == x and got & _MASK == ~x & _MASK:
+            _errors.exchange_failed(e, point_text(what, detail, site), n)
+        got = _slots[0]
+        if got == word:  # agreed, with no proposals and no flag anywhere: the common case
+            _last = (n, what, detail, site)
+            return False
+        if got & _LOW == word:
             _last = (n, what, detail, site)
             if got & _PENDING:
                 _settle_proposals()
-            return bool(got & _FLAG)
-        _diverged(n, _doing(what, detail, site))
-        raise AssertionError("unreachable: _diverged raises")
+            return got >= _FLAG
+        _errors.diverged(_group, _world, n, point_text(what, detail, site))
+        raise AssertionError("unreachable: diverged raises")
+    finally:
+        _release()
 
 
 # -- proposals: per-rank observations turned into one decision at an agreement point -------------
@@ -430,8 +379,8 @@ def all_ranks(value: Any) -> list[Any]:
     same point of the program; in a world of one, ``[value]``."""
     if _group is None:
         return [value]
-    if _out_of_step is not None:
-        raise _stopped(_out_of_step, "an exchange of values")
+    if _errors.out_of_step is not None:
+        raise _errors.stopped("an exchange of values")
     settle()
     everyone: list[Any] = [None] * _world
     with torch._C.DisableTorchFunction():  # the agreement's own ops: no hook sees them
@@ -445,10 +394,10 @@ def any_rank(flag: bool, what: str, site: str) -> bool:
     flag too (one all-reduce). This rank's ``flag`` in a world of one."""
     if _group is None:
         return flag
-    h, site = _print(what, site)
-    if _out_of_step is not None:
-        raise _stopped(_out_of_step, _doing(what, "", site))
-    return _exchange(what, site, h, barrier=_check, flag=flag)
+    h, site, _ = _print(what, site)
+    if _errors.out_of_step is not None:
+        raise _errors.stopped(point_text(what, "", site))
+    return _exchange(what, site, h, _check, "", flag)
 
 
 def _settle_proposals() -> None:
@@ -465,82 +414,14 @@ def _settle_proposals() -> None:
         fn(keys)
 
 
-def _diverged(n: int, mine: str) -> None:
-    global _out_of_step
-    texts: list[Any] = [None] * _world
-    answered = True
-    try:
-        dist.all_gather_object(texts, mine, group=_group)
-    except RuntimeError:
-        texts = [mine if r == _rank else _NO_ANSWER for r in range(_world)]
-        answered = False
-    rows = {r: str(t) for r, t in enumerate(texts)}
-    # Every rank took part in this exchange and raises here, so the next exchange of each rank
-    # pairs with the next of every other: checking goes on. Not so where a peer did not answer
-    # (it may never exchange again) or a rank was at its end of the program (it exchanges no
-    # more): then this rank stops at every later agreement point. Both tests read only what
-    # every rank received alike, so every rank that answered decides the same.
-    ended = [r for r, t in rows.items() if t == _END]
-    if not answered:
-        why = f"a divergence at agreement point #{n} where some rank did not answer"
-        _out_of_step = (RankDivergenceError, why, rows)
-    elif ended:
-        why = f"a divergence at agreement point #{n} where rank(s) {ended} ended the program"
-        _out_of_step = (RankDivergenceError, why, rows)
-    lines = "\n".join(f"  rank {r}: {t}" for r, t in rows.items())
-    raise RankDivergenceError(
-        f"ranks stopped running the same program at agreement point #{n}:\n{lines}\n"
-        "Every rank must make the same spmdgt calls in the same order (no branch on the rank "
-        "around a host read, a tensor creation or an op on sharded tensors).",
-        rows,
-    )
-
-
-def _fail_timeout(e: BaseException, doing: str, n: int) -> None:
-    global _out_of_step
-    shown = _failed.reported()  # an op raised on one rank, which ended its groups?
-    if shown is not None:
-        raise _fail_everywhere(shown, e, f"was waiting at agreement point #{n} ({doing})")
-    text = str(e)
-    found = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", text)
-    if found:  # rank 0's monitored barrier names the ranks that did not arrive
-        missing = [int(r) for r in re.findall(r"\d+", found.group(1))]
-        who = f"rank(s) {missing} did not arrive"
-    elif "monitoredBarrier" in text:  # the other ranks only learn that rank 0 gave up
-        who = "rank 0 reported missing ranks (see its error)"
-    else:
-        who = "no answer from the other ranks"
-    # a peer that did not arrive may never exchange again: no later exchange on this rank
-    _out_of_step = (RankTimeoutError, f"agreement point #{n} timed out: {who}", {})
-    raise RankTimeoutError(
-        f"rank {_rank}: {who} within {_waited()} at agreement point #{n} ({doing}); this "
-        f"rank's last agreed point was {_said(_last)}. A rank is running something else, is stuck "
-        "or has exited."
-    ) from e
-
-
-def _said(point: tuple[int, str, str, str]) -> str:
-    n, what, detail, site = point
-    return f"#{n}: {_doing(what, detail, site)}"
-
-
-def _waited() -> str:
-    limit = timeout()
-    return f"GT_TIMEOUT={limit.total_seconds():g} s" if limit else "the process-group timeout"
-
-
-_END = "the end of the program (exit or gt.shutdown())"  # its description: no call site
-_NO_ANSWER = "(did not answer)"
-
-
 def end() -> None:
     """The end of the program is an agreement point: a rank still waiting in a read or a
     creation learns that its peer finished, instead of waiting forever."""
     # out of step, a peer may be gone: the error was raised already, waiting here would hang
-    if _group is None or _out_of_step is not None or not dist.is_initialized():
+    if _group is None or _errors.out_of_step is not None or not dist.is_initialized():
         return
     try:
-        _exchange(_END, "", _fingerprint(f"{_END}@"), barrier=_check)
+        _exchange(_errors.END, "", _fingerprint(f"{_errors.END}@"), _check, "", False)
     finally:
         forget()
 
@@ -548,112 +429,8 @@ def end() -> None:
 def _end_at_exit() -> None:
     try:
         end()
-    except _OURS as e:
-        text = f"[rank {_rank}] spmdgt: {type(e).__name__}: {e}\n"
-        sys.stderr.write(text)
-        sys.stderr.flush()
-        _record_for_torchrun(e, text)
-        os._exit(1)
-
-
-# -- GT_TIMEOUT on data collectives -------------------------------------------------------------
-_TIMEOUT_WORDS = ("Timed out", "timed out", "Connection closed by peer", "Connection reset")
-
-
-def translate(e: BaseException, op: object) -> BaseException:
-    """What an error inside ``op`` (a torch function, a host read) becomes on this rank.
-
-    - An error this rank alone raised (its shard holds a bad index, ...) or one of a rank that
-      did: :class:`RankFailedError`, the same on every rank, naming that rank, its op and its
-      message, after the process groups were ended so that no rank waits (``runtime._failed``).
-    - A collective's timeout or lost peer: :class:`RankTimeoutError` naming the op, the call
-      site and this rank's last agreement point.
-    - An error every rank raised (the program's own): ``e`` itself, so ``raise translate(e,
-      op)`` in an ``except`` block re-raises it unchanged.
-
-    The new error's ``__cause__`` is ``e``. Runs on the error path only."""
-    if _group is None or isinstance(e, _OURS) or getattr(e, "_gt_seen", False):
-        return e  # no world, one of ours, or decided in an inner frame of the same error
-    global _out_of_step
-    name = _op_text(op)
-    site = call_site()
-    if _out_of_step is not None and _out_of_step[0] is RankFailedError:
-        err = _not_run(f"{name} at {site}", _out_of_step[1])
-        err.__cause__ = e
-        return err
-    text = str(e)
-    if any(w in text for w in _TIMEOUT_WORDS):
-        shown = _failed.reported()  # a rank whose op raised ended its groups: this woke us
-        if shown is not None:
-            return _fail_everywhere(shown, e, f"was waiting in a collective in {name} at {site}")
-        # the ranks no longer pair up: no later exchange, the exit's included
-        _out_of_step = (RankTimeoutError, f"a collective in {name} got no answer", {})
-        err = RankTimeoutError(
-            f"rank {_rank}: a collective in {name} at {site} got no answer within {_waited()} "
-            f"({text.strip().splitlines()[0]}). This rank's last agreement point was "
-            f"{_said(_last)}; another rank is running something else, is stuck or has exited "
-            "(GT_CHECK_RANKS=1 names it)."
-        )
-        err.__cause__ = e
-        return err
-    shown = _failed.decide(e, name, site)
-    if shown is None:  # every rank raised it: the program's own error, nothing out of step
-        try:
-            e._gt_seen = True  # type: ignore[attr-defined]
-        except AttributeError:
-            pass
-        return e
-    mine = shown.startswith(f"rank {_rank} ")
-    return _fail_everywhere(
-        shown, e, "raised it" if mine else f"raised {type(e).__name__} in {name} at {site} too"
-    )
-
-
-_GROUPS_ENDED = (
-    "No collective can run in this process any more: a program that catches this error "
-    "cannot go on with distributed work. Let it end the program, and fix the data or the op "
-    "on the rank named."
-)
-
-
-def _fail_everywhere(shown: str, e: BaseException, doing: str) -> RankFailedError:
-    """End this rank's process groups (which wakes a peer waiting on it) and return the
-    :class:`RankFailedError` every rank raises for the failure ``shown``; ``doing``: what this
-    rank did ("raised it", "was waiting in a collective in ...")."""
-    global _out_of_step, _group, _backend
-    _out_of_step = (RankFailedError, shown, {})
-    # drop our references to the side group, so that ending it frees it and closes its
-    # connections; agreement points raise from ``_out_of_step`` from now on
-    _group, _backend = _ENDED, None
-    _failed.end_groups()
-    err = RankFailedError(
-        f"{shown}\nNot every rank raised it, and a rank that did not was left waiting in a "
-        "collective: spmdgt ended the process groups on every rank, and every rank raises this "
-        f"error (rank {_rank} {doing}). {_GROUPS_ENDED}"
-    )
-    err.__cause__ = e
-    return err
-
-
-def _not_run(doing: str, shown: str) -> RankFailedError:
-    """The error of a collective, agreement point or exchange asked for after the process
-    groups were ended by the failure ``shown``."""
-    return RankFailedError(
-        f"rank {_rank}: {doing}: not run: the process groups were ended after an op failed on "
-        f"one rank ({shown}). {_GROUPS_ENDED}"
-    )
-
-
-_ENDED = object()  # the side group after _fail_everywhere: active, but ended
-
-
-def _op_text(op: object) -> str:
-    name = getattr(op, "__qualname__", None) or getattr(op, "__name__", None) or str(op)
-    module = getattr(op, "__module__", None)
-    if name == "__get__":  # a property's getter (``x.T``)
-        name = getattr(getattr(op, "__self__", None), "__name__", "") or name
-    name = name.replace("TensorBase.", "Tensor.")  # torch._C.TensorBase: the methods' home
-    return f"{module}.{name}" if module and module.startswith("torch") else str(name)
+    except _errors.OURS as e:
+        _errors.report_and_exit(e)
 
 
 # -- GT_CHECK_RANKS: before every redistribution -------------------------------------------------
@@ -706,49 +483,3 @@ def _mesh_text(mesh: Any) -> str:
     names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
     dims = ", ".join(f"{n}={s}" for n, s in zip(names, mesh.shape, strict=True))
     return f"mesh ({dims}) over ranks {ranks}"
-
-
-# -- one readable message per rank ---------------------------------------------------------------
-def _record_for_torchrun(e: BaseException, text: str) -> None:
-    # torchrun's failure summary shows each rank's root cause from this file, in the layout
-    # of torch's own ErrorHandler.record_exception (which reads the traceback from
-    # sys.exc_info, empty in an exit hook); a file the program wrote itself is kept
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path or os.path.exists(path):
-        return
-    import json
-    import time
-
-    data = {
-        "message": {
-            "message": f"{type(e).__name__}: {e}",
-            "extraInfo": {"py_callstack": text, "timestamp": str(int(time.time()))},
-        }
-    }
-    try:
-        with open(path, "w") as f:
-            json.dump(data, f)
-    except OSError:  # the summary is a courtesy: never hide the error itself
-        pass
-
-
-def _install_excepthook() -> None:
-    previous = sys.excepthook
-    if getattr(previous, "_gt_hook", False):
-        return
-
-    def hook(kind, value, tb):
-        if isinstance(value, _OURS):
-            # the message says what each rank did and where: spmdgt's frames add nothing
-            text = f"[rank {_rank}] spmdgt: {kind.__name__}: {value}\n"
-            sys.stderr.write(text)
-            sys.stderr.flush()
-        else:
-            import traceback
-
-            text = "".join(traceback.format_exception(kind, value, tb))
-            previous(kind, value, tb)
-        _record_for_torchrun(value, text)
-
-    hook._gt_hook = True  # type: ignore[attr-defined]
-    sys.excepthook = hook

@@ -14,7 +14,7 @@ when the connection closes, e.g. when the raising process exits (torchrun's case
 
 spmdgt closes the connections itself, and only on the error path. A rank whose op raises (the
 ``except`` of ``gt.Tensor.__torch_function__`` and of a host read, through
-``_agree.translate``) posts ``rank r failed in op at file:line: message`` under its own key in
+``_rank_errors.translate``) posts ``rank r failed in op at file:line: message`` under its own key in
 the process group's store, then waits up to ``GT_RANK_ERROR_WAIT`` seconds for every other
 rank's key of the same error count:
 

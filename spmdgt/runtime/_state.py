@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from spmdgt._core import env as _env
 from spmdgt._core.session import session
-from spmdgt.runtime import _agree
+from spmdgt.runtime import _agree, _rank_errors
 
 __all__ = ["Runtime", "get_runtime", "init", "shutdown"]
 
@@ -99,8 +99,8 @@ def init(backend: str | None = None) -> Runtime:
         if world > 1 and not dist.is_initialized():
             backend_used = backend or _env.text("GT_BACKEND") or _default_backend(device)
             kwargs: dict = {"device_id": device} if device.type == "cuda" else {}
-            if _agree.timeout() is not None:
-                kwargs["timeout"] = _agree.timeout()
+            if _rank_errors.timeout() is not None:
+                kwargs["timeout"] = _rank_errors.timeout()
             dist.init_process_group(backend=backend_used, **kwargs)
             _owns_process_group = True
             atexit.register(_destroy_at_exit)

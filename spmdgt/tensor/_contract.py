@@ -32,20 +32,16 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from spmdgt._core import scope as _scope
-from spmdgt.runtime import _agree
+from spmdgt.runtime import _agree, _rank_errors
+from spmdgt.tensor._registry import register
 
-__all__ = ["FUNCS", "counts", "direct", "gather_rows", "gather_second"]
+__all__ = ["counts", "direct", "gather_rows", "gather_second"]
 
-# The torch-level functions a 2-D matrix product reaches ``__torch_function__`` through.
-FUNCS = frozenset(
-    {
-        torch.matmul,
-        torch.mm,
-        torch.Tensor.matmul,
-        torch.Tensor.mm,
-        torch.Tensor.__matmul__,
-    }
-)
+# The ops a 2-D matrix product reaches ``__torch_function__`` through (``torch.matmul``,
+# ``torch.mm``, ``Tensor.matmul``, ``Tensor.mm``, ``Tensor.__matmul__``), by record name: their
+# records say ``rows_at_rows``, which ``gt.Tensor`` reads per call
+# (``_registry.rows_at_rows_funcs``) to try ``direct`` and ``gather_second``.
+register(("matmul", "mm", "__matmul__"), rows_at_rows=True)
 _REPLICATE = (Replicate(),)
 
 
@@ -135,7 +131,7 @@ def direct(func, args: tuple, gt: type):
             full = gather_rows(b._local_tensor, group, rows, k)
             out = torch.mm(a._local_tensor, full)
     except Exception as e:  # a collective's timeout names the op (GT_TIMEOUT)
-        raise _agree.translate(e, func)  # noqa: B904
+        raise _rank_errors.translate(e, func)  # noqa: B904
     counts["direct"] += 1
     return _new(gt, out, spec, requires_grad=False)
 

@@ -75,10 +75,16 @@ _routes = _registry._routes  # torch function -> route; read on every op (gt.Ten
 
 
 def route(func) -> int:
-    """The route of torch function ``func`` (cached; ``_registry.classify``)."""
+    """The route of torch function ``func`` (cached; ``_registry.classify``). Also notes a
+    function whose record says ``rows_at_rows`` (``_registry.rows_at_rows_funcs``), so the
+    per-call test reads the same cache's outcome."""
     r = _routes.get(func)
     if r is None:
-        r = _routes[func] = _registry.classify(op_name(func))
+        name = op_name(func)
+        rec = _registry.record(name)
+        if rec is not None and rec.rows_at_rows:
+            _registry.rows_at_rows_funcs.add(func)
+        r = _routes[func] = _registry.classify(name)
     return r
 
 

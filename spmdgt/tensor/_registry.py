@@ -7,7 +7,8 @@ An op is known by its name: the torch function's (``op_name``: ``mse_loss``, ``_
 - the torch-function level (``gt.Tensor.__torch_function__``): its **route** (``route``; the
   routes and their handlers are ``_optable``'s) and what the route reads per call: a guard
   (``GUARDED``), whether tied maxima share a gradient (``TIES``), NaN kept (``keep_nan``), a
-  dropout's default of ``training``, an in-place dunder's aten op;
+  dropout's default of ``training``, an in-place dunder's aten op, whether a matrix product
+  of two row-sharded operands gathers the second (``rows_at_rows``: ``_contract``);
 - the aten level (the propagation hook, ``_hook``): a size-reading decomposition run on the
   DTensors (``decompose``, for the whole packet), and per overload an exact rewrite, a check
   raised before propagation, or an intercept that answers the op itself.
@@ -70,6 +71,8 @@ class Op:
     dropout_training: bool | None = None  # a dropout: the default of ``training``
     inplace_as: str | None = None  # an in-place dunder: the aten op it runs (``add_``)
     mutates: bool | None = None  # False: ends in ``_`` but changes no values
+    # a 2-D matrix product: ``rows @ rows`` gathers the second operand (``_contract``)
+    rows_at_rows: bool = False
     decompose: bool = False  # aten: the decomposition reads a size; run it on the DTensors
     aten: dict = field(default_factory=dict)  # OpOverload -> {intercept/rewrite/check: value}
 
@@ -93,6 +96,9 @@ class Route(NamedTuple):
 _records: dict[str, Op] = {}
 ROUTES: dict[int, Route] = {}
 _routes: dict[object, int] = {}  # torch function -> route (``classify``'s cache)
+# the torch functions seen whose record says ``rows_at_rows``: filled with ``_routes``
+# (``_optable.route``), emptied with it, read per call as ``func in rows_at_rows_funcs``
+rows_at_rows_funcs: set[object] = set()
 _plans: dict[object, Plan] = {}  # aten overload -> Plan
 _DEFAULTS = {f.name: f.default for f in fields(Op) if f.name not in ("name", "aten")}
 _OP_FIELDS = frozenset(_DEFAULTS)
@@ -128,6 +134,7 @@ def register(names: Iterable[str], **values: Any) -> None:
             _set(name, key, value, current, _DEFAULTS[key])
             setattr(rec, key, value)
     _routes.clear()
+    rows_at_rows_funcs.clear()
     _plans.clear()
 
 

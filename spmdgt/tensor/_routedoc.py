@@ -64,6 +64,13 @@ def markdown() -> str:
     for route in _ORDER:
         info = R.ROUTES[route]
         rows.append(f"| {info.label} | {_ops(route)} | {info.how} |")
+    rows.append(
+        f"| DTensor, `rows @ rows` | {_names(R.names(rows_at_rows=True))} (records with "
+        "`rows_at_rows`) | both operands 2-D and `Shard(0)` on one 1-D mesh, where gathering "
+        "the second moves no more than DTensor's route: the second operand is all-gathered and "
+        "the product stays in rows (`_contract`: a local `mm` where nothing records or "
+        "watches, else `redistribute` then DTensor); any other layout takes DTensor's route |"
+    )
     return "\n".join(rows) + "\n\n" + aten_markdown()
 
 

@@ -20,7 +20,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor, Shard
 
 from spmdgt._core import scope as _scope
-from spmdgt.runtime import _agree
+from spmdgt.runtime import _agree, _rank_errors
 from spmdgt.runtime._state import get_runtime
 from spmdgt.tensor import (
     _assign,
@@ -31,6 +31,7 @@ from spmdgt.tensor import (
     _moves,
     _optable,
     _random,
+    _registry,
     _transforms,
 )
 from spmdgt.tensor._meshes import describe_mesh, mesh_ranks
@@ -55,13 +56,13 @@ class Tensor(DTensor):
         # A key seen before whose op was proven local runs on the local shards (_fastpath);
         # a new key learns under a record; everything else takes the usual path below.
         if _fp_on[0] and not _rng[1]:
-            if func in _contract.FUNCS and not kwargs:  # rows @ rows, run directly
+            route = _routes.get(func)
+            if route is None:
+                route = _optable.route(func)  # also notes a rows_at_rows record
+            if func in _rows_at_rows and not kwargs:  # rows @ rows, run directly
                 out = _contract.direct(func, args, cls)
                 if out is not NotImplemented:
                     return out
-            route = _routes.get(func)
-            if route is None:
-                route = _optable.route(func)
             if route == 0 or route == _INPLACE:  # DTENSOR, or a pointwise one proven
                 key, entry = _fastpath.lookup(func, args, kwargs)
                 if key is not None:
@@ -197,13 +198,13 @@ def _dispatch(func, args, kwargs):
         if plain and mesh is not None and torch.is_grad_enabled() and route != _AUTOGRAD:
             args, kwargs = _moves.lift_grad_plain(mesh, args, kwargs)
         if route == 0 and "out" not in kwargs:  # DTENSOR, the common case
-            if func in _contract.FUNCS and not kwargs:  # rows @ rows: gather the second
+            if func in _rows_at_rows and not kwargs:  # rows @ rows: gather the second
                 args = _contract.gather_second(args)
             out = _dtensor_path(func, args, kwargs)
         else:
             out = _optable.run(func, args, kwargs, route)
     except Exception as e:  # a collective's timeout names the op (GT_TIMEOUT); free if none
-        raise _agree.translate(e, func)  # noqa: B904 (e, or a timeout error caused by e)
+        raise _rank_errors.translate(e, func)  # noqa: B904 (e, or a timeout error caused by e)
     finally:
         if not implicit:
             _set_implicit(False)
@@ -230,7 +231,7 @@ def _read(t: DTensor, what: str) -> torch.Tensor:
     try:
         return global_value(t) if tracing else _host_value(t)
     except Exception as e:
-        raise _agree.translate(e, what)  # noqa: B904 (e, or a timeout error caused by e)
+        raise _rank_errors.translate(e, what)  # noqa: B904 (e, or a timeout error caused by e)
 
 
 def _spec_text(spec) -> tuple[str, str, bool]:
@@ -369,6 +370,7 @@ def _retag(out):
 
 
 _routes = _optable._routes  # read on every op: one dict lookup
+_rows_at_rows = _registry.rows_at_rows_funcs  # filled with _routes, emptied in place with it
 _soon = _agree._soon  # agreement points in flight (a list, emptied in place by settle)
 # read first, so dynamo tracing an op never reads (or guards on) the list above
 _compiling = torch.compiler.is_compiling

@@ -149,14 +149,15 @@ def test_after_a_peer_ended_every_later_point_raises_without_waiting(tmp_path, w
 
 def test_out_of_step_raises_the_earlier_errors_kind(monkeypatch):
     import spmdgt as gt
-    from spmdgt.runtime import _agree
+    from spmdgt.runtime import _agree, _rank_errors
 
     monkeypatch.setattr(_agree, "_group", object())  # as if a side group were there
-    monkeypatch.setattr(_agree, "_out_of_step", (gt.RankTimeoutError, "a collective in f", {}))
+    state = (gt.RankTimeoutError, "a collective in f", {})
+    monkeypatch.setattr(_rank_errors, "out_of_step", state)
     with pytest.raises(gt.RankTimeoutError, match="earlier error left the ranks out of step"):
         _agree.agree("gt.zeros of float32[2]")
     rows = {0: "a", 1: "b"}
-    monkeypatch.setattr(_agree, "_out_of_step", (gt.RankDivergenceError, "a divergence", rows))
+    monkeypatch.setattr(_rank_errors, "out_of_step", (gt.RankDivergenceError, "a divergence", rows))
     with pytest.raises(gt.RankDivergenceError, match=r"\(a divergence\)") as caught:
         _agree.agree("gt.zeros of float32[2]")
     assert caught.value.rows == rows

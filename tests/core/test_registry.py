@@ -89,3 +89,21 @@ def test_fastpath_reads_the_registry():
         assert _registry.intervenes(op), op
     assert not _registry.intervenes(aten.add.Tensor)
     assert not _registry.intervenes(aten.mm.default)  # a check only: DTensor's rule or NoRule
+
+
+def test_rows_at_rows_is_a_record_field():
+    # the products ``rows @ rows`` gathers the second operand of (``_contract``) are decided
+    # by their records alone: the five torch functions a 2-D product arrives through, by name
+    from spmdgt.tensor import _contract
+
+    assert _registry.names(rows_at_rows=True) == {"matmul", "mm", "__matmul__"}
+    assert not hasattr(_contract, "FUNCS")  # no second table beside the registry
+    products = (torch.matmul, torch.mm, torch.Tensor.matmul, torch.Tensor.mm)
+    for func in (*products, torch.Tensor.__matmul__):
+        assert _optable.route(func) == _registry.DTENSOR, func  # DTensor's route otherwise
+        assert func in _registry.rows_at_rows_funcs, func  # noted with the route
+    for func in (torch.add, torch.linalg.matmul, torch.Tensor.__rmatmul__, torch.bmm):
+        _optable.route(func)
+        assert func not in _registry.rows_at_rows_funcs, func
+    with pytest.raises(RuntimeError, match=r"mm\.rows_at_rows is decided twice"):
+        register(["mm"], rows_at_rows=False)

@@ -104,6 +104,8 @@ def test_gt_timeout_names_the_op_that_waited():
     assert "got no answer within GT_TIMEOUT=3 s" in r0[2]
     assert "RankTimeoutError: rank 1: no answer from the other ranks" in r1[2], r1[2][-2000:]
     assert "agreement point #2 (item() of float32[]" in r1[2]
+    # the exchange keeps the last agreed point; the timeout's message reads it from there
+    assert "last agreed point was #1: gt.randn of float32[6, 4]" in r1[2], r1[2][-2000:]
 
 
 def test_check_ranks_names_a_rank_that_does_not_arrive():
