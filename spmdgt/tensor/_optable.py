@@ -381,7 +381,7 @@ def _global_if(why: str | None, func, args, kwargs):
     "sharded over several mesh dims (DTensor's masked-partial rule shares one mask among "
     "them); the losses on uneven, empty or sub-mesh shards outside what their sweep proved "
     "exact (`_losses.py`: float32, one 1-D mesh, the input's Shard(0), Shard(1) or "
-    "Replicate for every sharded argument, plain class weights), and `cosine_embedding_loss` "
+    "Replicate for every sharded argument, replicated class weights), and `cosine_embedding_loss` "
     "over a sharded feature dim (DTensor's value is wrong, even shards too)",
 )
 def _on_guarded(func, args, kwargs):
