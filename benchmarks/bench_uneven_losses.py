@@ -4,8 +4,9 @@
     python benchmarks/bench_uneven_losses.py --one                  # this checkout only
 
 ``cross_entropy`` of (1001, 50) logits sharded by rows over 2 ranks (501/500: uneven), and
-``x.mean()`` of the same rows: per-call time without and with a backward, and the collectives
-``CommDebugMode`` counts per call (all-gathers: the exact fallback or DTensor's replication;
+``x.mean()`` of the same rows (read with ``.numpy()``, and unread): per-call time without and
+with a backward, and the collectives ``CommDebugMode`` counts per call (all-gathers: the exact
+fallback or DTensor's replication;
 all-reduces: DTensor's partial sums). Each side runs in its own process with its checkout
 first on ``sys.path``; rounds alternate the sides (A, B, A, B ...) and each figure is the best
 round, so machine noise hits both alike.
@@ -31,7 +32,7 @@ def _time(fn, iters: int) -> float:
     return (time.perf_counter() - t0) / iters
 
 
-def _rank(rank: int, world: int, iters: int) -> dict:
+def _rank(rank: int, world: int, iters: int, rows: int) -> dict:
     import torch
     import torch.nn.functional as F
     from torch.distributed.tensor.debug import CommDebugMode
@@ -40,8 +41,8 @@ def _rank(rank: int, world: int, iters: int) -> dict:
 
     gt.register_config("rows", gt.SignalConfig(shard=gt.ShardConfig(axis=0)))
     g = torch.Generator().manual_seed(0)
-    logits = torch.randn(ROWS, COLS, generator=g)
-    target = torch.randint(0, COLS, (ROWS,), generator=g)
+    logits = torch.randn(rows, COLS, generator=g)
+    target = torch.randint(0, COLS, (rows,), generator=g)
     with gt.signal.context("rows"):
         x, t = gt.tensor(logits), gt.tensor(target)
         xg = gt.tensor(logits, requires_grad=True)
@@ -57,8 +58,17 @@ def _rank(rank: int, world: int, iters: int) -> dict:
         with torch.no_grad():
             x.mean().numpy()
 
+    def mean_unread():  # a Partial result stays unreduced until read (or used)
+        with torch.no_grad():
+            x.mean()
+
     out = {}
-    for name, fn in (("cross_entropy", ce), ("cross_entropy+backward", ce_bwd), ("mean", mean)):
+    for name, fn in (
+        ("cross_entropy", ce),
+        ("cross_entropy+backward", ce_bwd),
+        ("mean", mean),
+        ("mean unread", mean_unread),
+    ):
         out[name] = _time(fn, iters)
         with CommDebugMode() as comms:
             fn()
@@ -68,11 +78,11 @@ def _rank(rank: int, world: int, iters: int) -> dict:
     return out
 
 
-def _one(iters: int) -> dict:
+def _one(iters: int, rows: int) -> dict:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from _ranks import run_ranks
 
-    return run_ranks(_rank, WORLD, iters)[0]
+    return run_ranks(_rank, WORLD, iters, rows)[0]
 
 
 def main() -> None:
@@ -80,10 +90,11 @@ def main() -> None:
     p.add_argument("--against", help="the other checkout (its spmdgt is imported there)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--rows", type=int, default=ROWS, help=f"rows (default {ROWS}: uneven)")
     p.add_argument("--one", action="store_true", help="this checkout only, as JSON")
     args = p.parse_args()
     if args.one:
-        print(json.dumps(_one(args.iters)))
+        print(json.dumps(_one(args.iters, args.rows)))
         return
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sides = {"this": here, "other": args.against}
@@ -92,6 +103,7 @@ def main() -> None:
         for side, root in sides.items():
             env = dict(os.environ, PYTHONPATH=root, PYTHONWARNINGS="ignore")
             cmd = [sys.executable, os.path.abspath(__file__), "--one", "--iters", str(args.iters)]
+            cmd += ["--rows", str(args.rows)]
             res = json.loads(
                 subprocess.run(
                     cmd, env=env, capture_output=True, text=True, check=True
