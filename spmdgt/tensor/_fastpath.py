@@ -279,7 +279,7 @@ def _local_op(func, args, kwargs, inplace: bool) -> bool:
         return False
     if not any(isinstance(a, DTensor) for a in tree_flatten((args, kwargs))[0]):
         return True
-    if _random.draws(func, args, kwargs) or _registry.intervenes(func):
+    if _random.draws(func, args, kwargs) or _registry.intervenes(func, args):
         return False
     try:
         info = dispatcher.unwrap_to_op_info(func, args, kwargs)

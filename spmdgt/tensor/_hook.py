@@ -6,7 +6,8 @@ Inside spmdgt's calls it (1) runs, on the DTensors, the decomposition of an op w
 strategy DTensor derives from that decomposition when the decomposition reads a size (the
 losses' ``mean``, the statistics): DTensor traces it at the global shape but runs the op on
 local shards, so a ``2 / numel`` became ``2 / local numel``; (2) runs an exact rewrite of an op
-whose registered rule is wrong for some arguments (``nll_loss``'s weighted mean); (3) turns
+whose registered rule is wrong for some arguments (``nll_loss``'s weighted mean) or gathers
+where an all-reduce would do (``mean`` over unevenly sharded dims); (3) turns
 "no rule for this layout" into ``NoRule``, on which the op takes the exact fallback; (4) slices
 a replicated attention mask to match batch- or head-sharded inputs for the CPU attention
 kernels, which take the mask as a keyword argument DTensor never redistributes
@@ -114,12 +115,71 @@ def _nll_mean(op_call, args, kwargs):
     return total / total_weight, total_weight
 
 
-# An op whose DTensor rule is wrong on sharded inputs for some arguments: (does this call need
-# the rewrite?, the exact rewrite). Each rewrite runs DTensor ops whose rules hold.
+# An op whose DTensor rule is wrong on sharded inputs for some arguments, or gathers where a
+# cheaper exact way exists: (does this call need the rewrite?, the exact rewrite). Each
+# rewrite runs DTensor ops whose rules hold.
 register_aten(
     (torch.ops.aten.nll_loss_forward.default, torch.ops.aten.nll_loss2d_forward.default),
     "rewrite",
     (lambda args: args[3] == 1, _nll_mean),  # reduction 1: mean
+)
+
+
+_MEAN_AS_SUM = (torch.float32, torch.float64)
+
+
+def _mean_dims(args) -> list[int]:
+    """The dims ``aten.mean`` (``.default`` or ``.dim``) reduces, counted from 0."""
+    x = args[0]
+    dims = args[1] if len(args) > 1 else None
+    if dims is None or len(dims) == 0:
+        return list(range(x.dim()))
+    return [d % max(x.dim(), 1) for d in dims]
+
+
+def _uneven_mean(args) -> bool:
+    """Does a float32/float64 mean reduce a dim its input is sharded on unevenly? DTensor's
+    rule then replicates the input (an all-gather: the average of the ranks' averages is not
+    the mean there); a sum over the same dims, divided by their global size, is one
+    all-reduce. Other dtypes keep DTensor's rule (bfloat16/float16: ``_checks``' fallback;
+    integers: torch's error)."""
+    x = args[0]
+    if not isinstance(x, DTensor) or x.dtype not in _MEAN_AS_SUM:
+        return False
+    from spmdgt.tensor._shards import shard_shapes
+
+    spec = x._spec
+    dims = _mean_dims(args)
+    sharded = {p.dim for p in spec.placements if p.is_shard()} & set(dims)
+    if not sharded:
+        return False
+    shapes = shard_shapes(spec)
+    return shapes is None or any(len({s[d] for s in shapes}) > 1 for d in sharded)
+
+
+def _mean_as_sum(op_call, args, kwargs):
+    """``mean`` over unevenly sharded dims as one process computes it, without gathering: the
+    sum over those dims (a partial sum per rank, reduced when read) divided by their global
+    number of elements."""
+    x, dtype = args[0], kwargs.get("dtype")
+    n = 1
+    for d in _mean_dims(args):
+        n *= x.shape[d]
+    if len(args) > 1 and args[1] is not None and len(args[1]) > 0:
+        # the dims as given, not normalised: DTensor's sharding cache keys on them, and on a
+        # rank outside a sub-mesh a cached key that differs only in ``dtype=`` gives the
+        # first call's dtype (a reduction with and without ``dtype=``: a defect of its own)
+        keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+        total = torch.ops.aten.sum.dim_IntList(x, args[1], keepdim, dtype=dtype)
+    else:
+        total = torch.ops.aten.sum.default(x, dtype=dtype)
+        if len(args) > 2 and args[2]:  # mean(x, [], keepdim=True): every dim kept as 1
+            total = total.reshape([1] * x.dim())
+    return torch.ops.aten.div.Scalar(total, n)
+
+
+register_aten(
+    (torch.ops.aten.mean.default, torch.ops.aten.mean.dim), "rewrite", (_uneven_mean, _mean_as_sum)
 )
 
 

@@ -17,7 +17,13 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from spmdgt.tensor import _attention, _fallback, _overlap, _registry
+from spmdgt.tensor import (
+    _attention,
+    _fallback,
+    _losses,  # noqa: F401 - registers the losses' guard
+    _overlap,
+    _registry,
+)
 from spmdgt.tensor._assign import assign
 from spmdgt.tensor._fallback import op_name
 from spmdgt.tensor._guards import (
@@ -354,30 +360,7 @@ def _on_global(func, args, kwargs):
     "irregular",
     patterns="`*_copy` views",
     how="DTensor's rules assume even shards on every rank (the parity sweep saw wrong values "
-    "or shapes: losses whose mean averages per-rank means): the exact fallback when a shard "
-    "is uneven or empty, or on a sub-mesh",
-    names=(
-        "mse_loss",
-        "l1_loss",
-        "smooth_l1_loss",
-        "huber_loss",
-        "soft_margin_loss",
-        "binary_cross_entropy",
-        "binary_cross_entropy_with_logits",
-        "cosine_embedding_loss",
-        "gaussian_nll_loss",
-        "poisson_nll_loss",
-        "kl_div",
-        "margin_ranking_loss",
-        "hinge_embedding_loss",
-        "multilabel_soft_margin_loss",
-        "multilabel_margin_loss",
-        "multi_margin_loss",
-        "triplet_margin_loss",
-        "triplet_margin_with_distance_loss",
-        "nll_loss",
-        "cross_entropy",
-    ),
+    "or shapes): the exact fallback when a shard is uneven or empty, or on a sub-mesh",
 )
 def _on_irregular(func, args, kwargs):
     bad = any(isinstance(a, DTensor) and is_irregular(a) for a in args)
@@ -402,7 +385,10 @@ def _global_if(why: str | None, func, args, kwargs):
     "when ties span ranks), or with an empty shard; `prod` of complex values over a sharded "
     "dim (no collective multiplies complex numbers); `embedding` whose weight has one dim "
     "sharded over several mesh dims (DTensor's masked-partial rule shares one mask among "
-    "them)",
+    "them); the losses on uneven, empty or sub-mesh shards outside what their sweep proved "
+    "exact (`_losses.py`: float32, one 1-D mesh, the input's Shard(0), Shard(1) or "
+    "Replicate for every sharded argument, replicated class weights), and `cosine_embedding_loss` "
+    "over a sharded feature dim (DTensor's value is wrong, even shards too)",
 )
 def _on_guarded(func, args, kwargs):
     return _global_if(guard(func, args, kwargs), func, args, kwargs)

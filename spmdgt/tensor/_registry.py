@@ -261,8 +261,15 @@ def plan(op: Any) -> Plan:
     return p
 
 
-def intervenes(op: Any) -> bool:
+def intervenes(op: Any, args: tuple | None = None) -> bool:
     """Might the hook run aten ``op`` otherwise than DTensor's rule says (an intercept, a
-    decomposition, a rewrite)? The dispatch fast path (``_fastpath``) never caches such an op."""
+    decomposition, a rewrite)? The dispatch fast path (``_fastpath``) never caches such an op.
+    Given the call's ``args``, a rewrite counts only where its condition holds for them (it
+    reads global metadata, which the fast path's key fixes): ``mean`` over a dim that is not
+    sharded unevenly stays DTensor's plain local op."""
     p = plan(op)
-    return p.intercept is not None or p.decomposition is not None or p.rewrite is not None
+    if p.intercept is not None or p.decomposition is not None:
+        return True
+    if p.rewrite is None:
+        return False
+    return args is None or bool(p.rewrite[0](args))

@@ -43,8 +43,9 @@ OPS = {
     "cross_entropy": lambda x, y, w, b, t: F.cross_entropy(x, t, reduction="none"),
     "cross_entropy_mean": lambda x, y, w, b, t: F.cross_entropy(x, t),
 }
-# the common ops of a training step: their second run must be a hit (``cross_entropy`` on
-# uneven rows takes the exact fallback, _optable's IRREGULAR route: never a hit)
+# the common ops of a training step: their second run must be a hit (``cross_entropy`` takes
+# the losses' guarded route, _losses.py, and ``mean`` over uneven rows _hook's rewrite: never
+# a hit)
 MUST_HIT = {
     "add",
     "mul",

@@ -61,13 +61,15 @@ EXPECTED = {
     "gelu": ("dtensor", NONE, "dtensor", NONE, "fast"),
     "softmax": ("dtensor", NONE, "dtensor", NONE, "fast"),
     "layer_norm": ("dtensor", NONE, "dtensor", {AR: 2}, "fast"),  # lw and lb
-    # _optable's IRREGULAR route: DTensor's loss rules assume even shards, so uneven rows
-    # take the gather fallback (logits and targets gathered); see docs/exactness.md
-    "cross_entropy": ("fallback", {AG: 2}, "dtensor", NONE, "fallback"),
+    # the losses' guard (_losses.py): DTensor's path on uneven rows, proven exact by
+    # tests/core/test_losses_uneven_dist.py; nll_loss's mean is _hook's rewrite (a sum over
+    # the global weight sum): an all-reduce of the weight sum each way, no gather
+    "cross_entropy": ("rewrite", {AR: 1}, "dtensor", {AR: 1}, "rewrite"),
     "sum": ("dtensor", NONE, "dtensor", NONE, "fast"),  # a Partial result: reduced when read
     "sum_dim": ("dtensor", NONE, "dtensor", NONE, "fast"),
-    # DTensor's rule replicates an unevenly sharded dim before a mean over it (all-gather)
-    "mean": ("dtensor", {AG: 1}, "dtensor", NONE, "dtensor"),
+    # DTensor's rule would replicate an unevenly sharded dim before a mean over it (an
+    # all-gather); _hook's rewrite sums instead (Partial: one all-reduce when read)
+    "mean": ("rewrite", NONE, "dtensor", NONE, "rewrite"),
     "mean_dim": ("dtensor", NONE, "dtensor", NONE, "fast"),
     "view": ("dtensor", NONE, "dtensor", NONE, "dtensor"),  # views: aliasing stays DTensor's
     "reshape": ("dtensor", NONE, "dtensor", NONE, "dtensor"),
@@ -157,7 +159,7 @@ def _rewrite_and_raise(rank, world):
     from spmdgt.tensor._paths import watch
 
     # nll_loss's mean on even row shards (6 rows): DTensor's path with spmdgt's rewrite of the
-    # weighted mean (_hook._nll_mean); uneven rows take the fallback (cross_entropy above)
+    # weighted mean (_hook._nll_mean); uneven rows too (cross_entropy above)
     g = torch.Generator().manual_seed(3)
     logp = torch.randn(6, COLS, generator=g).log_softmax(-1)
     target = torch.randint(0, COLS, (6,), generator=g)

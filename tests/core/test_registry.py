@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import spmdgt.tensor._tensor  # noqa: F401  (imports every module that registers decisions)
-from spmdgt.tensor import _attention, _optable, _registry, _routedoc
+from spmdgt.tensor import _attention, _losses, _optable, _registry, _routedoc
 from spmdgt.tensor._registry import (
     EMPTY_SENSITIVE,
     GLOBAL,
@@ -62,7 +62,8 @@ def test_ops_once_in_two_tables_decided_once():
     # the aten level, in one record
     for name in ("mse_loss", "huber_loss", "binary_cross_entropy", "multi_margin_loss"):
         rec = record(name)
-        assert (rec.route, rec.decompose) == (IRREGULAR, True), name
+        assert (rec.route, rec.decompose) == (GUARDED, True), name
+        assert rec.guard is _losses.why_not_dtensor, name
     for name in ("var", "std", "var_mean", "std_mean"):
         assert (record(name).route, record(name).decompose) == (EMPTY_SENSITIVE, True), name
     assert record("embedding").route == GUARDED
@@ -89,6 +90,9 @@ def test_fastpath_reads_the_registry():
         assert _registry.intervenes(op), op
     assert not _registry.intervenes(aten.add.Tensor)
     assert not _registry.intervenes(aten.mm.default)  # a check only: DTensor's rule or NoRule
+    # a rewrite with the call's arguments: only where its condition holds (nll_loss: mean)
+    assert not _registry.intervenes(aten.nll_loss_forward.default, (None, None, None, 2, -100))
+    assert _registry.intervenes(aten.nll_loss_forward.default, (None, None, None, 1, -100))
 
 
 def test_rows_at_rows_is_a_record_field():
