@@ -414,6 +414,7 @@ def install() -> None:
 
     setattr(dispatcher, _ENTRY, propagate)
     _original.append(original)
+    _key_dtype(dispatcher.sharding_propagator.op_to_schema_info)
     _attention.install()
     search = getattr(dispatcher.sharding_propagator, "decomp_strategy", None)
     if search is not None:  # torch < 2.13 derives no strategy from decompositions
@@ -432,6 +433,29 @@ def uninstall() -> None:
         search = getattr(DTensor._op_dispatcher.sharding_propagator, "decomp_strategy", None)
         if search is not None:  # the class's method shows through again
             search.__dict__.pop("_get_candidate_placements", None)
+        DTensor._op_dispatcher.sharding_propagator.op_to_schema_info.update(_unkeyed)
+        _unkeyed.clear()
+
+
+_unkeyed: dict = {}  # torch's schema infos _key_dtype replaced, for uninstall()
+
+
+def _key_dtype(infos: dict) -> None:
+    """Make a keyword-only ``dtype`` part of DTensor's sharding cache key where torch leaves
+    it out (``sum``/``mean``/``prod``/``cumsum``/``nansum``/``linalg_vector_norm``...): the
+    key took only the positional arguments, so ``x.sum(0, dtype=torch.float64)`` after
+    ``x.sum(0)`` got the cached float32 output spec. A rank holding a shard kept its float64
+    result; a rank outside a sub-mesh made its empty result from the spec (float32), and the
+    next collective mixed dtypes (gloo aborted)."""
+    from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
+
+    for op, info in list(infos.items()):
+        keyed = list((info.static_kwargkey or []) if info is not None else [])
+        takes = any(a.kwarg_only and a.name == "dtype" for a in op._schema.arguments)
+        if info is None or not takes or "dtype" in keyed:
+            continue
+        _unkeyed[op] = info
+        infos[op] = RuntimeSchemaInfo(info.static_argnum, [*keyed, "dtype"], info.needs_pytree)
 
 
 check_torch()
