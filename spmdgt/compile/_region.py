@@ -196,10 +196,7 @@ class Region:
         for a in args:
             t = type(a)
             if t is float:
-                if mesh is None:
-                    key.append(_FKEY)
-                else:
-                    key.append((t, a))
+                key.append(_FKEY if mesh is None else (t, a))
                 if dyn > len(descs):
                     descs.append(("F", a))
                     commit = True

@@ -170,7 +170,10 @@ def test_views_that_are_copies_live_as_torch_views(world, tmp_path):
         alive, dead = results["lifetime"]
         assert alive and dead, f"rank {rank}: the base outlived its view or died before it"
         before, after, grad, w = results["loop"]
-        assert after <= before, f"rank {rank}: {after - before} tensors more after 20 steps"
+        # a tensor each step leaked would show 20 more. One (3,) float32 with no Python
+        # referrer is counted at some steps and gone at the next (7, 7, 7, 8, 8, 7 over 30
+        # steps, on 66defcf too): in flight, most likely the gradient's all-reduce
+        assert after <= before + 1, f"rank {rank}: {after - before} tensors more after 20 steps"
         torch.testing.assert_close(grad, reference[0])
         torch.testing.assert_close(w, reference[1])
 
