@@ -42,6 +42,7 @@ __all__ = [
     "get",
     "integer",
     "is_set",
+    "build_root",
     "launcher_int",
     "main",
     "markdown",
@@ -332,6 +333,15 @@ def launcher_int(name: str, default: int) -> int:
         return int(value)
     except ValueError:
         raise EnvError(f"{name}={value!r} is not an integer") from None
+
+
+def build_root() -> str:
+    """Where spmdgt caches what it compiles (the native observer, the generator skip):
+    ``$TORCH_EXTENSIONS_DIR`` as for torch's own extensions, else
+    ``~/.cache/spmdgt/torch_extensions``."""
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "spmdgt", "torch_extensions"
+    )
 
 
 def _default_text(var: Var) -> str:

@@ -91,10 +91,7 @@ def cache_key(
 
 def build_dir(key: str | None = None) -> str:
     """The cache folder of the build with ``key`` (default: this checkout's ``cache_key()``)."""
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "spmdgt", "torch_extensions"
-    )
-    return os.path.join(root, f"{_NAME}_{key or cache_key()}")
+    return os.path.join(_env.build_root(), f"{_NAME}_{key or cache_key()}")
 
 
 def load() -> ModuleType | None:

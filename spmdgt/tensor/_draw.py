@@ -5,9 +5,9 @@ Every rank still moves its generator over every number (that keeps the generator
 in step and makes the values independent of placement and world size), but in blocks: it keeps
 the part of each block that falls in its slice and drops the rest, so memory is the slice plus
 one block. A slice that is one flat range (a split of the first dim that is longer than 1)
-draws only its range with ``fill``; the numbers before and after it are skipped with
-``torch.rand``, which moves the generator as ``randn``'s uniform fill does (one draw per
-element) without the Box-Muller transform: about 40% of ``randn``'s cost per skipped number.
+draws only its range with ``fill``; the numbers before and after it are skipped: the
+generator's state is twisted past them in C (``_mt19937``: ~5% of ``randn``'s cost per skipped
+number), or, where that cannot be compiled, moved by an int64 ``random_()`` (~60%).
 
 Why blocks reproduce one call: torch's CPU kernels draw sequentially. ``rand`` fills element by
 element; ``randn`` (``normal_fill``) fills uniforms in order, turns each aligned group of 16
@@ -24,6 +24,8 @@ import math
 from collections.abc import Callable
 
 import torch
+
+from spmdgt.tensor import _mt19937
 
 __all__ = ["BLOCK", "MIN_NUMEL", "drawable", "draw_part"]
 
@@ -110,26 +112,22 @@ def _consumed(n: int, dtype) -> int:
     return n + 16 if dtype in (torch.float32, torch.float64) else n + (-n) % 16
 
 
-# 32-bit words of the CPU generator (mt19937) one uniform of these dtypes takes: a float32
-# uniform one (``random()``), a float64 one two (``random64()``)
-_WORDS = {torch.float32: 1, torch.float64: 2}
+# 32-bit words of the CPU generator (mt19937) one uniform of these dtypes takes: a float32,
+# bfloat16 or float16 uniform one (``random()``), a float64 one two (``random64()``); checked
+# against torch's draws by tests/core/test_draw
+_WORDS = {torch.float32: 1, torch.float64: 2, torch.bfloat16: 1, torch.float16: 1}
 
 
 def _advance(count: int, dtype) -> None:
-    """Move the generator ``count`` uniform draws, as ``randn``'s fill would, in blocks.
+    """Move the generator ``count`` uniform draws, as ``randn``'s fill would.
 
-    float32/float64: as ``count`` uniforms' worth of 32-bit words, taken two a number by an
-    int64 ``random_()`` (one ``random64()`` each: the same words a ``rand`` would take, in
-    about 0.6 of its time, since the per-number work, not the generator, is most of it; one
-    float32 ``rand`` takes an odd last word). Other dtypes: ``rand`` of that dtype itself."""
-    words = _WORDS.get(dtype)
-    if words is None:
-        while count > 0:
-            k = min(count, BLOCK)
-            torch.rand(k, dtype=dtype)
-            count -= k
+    As ``count`` uniforms' worth of 32-bit words: twisted past in C when that is available
+    (``_mt19937.skip``, ~10x cheaper than any draw), else taken two a number by an int64
+    ``random_()`` in blocks (one ``random64()`` each: the same words a ``rand`` would take, in
+    about 0.6 of its time; one float32 ``rand`` takes an odd last word)."""
+    count *= _WORDS[dtype]
+    if count >= _mt19937.MIN_WORDS and _mt19937.skip(count):
         return
-    count *= words
     if count >= 2:
         scratch = torch.empty(min(count // 2, BLOCK), dtype=torch.int64)
         pairs = count // 2

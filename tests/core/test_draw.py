@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from spmdgt.tensor import _draw
+from spmdgt.tensor import _draw, _mt19937
 from tests._calls import CreationShapes
 from tests._dist import run_ranks
 
@@ -46,12 +46,18 @@ def test_blocks_draw_what_one_call_draws(monkeypatch, fill, dtype, shape, dim):
     assert torch.equal(torch.rand(4), after)
 
 
+@pytest.mark.parametrize("skip", ["compiled", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n", [1003, 1024, 40, 17])
-def test_a_row_split_draws_only_its_rows_with_randn(monkeypatch, dtype, n):
-    """The numbers outside a rank's rows are skipped with ``rand`` (no Box-Muller): randn
-    draws at most the rank's own part rounded out to 16s (32 more), and the values and the
-    generator are still one call's."""
+def test_a_row_split_draws_only_its_rows_with_randn(monkeypatch, skip, dtype, n):
+    """The numbers outside a rank's rows are skipped (no Box-Muller), by the compiled twist or
+    by torch's ``random_()`` where it is not available: randn draws at most the rank's own
+    part rounded out to 16s (32 more), and the values and the generator are still one call's."""
+    if skip == "compiled":
+        monkeypatch.setattr(_mt19937, "MIN_WORDS", 1)
+        assert _mt19937.skip(0), _mt19937.error()  # this machine has a C compiler
+    else:
+        monkeypatch.setattr(_mt19937, "skip", lambda words: False)
     drawn = []
     randn = torch.randn
 
@@ -69,6 +75,33 @@ def test_a_row_split_draws_only_its_rows_with_randn(monkeypatch, dtype, n):
         monkeypatch.setattr(torch, "randn", randn)
         assert torch.equal(part, ref[off : off + size]) and torch.equal(torch.rand(4), after)
         assert sum(drawn) <= max(size + 32, 16 + 16), (off, size, drawn)
+
+
+@pytest.mark.parametrize("seed", [0, 29])
+def test_the_compiled_skip_moves_the_generator_as_torch_draws(seed):
+    """From every position between two twists (just seeded, mid-state, at the edge), past
+    nothing, one word, a whole state and many: the next numbers are the ones torch's own
+    draws leave (float32 ``rand`` takes one 32-bit word a number)."""
+    for before in (0, 1, 5, 623, 624, 625, 1000):
+        for words in (0, 1, 2, 623, 624, 625, 1247, 1248, 100_001):
+            ref, got = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+            torch.rand(before, generator=ref)
+            torch.rand(before, generator=got)
+            torch.rand(words, generator=ref)
+            assert _mt19937.skip(words, got), _mt19937.error()
+            assert torch.equal(torch.randn(40, generator=got), torch.randn(40, generator=ref))
+
+
+def test_without_a_compiler_the_skip_is_refused_and_named(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(_mt19937, "_tried", False)
+    monkeypatch.setattr(_mt19937, "_fn", None)
+    monkeypatch.setattr(_mt19937, "_error", None)
+    g = torch.Generator().manual_seed(1)
+    before = g.get_state()
+    assert not _mt19937.skip(5000, g) and "no-such-cc" in _mt19937.error()
+    assert torch.equal(g.get_state(), before)  # untouched: the caller draws to skip
 
 
 def _sharded_random(rank, world):
