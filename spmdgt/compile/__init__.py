@@ -15,12 +15,13 @@ the ranks agree through ``spmdgt.runtime._agree`` (``propose``, ``agree``, ``any
 
 Lazy regions (YAML ``compile: true`` scopes, ``GT_WORKER_BATCH_SIZE=N`` or
 ``enable_regions()``): ops on large tensors, plain or sharded, are recorded, their results are
-placeholders, and at a sync point the region runs as one compiled graph (``_lazy_regions``: the hook
-and sync points; ``_region``: recording and placeholders; ``_sharded``: layouts, agreement and
-autograd of graphs over DTensors; ``_graphs``: keys, caps, compile, fallback; ``_lazy_ops``:
-what may be recorded). Both halves may run at once: a hot function's graph and compile run the
-open region first (``_backend``, ``_hot_functions``), and placeholders show the
-``requires_grad`` dynamo's guards check.
+placeholders, and at a sync point the region runs as one compiled graph (``_lazy_regions``: the
+hook and sync points; ``_region``: recording and placeholders; ``_calls``: what recording reads
+off a call, and the nodes' formats; ``_plan``: a region's plan at a sync point, and filling its
+placeholders; ``_sharded``: layouts, agreement and autograd of graphs over DTensors;
+``_graphs``: keys, caps, compile, fallback; ``_lazy_ops``: what may be recorded). Both halves
+may run at once: a hot function's graph and compile run the open region first (``_backend``,
+``_hot_functions``), and placeholders show the ``requires_grad`` dynamo's guards check.
 
 Environment (read by ``maybe_enable_from_env``, which ``import spmdgt`` reaches through the
 interceptor's start-up; with none of these set nothing here is imported):

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from spmdgt.compile._region import Plan
+from spmdgt.compile._plan import Plan
 from spmdgt.compile._stats import first_line
 
 __all__ = ["Graphs"]

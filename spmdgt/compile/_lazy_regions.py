@@ -40,7 +40,8 @@ import torch
 from spmdgt.compile import _lazy_ops
 from spmdgt.compile._before_op import PASS
 from spmdgt.compile._graphs import Graphs
-from spmdgt.compile._region import _SLOW, NOFLUSH, Region, fill
+from spmdgt.compile._plan import fill
+from spmdgt.compile._region import _SLOW, NOFLUSH, Region
 from spmdgt.compile._stats import RegionStats
 
 __all__ = ["LazyPass"]

@@ -190,7 +190,7 @@ class Join(torch.autograd.Function):
 
 def fill(plan: Any, results: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Fill a sharded plan's placeholders whose results (DTensors) need grad; the others are
-    returned as (placeholder's shard, result's shard) for ``_region.fill`` to fill."""
+    returned as (placeholder's shard, result's shard) for ``_plan.fill`` to fill."""
     results = list(results)
     need = [i for i, o in enumerate(results) if o.requires_grad]
     rest = []
