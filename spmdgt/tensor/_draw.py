@@ -152,8 +152,11 @@ def _draw_range(fill: Callable, n: int, dtype, lo: int, hi: int, out) -> None:
         a = (n - 16) // 16 * 16
     _advance(a, dtype)
     for start, size in _blocks(b - a, b - a):
-        block = fill(size, dtype=dtype)
         s, e = max(a + start, lo), min(a + start + size, hi)
+        if (s, e) == (a + start, a + start + size):  # all of it is ours: drawn in place
+            fill(size, out=out[s - lo : e - lo])
+            continue
+        block = fill(size, dtype=dtype)
         if s < e:
             out[s - lo : e - lo] = block[s - a - start : e - a - start]
     if b < n:  # the draws after the range, the tail's included
