@@ -16,8 +16,9 @@ Always on (a world of more than one):
   end of the program. A side group, so a fingerprint only ever pairs with a fingerprint: rank
   0 reading ``x`` while rank 1 reads ``y``, or has already finished, is an error on both ranks
   before any data moves (:class:`RankDivergenceError`, naming each rank's point).
-- A creation's exchange is started at once and checked later (``agree_soon``/``settle``),
-  before anything that moves data: the round trip overlaps the rank's own work.
+- A creation's point is taken at once and exchanged later (``agree_soon``/``settle``), folded
+  with every other point taken since into the next exchange, which comes before anything that
+  moves data: a step's creations cost one round trip, not one each.
 - The same exchange carries the ranks' proposals (``propose``/``on_agreed``) and
   ``any_rank``'s flag; ``all_ranks`` swaps values on the side group.
 
@@ -90,7 +91,7 @@ _last: tuple[int, str, str, str] = (0, "none yet", "", "")
 # docs/benchmarks.md). Bits 31-61 hold x, 31 bits of the point's fingerprint, and bits 0-30
 # its complement; the OR of every rank's word is then (OR of the x's, NOT (AND of the x's)),
 # whose halves are complements iff every rank sent the same x, that is iff the OR's bits 0-61
-# equal this rank's word (``_word_of``). That test reads exchanged data only, so every rank
+# equal this rank's word (``_exchange``). That test reads exchanged data only, so every rank
 # decides alike. Bit 62: some rank has proposals waiting (``propose``); bit 63: ``any_rank``'s
 # flag.
 _BITS = 31
@@ -100,15 +101,13 @@ _PENDING = 1 << 62
 _FLAG = 1 << 63
 _OR = dist.AllreduceOptions()
 _OR.reduceOp = dist.ReduceOp.BOR
-# The words, made once: an agreement point costs no allocation. Slot 0 is the exchange's,
-# slots 1.._SOON_MAX those of the points ``agree_soon`` has in flight (slot i + 1 for the i-th,
-# each settled before its slot is taken again). ``_slots`` reads and writes them as unsigned
-# Python ints (a memoryview: no numpy scalar, no torch op); ``_args[i]`` is slot i's argument
-# list for the backend's all-reduce.
+# The word, made once: an agreement point costs no allocation. ``_slots`` reads and writes it
+# as an unsigned Python int (a memoryview: no numpy scalar, no torch op); ``_args[0]`` is the
+# backend all-reduce's argument list.
 _SOON_MAX = 64  # agree_soon's points are settled at once past this many
-_words = torch.zeros(_SOON_MAX + 1, dtype=torch.int64)
+_words = torch.zeros(1, dtype=torch.int64)
 _slots = memoryview(_words.numpy()).cast("B").cast("Q")
-_args = [[_words[i : i + 1]] for i in range(_SOON_MAX + 1)]
+_args = [[_words[0:1]]]
 _GOLDEN = 0x9E3779B1  # odd: n -> n * _GOLDEN is one-to-one modulo 2**31 (the point's number)
 # (what, site) or (what, id of the user's code object, line) -> (the 31-bit hash of the
 # description and call site, the call site's text, that code object). A pure function of its key,
@@ -173,12 +172,10 @@ def forget() -> None:
 
 
 # -- the exchange -----------------------------------------------------------------------------
-def _word_of(h: int, n: int) -> int:
-    """The word agreement point number ``n`` with fingerprint ``h`` sends: x = the two mixed,
-    in bits 31-61, and its complement in bits 0-30, which is x * 2**31 + (_MASK - x)
-    = (x + 1) * _MASK. The point's number takes part: a rank that skipped a point pairs its
-    next one with another number, so even the same read at the same line does not agree."""
-    return (((h ^ (n * _GOLDEN)) & _MASK) + 1) * _MASK
+# The word a point sends (``_exchange``): x, its fingerprint h mixed with its number n, in
+# bits 31-61, and x's complement in bits 0-30, which is x * 2**31 + (_MASK - x) = (x + 1) *
+# _MASK. The number takes part: a rank that skipped a point pairs its next one with another
+# number, so even the same read at the same line does not agree.
 
 
 def _fingerprint(text: str) -> int:
@@ -234,17 +231,17 @@ def before_collective(what: str) -> None:
         _exchange(what, site, h, True, "", False)
 
 
-# Points started by ``agree_soon`` whose exchange is in flight, oldest first: (the work, its
-# slot, its word, number, what, detail, call site). ``settle`` checks them.
-_soon: list[tuple[Any, int, int, int, str, str, str]] = []
+# Points ``agree_soon`` took that no exchange has carried yet, oldest first: (fingerprint,
+# number, what, detail, call site). The next exchange carries them (``_fold``).
+_soon: list[tuple[int, int, str, str, str]] = []
 
 
 def agree_soon(what: str, site: str | None = None, detail: str = "") -> None:
-    """An agreement point whose exchange starts now and is checked at the next point that
-    needs it (``settle``): the next agreement point or host read, the next op that is not
-    proven local, the next mesh made. A creation of a sharded tensor is one: what it makes
-    is read only through those, so a divergence still raises on every rank before any data
-    moves, and the round trip overlaps the rank's own work instead of stalling it. Under
+    """An agreement point exchanged later, by the next point that needs it (``settle``): the
+    next agreement point or host read, the next op that is not proven local, the next mesh
+    made. A creation of a sharded tensor is one: what it makes is read only through those, so
+    a divergence still raises on every rank before any data moves, and the creations of a
+    step share one exchange (``_fold``) instead of a round trip each. Under
     ``GT_CHECK_RANKS=1`` it is checked at once (``agree``)."""
     global _count
     if _group is None:
@@ -257,57 +254,75 @@ def agree_soon(what: str, site: str | None = None, detail: str = "") -> None:
         raise _errors.stopped(point_text(what, detail, site))
     with _lock:
         _count += 1
-        n = _count
-        slot = len(_soon) + 1  # free: the points before it were settled at _SOON_MAX
-        _slots[slot] = word = _word_of(h, n)
-        try:
-            work = _backend.allreduce(_args[slot], _OR)
-        except RuntimeError as e:
-            _errors.exchange_failed(e, point_text(what, detail, site), n)
-        _soon.append((work, slot, word, n, what, detail, site))
+        _soon.append((h, _count, what, detail, site))
     if len(_soon) >= _SOON_MAX:
         settle()
 
 
 def settle() -> None:
-    """Check every agreement point ``agree_soon`` started: all agreed, or every rank raises
-    :class:`RankDivergenceError` at the first that did not (each rank received the same
-    words, so each finds the same one). Call it before anything that moves data or makes a
-    process group; free when nothing is in flight."""
-    global _last
+    """Exchange every point ``agree_soon`` took, as one: all agreed, or every rank raises
+    :class:`RankDivergenceError` at the first that did not (``_first_apart``: the same one on
+    every rank). Call it before anything that moves data or makes a process group; free when
+    nothing is waiting."""
     if not _soon:
         return
     with _lock:
-        pending = list(_soon)
-        _soon.clear()
-        first_bad = None
-        for work, slot, word, n, what, detail, site in pending:
-            try:
-                work.wait()
-            except RuntimeError as e:
-                _errors.exchange_failed(e, point_text(what, detail, site), n)
-            if _slots[slot] & _LOW == word:
-                if first_bad is None:
-                    _last = (n, what, detail, site)
-            elif first_bad is None:
-                first_bad = (n, point_text(what, detail, site))
-    if first_bad is not None:
-        _errors.diverged(_group, _world, *first_bad)
+        h, n, what, detail, site = _soon.pop()  # the newest is the exchange's own point
+    _exchange(what, site, h, False, detail, False, n)
 
 
-def _exchange(what: str, site: str, h: int, barrier: bool, detail: str, flag: bool) -> bool:
-    """One exchange (see ``_word_of``): agreed, or every rank raises. Returns whether ``flag``
-    holds on any rank. The path every agreement point takes: nothing here allocates but the
-    point's record, and the arguments are positional (the exchange's own Python is what an
-    agreement point costs above the all-reduce)."""
+def _fold(points: list[tuple[int, int, str, str, str]], x: int) -> int:
+    """The 31-bit fingerprint of ``points`` (in order) followed by the point ``x``: what one
+    exchange carries for all of them. Every point's number takes part, as in a lone word."""
+    raw = b"".join(((h ^ (n * _GOLDEN)) & _MASK).to_bytes(4, "little") for h, n, *_ in points)
+    digest = hashlib.blake2b(raw + x.to_bytes(4, "little"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & _MASK
+
+
+def _first_apart(points: list[tuple[int, int, str, str, str]]) -> tuple[int, str]:
+    """(number, text) of the first of ``points`` (this rank's, carried by one exchange whose
+    words differed) that is not every rank's: the ranks swap their fingerprints on the side
+    group, so every rank picks the same position. Rare: divergences only. Every rank then
+    counts on from the same number (the highest any reached), so a program that catches the
+    error goes on with points that pair again."""
+    global _count
+    mine = [(h, n) for h, n, *_ in points]
+    everyone: list[Any] = [None] * _world
+    try:
+        with torch._C.DisableTorchFunction():
+            dist.all_gather_object(everyone, mine, group=_group)
+    except RuntimeError:  # a peer gone: the exchange's own point (the last) is named
+        everyone = [mine]
+    _count = max(n for e in everyone for _, n in e)
+    i = 0
+    while all(len(e) > i for e in everyone) and len({e[i] for e in everyone}) == 1:
+        i += 1
+    _, n, what, detail, site = points[min(i, len(points) - 1)]
+    return n, point_text(what, detail, site)
+
+
+def _exchange(
+    what: str, site: str, h: int, barrier: bool, detail: str, flag: bool, n: int = 0
+) -> bool:
+    """One exchange (its word: "The word a point sends", above): agreed, or every rank
+    raises. Returns whether ``flag`` holds on any rank. ``n``: the point's number, when
+    ``agree_soon`` already gave it one. The points ``agree_soon`` took before are carried in
+    the same word (``_fold``). The path every agreement point takes: nothing here allocates
+    but the point's record, and the arguments are positional (the exchange's own Python is
+    what an agreement point costs above the all-reduce)."""
     global _count, _last
-    if _soon:
-        settle()  # the points started earlier come first, in order
     _acquire()  # not ``with _lock``: a third less of what the lock costs the exchange
     try:
-        _count += 1
-        n = _count
-        word = (((h ^ (n * _GOLDEN)) & _MASK) + 1) * _MASK  # _word_of(h, n), inlined
+        if not n:
+            _count += 1
+            n = _count
+        x = (h ^ (n * _GOLDEN)) & _MASK
+        carried = None
+        if _soon:  # the points taken earlier come first, in the same word
+            carried = [*_soon, (h, n, what, detail, site)]
+            _soon.clear()
+            x = _fold(carried[:-1], x)
+        word = (x + 1) * _MASK
         if flag or _proposals:
             _slots[0] = word | (_PENDING if _proposals else 0) | (_FLAG if flag else 0)
         else:
@@ -327,7 +342,8 @@ def _exchange(what: str, site: str, h: int, barrier: bool, detail: str, flag: bo
             if got & _PENDING:
                 _settle_proposals()
             return got >= _FLAG
-        _errors.diverged(_group, _world, n, point_text(what, detail, site))
+        # every rank that met these words swaps its points first, then names the first apart
+        _errors.diverged(_group, _world, *_first_apart(carried or [(h, n, what, detail, site)]))
         raise AssertionError("unreachable: diverged raises")
     finally:
         _release()

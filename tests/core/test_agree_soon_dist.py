@@ -162,3 +162,39 @@ def test_creations_agree_at_once_once_compiled_code_may_run(tmp_path):
     # a compiled graph runs its ops (collectives too) with no eager check before them
     for before, after in run_ranks(_after_compile, 2, tmp_path, timeout=90):
         assert (before, after) == (1, 0)
+
+
+def _diverge_in_a_fold(rank, world, case):
+    import spmdgt as gt
+
+    _no_compiled_frames()
+    gt.register_config("rows", gt.SignalConfig(shard=gt.ShardConfig(axis=0)))
+    gt.device_mesh()
+    try:
+        with gt.signal.context("rows"):
+            a = gt.randn(5, 3)
+            if case == "middle":  # the second of three creations differs on the last rank
+                gt.randn(6 + (rank == world - 1), 3)
+            elif rank == world - 1:  # one creation more on the last rank
+                gt.randn(9, 2)
+            gt.randn(4, 3)
+        a.numpy()  # one exchange carries every creation above and the read
+    except gt.RankDivergenceError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("case", ["middle", "extra"])
+def test_the_first_point_apart_in_a_folded_exchange_is_named_on_every_rank(
+    tmp_path, world, case
+):
+    errors = run_ranks(_diverge_in_a_fold, world, tmp_path, case, timeout=90)
+    assert errors[0] is not None and len(set(errors)) == 1, errors
+    last = f"rank {world - 1}: gt.randn of float32"
+    if case == "middle":  # the same position on every rank: both shapes shown
+        assert "rank 0: gt.randn of float32[6, 3]" in errors[0], errors[0]
+        assert f"{last}[7, 3]" in errors[0], errors[0]
+    else:  # position 2: the others' last creation, the last rank's extra one
+        assert "rank 0: gt.randn of float32[4, 3]" in errors[0], errors[0]
+        assert f"{last}[9, 2]" in errors[0], errors[0]
