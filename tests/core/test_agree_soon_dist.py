@@ -186,9 +186,7 @@ def _diverge_in_a_fold(rank, world, case):
 
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("case", ["middle", "extra"])
-def test_the_first_point_apart_in_a_folded_exchange_is_named_on_every_rank(
-    tmp_path, world, case
-):
+def test_the_first_point_apart_in_a_folded_exchange_is_named_on_every_rank(tmp_path, world, case):
     errors = run_ranks(_diverge_in_a_fold, world, tmp_path, case, timeout=90)
     assert errors[0] is not None and len(set(errors)) == 1, errors
     last = f"rank {world - 1}: gt.randn of float32"

@@ -2,7 +2,8 @@
 
 Every test that passes eager must pass with the pass on: the exactness and signal tests on 2,
 3 and 4 ranks (sub-meshes, empty shards, fallbacks, where ranks run different numbers of ops),
-and whole training steps on 2 ranks.
+and whole training steps on 2 ranks. The default suite runs lazy regions at 3 ranks; the rest
+(hot functions, both halves, 2 ranks, the steps) is in the ``slow`` part (``-m ""``).
 A fresh pytest process each, so the pass is on from ``import spmdgt`` as a user's run has it;
 ``GT_DEBUG_COMPILE=1`` shows that functions or regions did get compiled there.
 
@@ -30,16 +31,21 @@ SUBSET = [
     # whole training steps (losses' backward, clipping, accumulation, optimizers): 2 ranks
     "tests/core/test_steps_dist.py::test_whole_steps_equal_one_process[2]",
 ]
-# Each mode runs the subset with the exactness cases at 3 ranks (uneven shards 2+2+1, an
-# empty shard, a true sub-mesh); their 2-rank twins run in the ``slow`` part.
+# Each mode runs the exactness and signal cases at 3 ranks (uneven shards 2+2+1, an empty
+# shard, a true sub-mesh) by default; their 2-rank twins and the whole training steps run in
+# the ``slow`` part (the default suite trains with both halves on in
+# tests/compile/test_both_halves_dist.py).
 PARTS = {
-    "3 ranks": (["--world-only", "3", *SUBSET], []),
+    "3 ranks": (["--world-only", "3", *SUBSET[:2]], []),
     "2 ranks": (["--world-only", "2", SUBSET[0]], [pytest.mark.slow]),
+    "steps": ([SUBSET[2]], [pytest.mark.slow]),
 }
-# Hot functions compile with inductor (seconds a function on this box): the default suite
-# runs the signals and the training steps with them, the exactness cases in the slow part.
+# Hot functions compile with inductor (seconds a function on this box): all of their runs are
+# in the slow part. The default suite proves them on functions, models, 2 and 3 ranks and a
+# 2-D mesh (tests/compile/test_hot_functions*.py) and together with lazy regions on a
+# training loop (tests/compile/test_both_halves_dist.py).
 HOT_PARTS = {
-    "3 ranks": (["--world-only", "3", *SUBSET[1:]], []),
+    "3 ranks": (["--world-only", "3", *SUBSET[1:]], [pytest.mark.slow]),
     "3 ranks, exactness": (["--world-only", "3", SUBSET[0]], [pytest.mark.slow]),
     "2 ranks": PARTS["2 ranks"],
 }
@@ -72,7 +78,7 @@ def _parts(mode: str) -> dict:
             m,
             p,
             marks=_parts(m)[p][1] + SLOW_MODES.get(m, []),
-            id=f"{m}-{p[0]}" + ("x" if p.endswith("exactness") else ""),
+            id=f"{m}-{p.split()[0]}" + ("x" if p.endswith("exactness") else ""),
         )
         for m in MODES
         for p in _parts(m)

@@ -1,13 +1,19 @@
 """End to end: the quick start on a 2 x 2 (dp, tp) mesh under torchrun (4 ranks) prints the
-numbers plain ``python`` prints (``examples/quickstart_2d.yaml``). One torchrun start."""
+numbers plain ``python`` prints (``examples/quickstart_2d.yaml``). One torchrun start of 4
+ranks (~25 s on 2 cores): ``slow``. The default suite stands for it with the same layouts
+in-process (tests/core/test_mesh2d_signals_dist.py, each 2-D layout against one process) and
+the 1-D quick start under torchrun (tests/e2e/test_torchrun.py)."""
 
 from __future__ import annotations
 
 import sys
 
+import pytest
+
 from tests.e2e.test_torchrun import EXAMPLE, ROOT, _numbers, _run
 
 
+@pytest.mark.slow
 def test_quickstart_on_a_2x2_mesh_prints_the_numbers_of_one_process():
     single = _run([sys.executable, str(EXAMPLE)])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--standalone"]
