@@ -509,7 +509,7 @@ def _expected_why(loss: str, layout: str) -> str | None:
 @pytest.mark.parametrize(
     "world,every_option",
     [
-        (2, False),
+        pytest.param(2, False, marks=pytest.mark.slow),  # 3 ranks (3 + 3 + 1) stands for it
         (3, False),
         pytest.param(2, True, marks=pytest.mark.slow),
         pytest.param(3, True, marks=pytest.mark.slow),

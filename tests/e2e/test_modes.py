@@ -2,8 +2,9 @@
 
 Every test that passes eager must pass with the pass on: the exactness and signal tests on 2,
 3 and 4 ranks (sub-meshes, empty shards, fallbacks, where ranks run different numbers of ops),
-and whole training steps on 2 ranks. The default suite runs lazy regions at 3 ranks; the rest
-(hot functions, both halves, 2 ranks, the steps) is in the ``slow`` part (``-m ""``).
+and whole training steps on 2 ranks. The default suite runs lazy regions on the exactness file at 3
+ranks; the rest (hot functions, both halves, 2 ranks, signals, the steps) is in the ``slow`` part
+(``-m ""``).
 A fresh pytest process each, so the pass is on from ``import spmdgt`` as a user's run has it;
 ``GT_DEBUG_COMPILE=1`` shows that functions or regions did get compiled there.
 
@@ -31,13 +32,14 @@ SUBSET = [
     # whole training steps (losses' backward, clipping, accumulation, optimizers): 2 ranks
     "tests/core/test_steps_dist.py::test_whole_steps_equal_one_process[2]",
 ]
-# Each mode runs the exactness and signal cases at 3 ranks (uneven shards 2+2+1, an empty
-# shard, a true sub-mesh) by default; their 2-rank twins and the whole training steps run in
-# the ``slow`` part (the default suite trains with both halves on in
+# Each mode runs the exactness cases at 3 ranks (uneven shards 2+2+1, an empty shard, a true
+# sub-mesh) by default; their 2-rank twins, the signal file and the whole training steps run
+# in the ``slow`` part (the default suite trains with both halves on in
 # tests/compile/test_both_halves_dist.py).
 PARTS = {
-    "3 ranks": (["--world-only", "3", *SUBSET[:2]], []),
+    "3 ranks": (["--world-only", "3", SUBSET[0]], []),
     "2 ranks": (["--world-only", "2", SUBSET[0]], [pytest.mark.slow]),
+    "signals": ([SUBSET[1]], [pytest.mark.slow]),
     "steps": ([SUBSET[2]], [pytest.mark.slow]),
 }
 # Hot functions compile with inductor (seconds a function on this box): all of their runs are

@@ -121,6 +121,7 @@ def test_check_ranks_names_a_rank_that_does_not_arrive():
     assert "RankTimeoutError: rank 0: rank(s) [1] did not arrive within GT_TIMEOUT=3 s" in err
 
 
+@pytest.mark.slow  # a torchrun start: test_real_processes_exit_nonzero... reads the same run's end
 def test_torchrun_summary_shows_each_ranks_message():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     env = {**os.environ, "GT_CONFIG": str(CONFIG), "GT_DEVICE": "cpu", "OMP_NUM_THREADS": "1"}

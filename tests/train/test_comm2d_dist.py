@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import os
 
+import pytest
 import torch
 import torch.distributed.tensor.parallel  # imported before fork: children inherit it
 import torch.nn.functional as F
@@ -144,6 +145,10 @@ def _build():
     )
 
 
+# slow (4 ranks, two layouts, ~18 s on 2 cores): the default suite counts fsdp x tp's
+# collectives per mesh dim on 2x2 (test_comm2d_sharded_input_dist.py), trains hsdp 2x2 against
+# one process (test_mesh2d_dist.py) and checks dry runs against real ones (test_dryrun*.py)
+@pytest.mark.slow
 def test_comm_per_mesh_dim_on_2x2(tmp_path):
     from spmdgt.interceptor._logreader import read_statuses
     from spmdgt.scripts import top
