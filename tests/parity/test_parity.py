@@ -24,7 +24,7 @@ SEED = 0
 # Of the ~5200 2-D rows (4 layouts at world 4): 200 rows, ~370 cases, ~40 s here. The default
 # run takes SAMPLE_ROWS_2D_QUICK of them, the ``slow`` test the rest (``-m ""`` runs both).
 SAMPLE_ROWS_2D = 200
-SAMPLE_ROWS_2D_QUICK = 40
+SAMPLE_ROWS_2D_QUICK = 25
 
 
 def _line(key, outcome: str, reason: str) -> str:

@@ -199,6 +199,7 @@ def test_a_memory_model_made_for_a_narrow_search_refuses_a_wider_one():
         plan(model, (x, x), amp=(False,), strategies=("fsdp",), **kw)
 
 
+@pytest.mark.slow  # forked workers (~10 s); the in-process calibration is priced by every plan test
 def test_the_calibration_in_forked_workers_is_the_one_in_process():
     """The dry runs the search needs (no AMP, checkpointing or FSDP here: 3 of the 7), in two
     forked workers and in this process, make the same memory model; a run left out is
