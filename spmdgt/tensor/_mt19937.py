@@ -94,8 +94,12 @@ def _build() -> str:
         os.makedirs(os.path.dirname(so), exist_ok=True)
         tmp = f"{so}.{os.getpid()}.tmp"
         cmd = [*cc, "-O2", "-shared", "-fPIC", "-x", "c", "-", "-o", tmp]
-        subprocess.run(cmd, input=source, check=True, capture_output=True, timeout=120)
-        os.replace(tmp, so)  # atomic: a rank never loads another's half-written file
+        try:
+            subprocess.run(cmd, input=source, check=True, capture_output=True, timeout=120)
+            os.replace(tmp, so)  # atomic: a rank never loads another's half-written file
+        finally:  # a failed or timed-out build leaves no partial file in the cache
+            if os.path.exists(tmp):
+                os.remove(tmp)
     return so
 
 
