@@ -30,8 +30,13 @@ def install() -> None:
 
     def gt_transpose(self, *dims, **kwargs):
         if not dims and not kwargs:  # GT / numpy: reverse the dims
-            return self.permute(*range(self.dim() - 1, -1, -1))
-        return transpose(self, *dims, **kwargs)
+            # a tuple: dynamo misreads ``permute(*range(...))`` under a function mode
+            return self.permute(tuple(range(self.dim() - 1, -1, -1)))
+        # torch's function, not the method saved above: dynamo traces ``torch.transpose`` but
+        # refuses a call of the C method ``TensorBase.transpose`` as a plain function, so that
+        # form broke every ``torch.compile`` of code with an ``x.transpose(a, b)`` (a graph
+        # break; with a function mode on the stack, the whole frame fell back)
+        return torch.transpose(self, *dims, **kwargs)
 
     gt_transpose.__doc__ = transpose.__doc__
     gt_transpose.__name__ = "transpose"
