@@ -32,10 +32,9 @@ def install() -> None:
         if not dims and not kwargs:  # GT / numpy: reverse the dims
             # a tuple: dynamo misreads ``permute(*range(...))`` under a function mode
             return self.permute(tuple(range(self.dim() - 1, -1, -1)))
-        # torch's function, not the method saved above: dynamo traces ``torch.transpose`` but
-        # refuses a call of the C method ``TensorBase.transpose`` as a plain function, so that
-        # form broke every ``torch.compile`` of code with an ``x.transpose(a, b)`` (a graph
-        # break; with a function mode on the stack, the whole frame fell back)
+        # torch's function, not the C method ``TensorBase.transpose``: under a function mode
+        # (the lazy regions' before-op mode, or a user's) dynamo refuses that method called as
+        # a plain function (gb0007), and the whole frame being compiled fell back to eager
         return torch.transpose(self, *dims, **kwargs)
 
     gt_transpose.__doc__ = transpose.__doc__

@@ -1,5 +1,6 @@
 """GT's spellings added to ``torch.Tensor`` (``spmdgt/tensor/_gtcompat.py``) stay traceable:
-importing spmdgt must not make ``torch.compile`` break on code that uses ``x.transpose``."""
+importing spmdgt must not make ``torch.compile`` fail on code that uses ``x.transpose``, with
+or without a function mode on the stack (the lazy regions push one)."""
 
 from __future__ import annotations
 
