@@ -99,9 +99,11 @@ def init(backend: str | None = None) -> Runtime:
         if world > 1 and not dist.is_initialized():
             backend_used = backend or _env.text("GT_BACKEND") or _default_backend(device)
             kwargs: dict = {"device_id": device} if device.type == "cuda" else {}
-            if _rank_errors.timeout() is not None:
-                kwargs["timeout"] = _rank_errors.timeout()
+            # joined with torch's default timeout: GT_TIMEOUT bounds a collective's wait for
+            # a rank, not the start, where ranks of a cluster job arrive minutes apart
             dist.init_process_group(backend=backend_used, **kwargs)
+            if _rank_errors.timeout() is not None:
+                dist.distributed_c10d._set_pg_timeout(_rank_errors.timeout())
             _owns_process_group = True
             atexit.register(_destroy_at_exit)
         _runtime = Runtime(rank, world, local_rank, device, backend_used)

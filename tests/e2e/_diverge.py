@@ -11,7 +11,10 @@ import time
 
 import torch
 
-import spmdgt as gt
+if os.environ.get("DIVERGE_LATE_RANK") == os.environ["RANK"]:  # this rank joins late: a slow
+    time.sleep(float(os.environ["DIVERGE_LATE_S"]))  # node of a cluster job, as GT_TIMEOUT meets it
+
+import spmdgt as gt  # joins the process group
 
 
 def item(rank, show):  # rank 0 reads a sharded sum, rank 1 skips it

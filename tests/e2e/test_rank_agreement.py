@@ -94,10 +94,17 @@ def test_real_processes_exit_nonzero_with_one_readable_message():
     assert "rank 1: the end of the program" in results["item"][1][2]
 
 
-def test_gt_timeout_names_the_op_that_waited():
+@pytest.mark.parametrize("late", [None, "6"], ids=["together", "rank1-joins-6s-late"])
+def test_gt_timeout_names_the_op_that_waited(late):
     # rank 0 gathers inside a matmul while rank 1 waits in a read: by default nothing pairs
-    # them, and GT_TIMEOUT turns the wait into an error on both ranks
-    (r0, r1) = _run_cases(["op"], {"GT_TIMEOUT": "3"})["op"]
+    # them, and GT_TIMEOUT turns the wait into an error on both ranks. GT_TIMEOUT bounds a
+    # collective's wait, not the start: a rank that joins twice GT_TIMEOUT late is waited for
+    # (before, rank 0's start failed after 3 s with gloo's connect timeout)
+    env = {
+        "GT_TIMEOUT": "3",
+        **({"DIVERGE_LATE_RANK": "1", "DIVERGE_LATE_S": late} if late else {}),
+    }
+    (r0, r1) = _run_cases(["op"], env)["op"]
     assert r0[0] != 0 and r1[0] != 0
     assert "VALUE" not in r0[1] + r1[1]
     assert "RankTimeoutError: rank 0: a collective in Tensor.matmul" in r0[2], r0[2][-2000:]
