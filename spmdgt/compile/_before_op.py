@@ -25,6 +25,7 @@ PASS: Any = object()  # a hook's answer: "not mine, run the op"
 _before_hooks: list[Callable[..., Any]] = []
 _hook_mode: Any = None
 _is_compiling = torch.compiler.is_compiling
+_suspended = 0  # > 0 while a hot function's graph runs under a mode pushed after ours
 
 
 class _BeforeOpMode(TorchFunctionMode):
@@ -34,7 +35,7 @@ class _BeforeOpMode(TorchFunctionMode):
         # every torch-level call pays this while a hook is in: module-level names, no
         # attribute chains (``torch.compiler.is_compiling`` is still the function dynamo
         # folds to True while it traces)
-        if not _is_compiling():
+        if not _suspended and not _is_compiling():
             for hook in _before_hooks:
                 got = hook(func, types, args, kwargs)
                 if got is not PASS:
@@ -73,17 +74,27 @@ def remove_before_op_hook(hook: Callable[..., Any]) -> None:
 
 
 def without_hooks(fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)`` with the hooks' mode off (popped while it is the innermost mode, pushed
-    back after). A hot function's compiled graph runs this way: its runtime wrappers make a
-    few torch-level calls per run (grad mode, aliases of outputs) that no hook needs, and the
-    mode's Python dispatch of each cost more than the graph of a small function itself."""
+    """``fn(*args)`` with the hooks off: their mode popped while it is the innermost mode and
+    pushed back after, else passing every call through. A hot function's compiled graph runs
+    this way: its runtime wrappers make a few torch-level calls per run (grad mode, aliases of
+    outputs) that no hook needs, and the mode's Python dispatch of each cost more than the
+    graph of a small function itself."""
+    global _suspended
     mode = _hook_mode
     if mode is None or torch._C._len_torch_function_stack() == 0:
         return fn(*args)
     from torch.overrides import _get_current_function_mode
 
     if _get_current_function_mode() is not mode:
-        return fn(*args)
+        # a mode pushed after ours (the interceptor's) is above it: ours cannot leave the
+        # stack, so it passes every call through. Before, its hooks went on recording the
+        # graph's calls into a region while the graph ran, and on gt.Tensors whose shards
+        # differ by rank the ranks' regions split at different calls (a hang)
+        _suspended += 1
+        try:
+            return fn(*args)
+        finally:
+            _suspended -= 1
     torch._C._pop_torch_function_stack()
     try:
         return fn(*args)

@@ -41,6 +41,7 @@ from typing import Any
 from spmdgt._core import debuglog as _debuglog
 from spmdgt.compile._backend import CountingBackend
 from spmdgt.compile._frames import FrameHook
+from spmdgt.compile._guards import exact_dtensor_guards, static_shapes
 from spmdgt.compile._sampler import LIBRARY, STOP, USER, CodeSampler
 from spmdgt.compile._stats import CompileStats, first_line
 from spmdgt.compile._steps import StepPoints
@@ -87,6 +88,7 @@ class HotFunctionPass:
         if self._listener is None:
             self._listener = _agree.on_agreed(self._on_agreed)
         self.steps.start()
+        exact_dtensor_guards(True)
 
     def stop(self) -> None:
         """Stop sampling, remove the hook and its marks (compiled code is dropped by dynamo
@@ -98,6 +100,7 @@ class HotFunctionPass:
         if self._ic is not None and self._ic.sampler is self.sampler:
             self._ic.set_sampler(None)
         self.hook.uninstall()
+        exact_dtensor_guards(False)
 
     def snapshot(self) -> dict[str, Any]:
         """The stats entry's ``compilation`` fields (``_stats.CompileStats``), with
@@ -390,7 +393,8 @@ class HotFunctionPass:
                 self.backend.code = None
                 raise
             try:
-                result = self.hook.inner(frame, cache_entry, frame_state)
+                with static_shapes(_agree.active()):
+                    result = self.hook.inner(frame, cache_entry, frame_state)
             except Exception as e:  # dynamo or the backend failed: eager is always right
                 error = e
             finally:

@@ -1,0 +1,80 @@
+"""A hot function over ``gt.Tensor``s whose shapes change from call to call, on 2 and 3 ranks,
+both halves of the compile pass on: every call equals one process, forward and backward, and
+each new global shape is a recompile on every rank at the same call.
+
+What it guards (``spmdgt/compile/_guards.py``), two faults of torch 2.13's dynamo on DTensors:
+
+- its guards check a DTensor input's local shape and its spec without the global shape, so
+  a graph compiled for 5 rows (3+2 over 2 ranks) passed rank 0's guards for 6 rows (3+3) and
+  returned a result of global shape 5 (plain ``torch.compile`` of ``x.amax(1)`` on a
+  ``Shard(0)`` DTensor of 5 then 6 rows shows it); here the ranks then read different shapes;
+- with automatic dynamic shapes, the recompile made the graph dynamic, and it failed on some
+  ranks only at run time (``DTensor.__tensor_unflatten__`` given a size of None), whose
+  fallback ran the graph's collectives again alone: a hang in the parity sweep, a fallback
+  to eager here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests._dist import run_ranks
+
+ROWS = [7, 9, 5, 11, 7, 13, 9, 6]  # uneven over 2 and 3 ranks, a new shape most calls
+D = 6
+
+
+def head(x, w):
+    h = torch.tanh(x @ w) + x.sum(1, keepdim=True) * 0.1
+    return (h * h).mean(0), h.amax(1)
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(n, D, generator=g) for n in ROWS], torch.randn(D, D, generator=g)
+
+
+def _calls(make, scope, w):
+    out = []
+    for x in _inputs()[0]:
+        with scope():
+            xs = make(x)
+        m, a = head(xs, w)
+        (m.sum() + a.sum()).backward()
+        out.append((m.detach().numpy(), a.detach().numpy(), w.grad.numpy().copy()))
+        w.grad = None
+    return out
+
+
+def _ranked(rank, world):
+    import spmdgt as gt
+    import spmdgt.compile as gt_compile
+
+    gt.register_config("rows", gt.SignalConfig(shard=gt.ShardConfig(axis=0)))
+    gt_compile.enable(backend="aot_eager", every=1, hot_at=2)
+    assert gt_compile.enable_regions(batch=16, backend="aot_eager")
+    w = _inputs()[1].requires_grad_()
+    try:
+        got = _calls(gt.tensor, lambda: gt.signal.context("rows"), w)
+        st = gt_compile.stats()
+    finally:
+        gt_compile.disable()
+        gt_compile.disable_regions()
+    return got, st
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_hot_function_on_changing_shapes_equals_one_process(tmp_path, world):
+    import contextlib
+
+    ref = _calls(lambda t: t, contextlib.nullcontext, _inputs()[1].requires_grad_())
+    results = run_ranks(_ranked, world, tmp_path, env={"GT_LAZY_MIN_NUMEL": "1"}, timeout=300)
+    for rank, (got, st) in enumerate(results):
+        for i, (g, r) in enumerate(zip(got, ref, strict=True)):
+            for k, what in enumerate(("mean", "amax", "w.grad")):
+                np.testing.assert_allclose(
+                    g[k], r[k], rtol=1e-5, atol=1e-6, err_msg=f"{what}, call {i}, rank {rank}"
+                )
+        assert "head" in st["status"] and st["recompiles"] >= 2, st["status"]
