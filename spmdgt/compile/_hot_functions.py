@@ -400,15 +400,23 @@ class HotFunctionPass:
             finally:
                 self.backend.code = None
             reason = f"compile error: {_describe(error)}" if error else ""
+            if error is None and _runs_cached_only(result):
+                # dynamo's recompile limit: from now on it runs a cached graph where one's
+                # guards pass and the code eagerly where none does, a choice per rank (a
+                # guard reads this rank's shard: an empty one, its strides), and with no
+                # agreement a compiled graph on one rank meets eager ops on another. So the
+                # code runs eagerly everywhere, as on a failed compile (the limit is hit at
+                # the same call on every rank: each recompile was agreed)
+                reason = "past dynamo's recompile limit"
             failed = _agree.any_rank(
-                error is not None, f"compile result of {code.co_name}", _where(code)
+                bool(reason), f"compile result of {code.co_name}", _where(code)
             )
         st.compile_ns += time.perf_counter_ns() - t0
         where = _where(code)
         if failed:
             reason = reason or "another rank's compile failed"
             st.fallbacks[reason] += 1
-            self.hook.fallen.add(code)
+            self.hook.fall_back(code)  # cached graphs too: eager, whatever a guard says
             if _debuglog.COMPILE:
                 _debuglog.debug("compile", f"fallback {where}: {reason}; eager from now on")
             return self.hook._skip
@@ -523,3 +531,15 @@ class _null:
 
     def __exit__(self, *exc: Any) -> None:
         return None
+
+
+def _runs_cached_only(result: Any) -> bool:
+    """Whether dynamo answered a frame with "run the cached graphs only" (its recompile limit)."""
+    from torch._dynamo.types import FrameAction
+
+    strategy = getattr(result, "frame_exec_strategy", None)
+    return (
+        getattr(result, "guarded_code", None) is None
+        and strategy is not None
+        and strategy.cur_action == FrameAction.RUN_ONLY
+    )
