@@ -12,14 +12,22 @@ world 1, 1 block and 2 blocks the step's dynamic peak (activations, backward tem
 world 1, 1 and 2 blocks, AC   a block's part with activation checkpointing (its input)
                               and the one block recomputed at a time
 world 1, 2 blocks, AMP        the ratio AMP's bf16 activations make
-world 2 fsdp, 2 blocks        FSDP's gathered units and buffers at the peak
+world 2 fsdp, 2 blocks        FSDP's step at its peak: the gathered units and collective
+                              buffers, the activations and temporaries, and which block's
+                              backward the peak is in (from the sharded gradients held)
+world 2 fsdp, 2 blocks, AC    the same under activation checkpointing (its peak is in the
+                              backward, beside a recomputed block and the gradients so far)
 world 2 placements, 2 blocks  the share of a block's activations TP does not split
 ===========================  ===========================================================
 
 "Dynamic" is the tracker's peak less parameters, buffers, optimizer state and gradients (what
 ``DryRunReport.peak_breakdown`` names so): what grows with the micro-batch. It scales
 linearly with the micro-batch's rows and with the blocks; the static part is computed from
-the parameters per rank (``_cost``).
+the parameters per rank (``_cost``). FSDP's peak is not the world-1 peak plus its gathered
+units: under checkpointing it comes in the backward, where the recomputed block, the
+prefetched and reduce-scattered blocks' buffers and the gradients reduced so far sit
+together. Its runs are kept split (``FsdpPeak``) so ``_cost`` can walk a candidate's
+blocks and take the largest.
 """
 
 from __future__ import annotations
@@ -39,13 +47,47 @@ from spmdgt.train._config import TrainConfig, TrainingConfig
 from spmdgt.train._dryrun import DryRunError, DryRunReport, dry_run
 from spmdgt.train._plan._model import ModelFacts, meta_copy, truncated
 
-__all__ = ["MemoryModel", "calibrate", "guess_loss_fn"]
+__all__ = ["FsdpPeak", "MemoryModel", "calibrate", "guess_loss_fn"]
 
 # Left out of the dynamic part: what the cost model counts per rank itself (parameters,
 # buffers, optimizer state, and the gradients, which at world 1 grow with every block and
 # would otherwise be scaled as activations). FSDP's unsharded gradients (one unit's, being
 # reduce-scattered) stay in: they are part of its extra.
 _STATIC = ("params", "sharded params", "buffers", "optimizer state", "grads", "sharded grads")
+# Of FSDP's dynamic bytes, those that scale with the parameters, not the micro-batch: the
+# gathered units, and the blocks' collective buffers.
+_UNITS = ("unsharded params", "unsharded grads")
+_BUFFERS = ("all-gather buffers", "reduce-scatter buffers")
+
+
+@dataclass
+class FsdpPeak:
+    """FSDP's step at its peak (one activation-checkpointing setting), as its world-2 dry run
+    of the calibration copy measured it: the peak falls in the backward of ``block`` (0 is
+    the last block the backward reaches), with the saved activations of the blocks up to it,
+    the gathered root and block, a prefetched block's all-gather buffer (not at block 0)
+    and a reduce-scattered one's (not at the first block of the backward), and the sharded
+    gradients of the blocks after it."""
+
+    blocks: int
+    """Blocks of the calibration copy."""
+    block: int
+    """The block whose backward held the peak."""
+    rows: float
+    """Dynamic bytes at the peak that grow with the micro-batch (activations, temporaries),
+    at ``MemoryModel.rows`` rows."""
+    units: float
+    """Bytes at the peak of gathered parameters and unsharded gradients, per byte of the
+    root's parameters plus one block's."""
+    buffer: float
+    """Bytes of one block's all-gather or reduce-scatter buffer per byte of its
+    parameters."""
+    grads: float
+    """Sharded gradients at the peak outside the blocks' (bytes, all ranks together)."""
+    first: float = 0.0
+    """What the backward's first block holds besides the rest's pattern (<= 0, at
+    ``MemoryModel.rows``): where the peak fell in a later block, the first held no more
+    than it (the loss's buffers are gone, nothing is reduce-scattered yet)."""
 
 
 @dataclass
@@ -62,9 +104,11 @@ class MemoryModel:
     """Dynamic bytes per block, by (activation checkpointing, AMP)."""
     tp_keep: float = 1.0
     """Share of a block's dynamic bytes that tensor parallelism leaves whole on every rank."""
-    fsdp_extra: float | None = 0.0
-    """FSDP's extra dynamic bytes at the peak per byte of one block plus the root (the units
-    gathered at once, their all-gather buffers); None when FSDP was not calibrated."""
+    fsdp: dict[bool, FsdpPeak] = field(default_factory=dict)
+    """FSDP's peak by activation checkpointing (empty, or without ``True``, where FSDP, or
+    FSDP with checkpointing, was not calibrated)."""
+    amp_ratio: float = 1.0
+    """The ratio AMP's bf16 makes of the dynamic bytes."""
     runs: list[str] = field(default_factory=list)
     """Each dry run: what it was and its seconds."""
 
@@ -141,6 +185,8 @@ class _Measured:
     """What the planner keeps of one dry run (small enough to come back from a worker)."""
 
     dynamic: float
+    parts: dict[str, int]
+    """The peak by category (``DryRunReport.peak_breakdown``)."""
     optimizer: int
     params: int
     buffers: int
@@ -174,6 +220,9 @@ def _plan_runs(facts: ModelFacts, needs: tuple[bool, bool, bool]) -> list[_Run]:
         runs.append(_Run("amp", "AMP", two, 1, amp_cfg))
     if fsdp:
         runs.append(_Run("fsdp", "fsdp, world 2", two, 2, TrainConfig(strategy="fsdp")))
+    if fsdp and ac:
+        fsdp_ac = TrainConfig(strategy="fsdp", activation_checkpointing=True)
+        runs.append(_Run("fsdp_ac", "fsdp + checkpointing, world 2", two, 2, fsdp_ac))
     if ac:
         runs.append(_Run("ac2", "activation checkpointing, 2 blocks", two, 1, ac_cfg))
     if cut:
@@ -192,6 +241,7 @@ def _measure(model: nn.Module, batch: object, optimizer: Callable, loss_fn, run:
         _forget_runtime()
     return _Measured(
         dynamic=_dynamic(r),
+        parts=dict(r.peak_breakdown),
         optimizer=r.optimizer[0],
         params=r.params[0],
         buffers=r.peak_breakdown.get("buffers", 0),
@@ -315,18 +365,55 @@ def _fit(
         mem.rest[(True, False)], mem.block[(True, False)] = _line(got["ac2"].dynamic, one)
     if "amp" in got:
         r_amp = got["amp"].dynamic / d2 if d2 else 1.0
+        mem.amp_ratio = r_amp
         for ac_on in [k[0] for k in list(mem.rest)]:
             mem.rest[(ac_on, True)] = mem.rest[(ac_on, False)] * r_amp
             mem.block[(ac_on, True)] = mem.block[(ac_on, False)] * r_amp
-    if "fsdp" in got:
-        units = _unit_bytes(model, 2 if facts.blocks >= 2 else None)
-        mem.fsdp_extra = max(0.0, got["fsdp"].dynamic - d2) / units if units else 0.0
-    else:
-        mem.fsdp_extra = None
+    blocks = min(facts.blocks, 2)
+    units = _unit_bytes(model, 2 if facts.blocks >= 2 else None)
+    for key, ac_on in (("fsdp", False), ("fsdp_ac", True)):
+        if key in got and (ac_on, False) in mem.block:
+            peak = _fsdp_peak(got[key], blocks, facts.block_bytes, units)
+            peak.first = _first_block(peak, mem.block[(ac_on, False)], facts.block_bytes)
+            mem.fsdp[ac_on] = peak
     if "tp" in got and blk:
         per_block = (got["tp"].dynamic - rest) / 2
         mem.tp_keep = min(1.0, max(0.0, 2 * per_block / blk - 1))
     return mem
+
+
+def _fsdp_peak(got: _Measured, blocks: int, block_bytes: int, units: float) -> FsdpPeak:
+    """FSDP's peak split (``FsdpPeak``) from its world-2 run of ``blocks`` blocks: the
+    block it fell in is read from the sharded gradients held (each block whose backward is
+    done holds its own, half on each of the 2 ranks)."""
+    held = got.parts.get("sharded grads", 0) * 2
+    block = max(blocks - 1, 0)
+    if blocks and block_bytes:
+        block = min(blocks - 1, max(0, blocks - 1 - round(held / block_bytes)))
+    on_units = sum(got.parts.get(k, 0) for k in _UNITS)
+    on_buffers = sum(got.parts.get(k, 0) for k in _BUFFERS)
+    buffers = (block >= 1) + (block < blocks - 1)  # a prefetch, a reduce-scatter under way
+    return FsdpPeak(
+        blocks=blocks,
+        block=block,
+        rows=max(0.0, got.dynamic - on_units - on_buffers),
+        units=on_units / units if units else 0.0,
+        buffer=on_buffers / (buffers * block_bytes) if buffers and block_bytes else 1.0,
+        grads=max(0.0, held - (blocks - 1 - block) * block_bytes) if blocks else held,
+    )
+
+
+def _first_block(peak: FsdpPeak, saved: float, block_bytes: int) -> float:
+    """``FsdpPeak.first``: where the calibration's peak fell in a later block than the
+    backward's first, the first block's bytes by the pattern (one more block's saved
+    activations ``saved``, fewer gradients reduced, its own buffers) less what that later
+    block measured, when over it (the first block held no more than the peak)."""
+    later = peak.blocks - 1 - peak.block  # blocks between the first and the peak's
+    if later <= 0:
+        return 0.0
+    buffers = (peak.blocks >= 2) - (peak.block >= 1) - 1  # the first: a prefetch, no reduce
+    over = later * (saved - block_bytes / 2) + buffers * peak.buffer * block_bytes
+    return -max(0.0, over)
 
 
 def _forget_runtime() -> None:

@@ -92,35 +92,63 @@ def _local_bytes(c: Candidate, facts: ModelFacts) -> float:
 
 def _memory(c: Candidate, facts: ModelFacts, mem: MemoryModel) -> dict[str, float]:
     """Bytes per rank at the peak, by part."""
-    t = c.tp
-    half = 2 if c.amp else 4  # bytes of a compute-dtype element
     local = _local_bytes(c, facts)
     params = local / (c.dp_shard if c.strategy == "fsdp" else 1)
-    grads_step = params  # sharded (FSDP) or whole (DDP), at the step
-    grads_accum = local if c.accumulation > 1 else 0.0  # FSDP2 no_sync keeps them unsharded
-    if c.strategy != "fsdp":
-        grads_accum = grads_step if c.accumulation > 1 else 0.0
-    dyn = mem.dynamic(c.micro_batch, c.ac, c.amp, facts.blocks, t)
-    extra = 0.0
     if c.strategy == "fsdp":
-        if mem.fsdp_extra is None:
-            raise ValueError(
-                "this memory model was calibrated without FSDP: plan without memory_model= "
-                "(or with one calibrated for the whole search)"
-            )
-        block = facts.block_bytes - facts.tp_block_bytes * (1 - 1 / t)
-        extra = mem.fsdp_extra * (facts.root_bytes + block) * (half / 4)
-    # the gradients held beside the step's dynamic bytes: earlier micro-steps' (FSDP2's
-    # unsharded under no_sync) through the next forward, else this step's, taken whole at
-    # the peak (under AC the peak is late in the backward, when most of them exist)
-    live = (grads_accum if c.accumulation > 1 else grads_step) + dyn + extra
+        live = _fsdp_step(c, facts, mem, local)
+    else:
+        # the gradients held beside the step's dynamic bytes: earlier micro-steps' through
+        # the next forward, else this step's, taken whole at the peak (under AC the peak is
+        # late in the backward, when most of them exist)
+        live = params + mem.dynamic(c.micro_batch, c.ac, c.amp, facts.blocks, c.tp)
     return {
         "params": params,
         "optimizer": params * mem.opt_ratio,
         "buffers": float(mem.buffers),
         "step (activations, temporaries, gathered units, grads)": live,
-        "DDP buckets": grads_step if c.strategy == "ddp" and c.world > 1 else 0.0,
+        "DDP buckets": params if c.strategy == "ddp" and c.world > 1 else 0.0,
     }
+
+
+def _fsdp_step(c: Candidate, facts: ModelFacts, mem: MemoryModel, local: float) -> float:
+    """FSDP's step bytes per rank at its peak (activations, temporaries, gathered units,
+    collective buffers, gradients): the calibrated peak (``FsdpPeak``) moved to each block's
+    backward of this candidate in turn, the largest taken. Going back one block frees its
+    saved activations and adds its reduced gradients (``1/dp_shard`` of its bytes; under
+    accumulation FSDP2's ``no_sync`` holds every gradient unsharded until the last
+    micro-step's reduce-scatters); the first block of the backward has no reduce-scatter
+    under way and block 0 no prefetch. Without checkpointing the peak is at the backward's
+    start, with every block's activations and no gradient reduced yet."""
+    peak = mem.fsdp.get(c.ac)
+    if peak is None:
+        raise ValueError(
+            f"this memory model was calibrated without FSDP{' + checkpointing' if c.ac else ''}"
+            ": plan without memory_model= (or with one calibrated for the whole search)"
+        )
+    mem.dynamic(c.micro_batch, c.ac, c.amp, facts.blocks, c.tp)  # refuses what is not calibrated
+    t, s, n = c.tp, c.dp_shard, facts.blocks
+    half = 2 if c.amp else 4  # bytes of a compute-dtype element
+    scale = c.micro_batch / mem.rows * (mem.amp_ratio if c.amp else 1.0)
+    saved = mem.block[(c.ac, False)]  # a block's saved activations, at the calibration's rows
+    per_block = saved * scale * (mem.tp_keep + (1 - mem.tp_keep) / t)
+    block = facts.block_bytes - facts.tp_block_bytes * (1 - 1 / t)  # before FSDP's sharding
+    units = peak.units * (facts.root_bytes + block) * half / 4
+    # what the calibrated peak held besides its blocks' saved activations: under
+    # checkpointing the recomputed block's activations and temporaries (TP splits them as
+    # a block's), else the loss's (outside the blocks: whole on every rank)
+    rest = (peak.rows - (peak.block + 1) * saved * (1 if peak.blocks else 0)) * scale
+    if c.ac:
+        rest *= mem.tp_keep + (1 - mem.tp_keep) / t
+    buffer = peak.buffer * block * half / 4  # a prefetched or reduce-scattered block's
+    best = 0.0
+    for j in range(max(n, 1)):
+        acts = rest + (j + 1) * per_block if n else peak.rows * scale
+        buffers = ((j >= 1) + (j < n - 1)) * buffer
+        done = max(0, n - 1 - j) * block  # blocks whose gradients are reduced
+        grads = local - done * (1 - 1 / s) if c.accumulation > 1 else (done + peak.grads) / s
+        first = peak.first * scale if j == n - 1 else 0.0
+        best = max(best, acts + units + buffers + grads + first)
+    return best
 
 
 def _flops_per_rank(c: Candidate, facts: ModelFacts, seq: int) -> float:
