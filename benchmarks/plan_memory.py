@@ -33,9 +33,8 @@ def compare(name: str, world: int, strategies: tuple[str, ...], backend: str) ->
     import torch
 
     from spmdgt.train import TrainConfig, TrainingConfig
-    from spmdgt.train._dryrun import dry_run
     from spmdgt.train._plan import plan
-    from spmdgt.train._plan._calibrate import _builder, _forget_runtime
+    from spmdgt.train._plan._calibrate import dry_run_peak
 
     bm = MODELS[name]
     torch.manual_seed(0)
@@ -60,16 +59,12 @@ def compare(name: str, world: int, strategies: tuple[str, ...], backend: str) ->
         c = e.candidate
         if c.strategy not in strategies:
             continue
-        build = _builder(model, bm.batch(c.micro_batch), lambda ps: torch.optim.AdamW(ps))
-        try:
-            r = dry_run(build, world, c.config(base), loss_fn=bm.loss_fn(), backend=backend)
-        finally:
-            _forget_runtime()
-        err = (e.memory - r.peak) / r.peak * 100
-        rows.append((c.label(), e.memory, r.peak))
+        peak = dry_run_peak(model, bm.batch(4), c, loss_fn=bm.loss_fn(), base=base, backend=backend)
+        err = (e.memory - peak) / peak * 100
+        rows.append((c.label(), e.memory, peak))
         print(
             f"  {name:<8} {c.label():<40} predicted {e.memory / 2**20:8.3f} MiB  dry run "
-            f"{r.peak / 2**20:8.3f} MiB  {err:+6.1f}%",
+            f"{peak / 2**20:8.3f} MiB  {err:+6.1f}%",
             flush=True,
         )
     return rows

@@ -47,7 +47,7 @@ from spmdgt.train._config import TrainConfig, TrainingConfig
 from spmdgt.train._dryrun import DryRunError, DryRunReport, dry_run
 from spmdgt.train._plan._model import ModelFacts, meta_copy, truncated
 
-__all__ = ["FsdpPeak", "MemoryModel", "calibrate", "guess_loss_fn"]
+__all__ = ["FsdpPeak", "MemoryModel", "calibrate", "dry_run_peak", "guess_loss_fn"]
 
 # Left out of the dynamic part: what the cost model counts per rank itself (parameters,
 # buffers, optimizer state, and the gradients, which at world 1 grow with every block and
@@ -84,6 +84,11 @@ class FsdpPeak:
     parameters."""
     grads: float
     """Sharded gradients at the peak outside the blocks' (bytes, all ranks together)."""
+    fresh: float = 0.0
+    """The peak block's own new gradients, unsharded, per byte of its parameters (1 where
+    the peak is in a block's backward, under checkpointing; 0 at the backward's start):
+    bytes the tracker counts as temporaries but that scale with the parameters, and that
+    accumulation's held gradients already count."""
     first: float = 0.0
     """What the backward's first block holds besides the rest's pattern (<= 0, at
     ``MemoryModel.rows``): where the peak fell in a later block, the first held no more
@@ -138,14 +143,16 @@ def guess_loss_fn(batch: object) -> Callable | None:
     return F.mse_loss
 
 
-def _fake_batch(batch: object) -> object:
-    """The batch's shapes and dtypes as tensors made now (fake under the dry run's mode)."""
+def _fake_batch(batch: object, rows: int | None = None) -> object:
+    """The batch's shapes and dtypes as tensors made now (fake under the dry run's mode),
+    with ``rows`` rows (dim 0) when given."""
     if isinstance(batch, torch.Tensor):
-        return torch.zeros(batch.shape, dtype=batch.dtype)
+        shape = (rows, *batch.shape[1:]) if rows is not None and batch.ndim else batch.shape
+        return torch.zeros(shape, dtype=batch.dtype)
     if isinstance(batch, dict):
-        return {k: _fake_batch(v) for k, v in batch.items()}
+        return {k: _fake_batch(v, rows) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):
-        return type(batch)(_fake_batch(v) for v in batch)
+        return type(batch)(_fake_batch(v, rows) for v in batch)
     return batch
 
 
@@ -169,15 +176,41 @@ def _materialize(model: nn.Module) -> nn.Module:
     return model
 
 
-def _builder(model: nn.Module, batch: object, optimizer: Callable) -> Callable:
-    """``dry_run``'s ``build``: a fresh meta copy made here, filled in under its mode."""
+def _builder(
+    model: nn.Module, batch: object, optimizer: Callable, rows: int | None = None
+) -> Callable:
+    """``dry_run``'s ``build``: a fresh meta copy made here, filled in under its mode (the
+    batch at ``rows`` rows when given)."""
     copy_ = meta_copy(model)
 
     def build():
         m = _materialize(copy_)
-        return m, optimizer(m.parameters()), _fake_batch(batch)
+        return m, optimizer(m.parameters()), _fake_batch(batch, rows)
 
     return build
+
+
+def dry_run_peak(
+    model: nn.Module,
+    batch: object,
+    candidate,
+    *,
+    loss_fn: Callable | None,
+    optimizer: Callable | None = None,
+    base: TrainConfig | None = None,
+    backend: str = "nccl",
+) -> int:
+    """The peak per rank of one candidate's own dry run (its config on its world, ``batch``
+    at its micro-batch's rows): what the planner's composed prediction is checked against
+    (``benchmarks/plan_memory.py``, ``tests/train/test_plan_memory.py``); the planner
+    itself runs none per candidate."""
+    opt = optimizer or (lambda params: torch.optim.AdamW(params))
+    build = _builder(model, batch, opt, candidate.micro_batch)
+    try:
+        cfg = candidate.config(base)
+        return dry_run(build, candidate.world, cfg, loss_fn=loss_fn, backend=backend).peak
+    finally:
+        _forget_runtime()
 
 
 @dataclass
@@ -373,7 +406,7 @@ def _fit(
     units = _unit_bytes(model, 2 if facts.blocks >= 2 else None)
     for key, ac_on in (("fsdp", False), ("fsdp_ac", True)):
         if key in got and (ac_on, False) in mem.block:
-            peak = _fsdp_peak(got[key], blocks, facts.block_bytes, units)
+            peak = _fsdp_peak(got[key], blocks, facts.block_bytes, units, ac_on)
             peak.first = _first_block(peak, mem.block[(ac_on, False)], facts.block_bytes)
             mem.fsdp[ac_on] = peak
     if "tp" in got and blk:
@@ -382,7 +415,7 @@ def _fit(
     return mem
 
 
-def _fsdp_peak(got: _Measured, blocks: int, block_bytes: int, units: float) -> FsdpPeak:
+def _fsdp_peak(got: _Measured, blocks: int, block_bytes: int, units: float, ac: bool) -> FsdpPeak:
     """FSDP's peak split (``FsdpPeak``) from its world-2 run of ``blocks`` blocks: the
     block it fell in is read from the sharded gradients held (each block whose backward is
     done holds its own, half on each of the 2 ranks)."""
@@ -393,13 +426,16 @@ def _fsdp_peak(got: _Measured, blocks: int, block_bytes: int, units: float) -> F
     on_units = sum(got.parts.get(k, 0) for k in _UNITS)
     on_buffers = sum(got.parts.get(k, 0) for k in _BUFFERS)
     buffers = (block >= 1) + (block < blocks - 1)  # a prefetch, a reduce-scatter under way
+    rows = max(0.0, got.dynamic - on_units - on_buffers)
+    fresh = min(float(block_bytes), rows) if ac and blocks else 0.0
     return FsdpPeak(
         blocks=blocks,
         block=block,
-        rows=max(0.0, got.dynamic - on_units - on_buffers),
+        rows=rows - fresh,
         units=on_units / units if units else 0.0,
         buffer=on_buffers / (buffers * block_bytes) if buffers and block_bytes else 1.0,
         grads=max(0.0, held - (blocks - 1 - block) * block_bytes) if blocks else held,
+        fresh=fresh / block_bytes if block_bytes else 0.0,
     )
 
 

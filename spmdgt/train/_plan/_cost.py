@@ -140,6 +140,8 @@ def _fsdp_step(c: Candidate, facts: ModelFacts, mem: MemoryModel, local: float) 
     if c.ac:
         rest *= mem.tp_keep + (1 - mem.tp_keep) / t
     buffer = peak.buffer * block * half / 4  # a prefetched or reduce-scattered block's
+    # the block's new gradients (counted in ``local`` under accumulation)
+    fresh = peak.fresh * block * half / 4 if c.accumulation == 1 else 0.0
     best = 0.0
     for j in range(max(n, 1)):
         acts = rest + (j + 1) * per_block if n else peak.rows * scale
@@ -147,7 +149,7 @@ def _fsdp_step(c: Candidate, facts: ModelFacts, mem: MemoryModel, local: float) 
         done = max(0, n - 1 - j) * block  # blocks whose gradients are reduced
         grads = local - done * (1 - 1 / s) if c.accumulation > 1 else (done + peak.grads) / s
         first = peak.first * scale if j == n - 1 else 0.0
-        best = max(best, acts + units + buffers + grads + first)
+        best = max(best, acts + units + buffers + grads + first + fresh)
     return best
 
 
