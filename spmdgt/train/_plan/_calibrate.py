@@ -51,8 +51,8 @@ __all__ = ["FsdpPeak", "MemoryModel", "calibrate", "dry_run_peak", "guess_loss_f
 
 # Left out of the dynamic part: what the cost model counts per rank itself (parameters,
 # buffers, optimizer state, and the gradients, which at world 1 grow with every block and
-# would otherwise be scaled as activations). FSDP's unsharded gradients (one unit's, being
-# reduce-scattered) stay in: they are part of its extra.
+# would otherwise be scaled as activations). FSDP's unsharded gradients stay in: they are
+# part of its peak's units (``FsdpPeak``).
 _STATIC = ("params", "sharded params", "buffers", "optimizer state", "grads", "sharded grads")
 # Of FSDP's dynamic bytes, those that scale with the parameters, not the micro-batch: the
 # gathered units, and the blocks' collective buffers.

@@ -1,12 +1,13 @@
 """The price of one candidate: bytes per rank at the peak, and seconds per optimizer step.
 
-Memory (per rank, the peak): parameters, optimizer state and gradients by what each rank
-holds (DDP all; FSDP its ``1/dp_shard`` shard, and TP's split layers ``1/tp`` of that; a
-``no_sync`` accumulation keeps FSDP2's gradients unsharded until the last micro-step), plus
-the step's dynamic bytes from the calibrated ``MemoryModel`` (activations and backward
-temporaries per row and per block, TP's share, FSDP's gathered units), plus DDP's gradient
-buckets. Gradients of earlier micro-steps are alive during the next forward (accumulation);
-without accumulation the peak is the larger of the forward's activations and the gradients.
+Memory (per rank, the peak): parameters and optimizer state by what each rank holds (DDP
+all; FSDP its ``1/dp_shard`` shard, and TP's split layers ``1/tp`` of that), plus the step's
+part. DDP and TP alone: the calibrated world-1 dynamic bytes (activations and backward
+temporaries per row and per block, TP's share) plus the gradients, taken whole at the peak,
+plus DDP's gradient buckets. FSDP: its own calibrated peak (``FsdpPeak``) walked over the
+candidate's blocks (``_fsdp_step``: which block's backward holds the peak depends on the
+blocks, the rows and ``dp_shard``), with the gradients reduced so far (FSDP2's ``no_sync``
+holds them unsharded under accumulation, until the last micro-step).
 
 Time (per optimizer step, per rank):
 
