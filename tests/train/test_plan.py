@@ -48,7 +48,8 @@ def _memory(rows: int = 4) -> MemoryModel:
         # FSDP's peak at the backward's first block of 2: 1 MB and 2 blocks' activations,
         # the root and a block gathered, one buffer
         fsdp={
-            a: FsdpPeak(2, 1, 1e6 + 2 * (1e5 if a else 5e5), 1.0, 1.0, 0.0) for a in (False, True)
+            a: FsdpPeak(2, 1, 1e6 + 2 * (1e5 if a else 5e5), 1.0, 1.0, 0.0, 1e5 if a else 5e5)
+            for a in (False, True)
         },
     )
 

@@ -64,10 +64,10 @@ _BUFFERS = ("all-gather buffers", "reduce-scatter buffers")
 class FsdpPeak:
     """FSDP's step at its peak (one activation-checkpointing setting), as its world-2 dry run
     of the calibration copy measured it: the peak falls in the backward of ``block`` (0 is
-    the last block the backward reaches), with the saved activations of the blocks up to it,
-    the gathered root and block, a prefetched block's all-gather buffer (not at block 0)
-    and a reduce-scattered one's (not at the first block of the backward), and the sharded
-    gradients of the blocks after it."""
+    the last block the backward reaches), with the saved activations (under checkpointing
+    every block's, else those of the blocks up to it), the gathered root and block, a
+    prefetched block's all-gather buffer (not at block 0) and a reduce-scattered one's (not
+    at the first block of the backward), and the sharded gradients of the blocks after it."""
 
     blocks: int
     """Blocks of the calibration copy."""
@@ -84,15 +84,15 @@ class FsdpPeak:
     parameters."""
     grads: float
     """Sharded gradients at the peak outside the blocks' (bytes, all ranks together)."""
+    saved: float = 0.0
+    """A block's saved activations (bytes at ``MemoryModel.rows``): the world-1 line's per
+    block, under checkpointing at least the saved inputs this peak held per block (the
+    world-1 line can read 0 there: its peak is where the recompute dominates)."""
     fresh: float = 0.0
     """The peak block's own new gradients, unsharded, per byte of its parameters (1 where
     the peak is in a block's backward, under checkpointing; 0 at the backward's start):
     bytes the tracker counts as temporaries but that scale with the parameters, and that
     accumulation's held gradients already count."""
-    first: float = 0.0
-    """What the backward's first block holds besides the rest's pattern (<= 0, at
-    ``MemoryModel.rows``): where the peak fell in a later block, the first held no more
-    than it (the loss's buffers are gone, nothing is reduce-scattered yet)."""
 
 
 @dataclass
@@ -407,7 +407,10 @@ def _fit(
     for key, ac_on in (("fsdp", False), ("fsdp_ac", True)):
         if key in got and (ac_on, False) in mem.block:
             peak = _fsdp_peak(got[key], blocks, facts.block_bytes, units, ac_on)
-            peak.first = _first_block(peak, mem.block[(ac_on, False)], facts.block_bytes)
+            peak.saved = mem.block[(ac_on, False)]
+            if ac_on and blocks:
+                held = got[key].parts.get("activations", 0) / (peak.block + 1)
+                peak.saved = max(peak.saved, held)
             mem.fsdp[ac_on] = peak
     if "tp" in got and blk:
         per_block = (got["tp"].dynamic - rest) / 2
@@ -437,19 +440,6 @@ def _fsdp_peak(got: _Measured, blocks: int, block_bytes: int, units: float, ac: 
         grads=max(0.0, held - (blocks - 1 - block) * block_bytes) if blocks else held,
         fresh=fresh / block_bytes if block_bytes else 0.0,
     )
-
-
-def _first_block(peak: FsdpPeak, saved: float, block_bytes: int) -> float:
-    """``FsdpPeak.first``: where the calibration's peak fell in a later block than the
-    backward's first, the first block's bytes by the pattern (one more block's saved
-    activations ``saved``, fewer gradients reduced, its own buffers) less what that later
-    block measured, when over it (the first block held no more than the peak)."""
-    later = peak.blocks - 1 - peak.block  # blocks between the first and the peak's
-    if later <= 0:
-        return 0.0
-    buffers = (peak.blocks >= 2) - (peak.block >= 1) - 1  # the first: a prefetch, no reduce
-    over = later * (saved - block_bytes / 2) + buffers * peak.buffer * block_bytes
-    return -max(0.0, over)
 
 
 def _forget_runtime() -> None:

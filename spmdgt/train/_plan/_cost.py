@@ -114,12 +114,12 @@ def _memory(c: Candidate, facts: ModelFacts, mem: MemoryModel) -> dict[str, floa
 def _fsdp_step(c: Candidate, facts: ModelFacts, mem: MemoryModel, local: float) -> float:
     """FSDP's step bytes per rank at its peak (activations, temporaries, gathered units,
     collective buffers, gradients): the calibrated peak (``FsdpPeak``) moved to each block's
-    backward of this candidate in turn, the largest taken. Going back one block frees its
-    saved activations and adds its reduced gradients (``1/dp_shard`` of its bytes; under
-    accumulation FSDP2's ``no_sync`` holds every gradient unsharded until the last
-    micro-step's reduce-scatters); the first block of the backward has no reduce-scatter
-    under way and block 0 no prefetch. Without checkpointing the peak is at the backward's
-    start, with every block's activations and no gradient reduced yet."""
+    backward of this candidate in turn, the largest taken. Going back one block adds its
+    reduced gradients (``1/dp_shard`` of its bytes; under accumulation FSDP2's ``no_sync``
+    holds every gradient unsharded until the last micro-step's reduce-scatters) and, without
+    checkpointing, frees its activations; the first block of the backward has no
+    reduce-scatter under way and block 0 no prefetch. Without checkpointing the peak is at
+    the backward's start, with every block's activations and no gradient reduced yet."""
     peak = mem.fsdp.get(c.ac)
     if peak is None:
         raise ValueError(
@@ -130,14 +130,18 @@ def _fsdp_step(c: Candidate, facts: ModelFacts, mem: MemoryModel, local: float) 
     t, s, n = c.tp, c.dp_shard, facts.blocks
     half = 2 if c.amp else 4  # bytes of a compute-dtype element
     scale = c.micro_batch / mem.rows * (mem.amp_ratio if c.amp else 1.0)
-    saved = mem.block[(c.ac, False)]  # a block's saved activations, at the calibration's rows
+    saved = peak.saved  # a block's saved activations, at the calibration's rows
     per_block = saved * scale * (mem.tp_keep + (1 - mem.tp_keep) / t)
     block = facts.block_bytes - facts.tp_block_bytes * (1 - 1 / t)  # before FSDP's sharding
     units = peak.units * (facts.root_bytes + block) * half / 4
     # what the calibrated peak held besides its blocks' saved activations: under
     # checkpointing the recomputed block's activations and temporaries (TP splits them as
-    # a block's), else the loss's (outside the blocks: whole on every rank)
-    rest = (peak.rows - (peak.block + 1) * saved * (1 if peak.blocks else 0)) * scale
+    # a block's), else the loss's (outside the blocks: whole on every rank). Under
+    # checkpointing every block's saved bytes stay through the backward (HF's GPT-2 and
+    # Llama at 2, 3, 4 and 6 blocks hold them all at the same block of the backward);
+    # without it a block's activations go at the end of its backward.
+    kept = (peak.blocks if c.ac else peak.block + 1) if peak.blocks else 0
+    rest = (peak.rows - kept * saved) * scale
     if c.ac:
         rest *= mem.tp_keep + (1 - mem.tp_keep) / t
     buffer = peak.buffer * block * half / 4  # a prefetched or reduce-scattered block's
@@ -145,12 +149,11 @@ def _fsdp_step(c: Candidate, facts: ModelFacts, mem: MemoryModel, local: float) 
     fresh = peak.fresh * block * half / 4 if c.accumulation == 1 else 0.0
     best = 0.0
     for j in range(max(n, 1)):
-        acts = rest + (j + 1) * per_block if n else peak.rows * scale
+        acts = rest + (n if c.ac else j + 1) * per_block if n else peak.rows * scale
         buffers = ((j >= 1) + (j < n - 1)) * buffer
         done = max(0, n - 1 - j) * block  # blocks whose gradients are reduced
         grads = local - done * (1 - 1 / s) if c.accumulation > 1 else (done + peak.grads) / s
-        first = peak.first * scale if j == n - 1 else 0.0
-        best = max(best, acts + units + buffers + grads + first + fresh)
+        best = max(best, acts + units + buffers + grads + fresh)
     return best
 
 
