@@ -86,8 +86,7 @@ class FsdpPeak:
     """Sharded gradients at the peak outside the blocks' (bytes, all ranks together)."""
     saved: float = 0.0
     """A block's saved activations (bytes at ``MemoryModel.rows``): the world-1 line's per
-    block, under checkpointing at least the saved inputs this peak held per block (the
-    world-1 line can read 0 there: its peak is where the recompute dominates)."""
+    block, under checkpointing at least the block's input (``calibrate``)."""
     fresh: float = 0.0
     """The peak block's own new gradients, unsharded, per byte of its parameters (1 where
     the peak is in a block's backward, under checkpointing; 0 at the backward's start):
@@ -362,9 +361,19 @@ def calibrate(
     skipped, and the model refuses to price them); ``jobs``: dry runs at once."""
     runs = _plan_runs(facts, needs)
     got = _execute(model, batch, optimizer, loss_fn, runs, jobs, log)
-    return _fit(
+    mem = _fit(
         model, facts, got, _rows(batch), [f"{r.label}: {got[r.key].seconds:.1f}s" for r in runs]
     )
+    # under checkpointing a block keeps at least its input (a row's tokens x the width, in
+    # the parameters' dtype): the world-1 line can read less (0 on the example decoder,
+    # whose 1- and 2-block peaks are the recompute's)
+    width = facts.flops.width if facts.flops else None
+    tokens = _tokens(batch)
+    if True in mem.fsdp and width and tokens and facts.parameters:
+        element = facts.param_bytes / facts.parameters
+        floor = mem.rows * tokens * width * element
+        mem.fsdp[True].saved = max(mem.fsdp[True].saved, floor)
+    return mem
 
 
 def _line(two: float, one: float | None) -> tuple[float, float]:
@@ -408,9 +417,6 @@ def _fit(
         if key in got and (ac_on, False) in mem.block:
             peak = _fsdp_peak(got[key], blocks, facts.block_bytes, units, ac_on)
             peak.saved = mem.block[(ac_on, False)]
-            if ac_on and blocks:
-                held = got[key].parts.get("activations", 0) / (peak.block + 1)
-                peak.saved = max(peak.saved, held)
             mem.fsdp[ac_on] = peak
     if "tp" in got and blk:
         per_block = (got["tp"].dynamic - rest) / 2
@@ -460,6 +466,16 @@ def _unit_bytes(model: nn.Module, blocks: int | None) -> float:
     from spmdgt.train._plan._model import read_model_bytes
 
     return read_model_bytes(truncated(model, blocks) if blocks else model)
+
+
+def _tokens(batch: object) -> int:
+    """Tokens per row when the batch holds token ids (a 2-D integer tensor, first found),
+    else 0."""
+    items = batch.values() if isinstance(batch, dict) else batch
+    for v in items if isinstance(batch, (dict, list, tuple)) else (batch,):
+        if isinstance(v, torch.Tensor) and v.ndim == 2 and not v.is_floating_point():
+            return int(v.shape[1])
+    return 0
 
 
 def _rows(batch: object) -> int:
