@@ -16,6 +16,7 @@ import torch
 
 from spmdgt.train import TrainConfig, TrainingConfig, load_train_config
 from spmdgt.train._plan import MemoryModel, config_yaml, plan
+from spmdgt.train._plan._calibrate import FsdpPeak
 from spmdgt.train._plan._space import enumerate_space
 from tests._dist import run_ranks
 
@@ -44,7 +45,12 @@ def _memory(rows: int = 4) -> MemoryModel:
         rest=dict.fromkeys(keys, 1e6),
         block={k: (1e5 if k[0] else 5e5) for k in keys},
         tp_keep=0.5,
-        fsdp_extra=1.0,
+        # FSDP's peak at the backward's first block of 2: 1 MB and 2 blocks' activations,
+        # the root and a block gathered, one buffer
+        fsdp={
+            a: FsdpPeak(2, 1, 1e6 + 2 * (1e5 if a else 5e5), 1.0, 1.0, 0.0, 1e5 if a else 5e5)
+            for a in (False, True)
+        },
     )
 
 
@@ -194,7 +200,7 @@ def test_a_memory_model_made_for_a_narrow_search_refuses_a_wider_one():
     assert plan(model, (x, x), amp=(False,), **kw).ranked
     with pytest.raises(ValueError, match="calibrated without AMP"):
         plan(model, (x, x), amp=(True,), **kw)
-    narrow.fsdp_extra = None
+    narrow.fsdp = {}
     with pytest.raises(ValueError, match="calibrated without FSDP"):
         plan(model, (x, x), amp=(False,), strategies=("fsdp",), **kw)
 
@@ -220,5 +226,5 @@ def test_the_calibration_in_forked_workers_is_the_one_in_process():
     assert sum("done in" in line for line in lines) == 3
     assert (forked.rest, forked.block, forked.tp_keep) == (here.rest, here.block, here.tp_keep)
     assert (forked.opt_ratio, forked.buffers) == (here.opt_ratio, here.buffers)
-    assert forked.block[(False, False)] > 0 and forked.fsdp_extra is None
+    assert forked.block[(False, False)] > 0 and not forked.fsdp
     assert set(forked.block) == {(False, False)}

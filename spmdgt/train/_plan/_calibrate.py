@@ -12,14 +12,22 @@ world 1, 1 block and 2 blocks the step's dynamic peak (activations, backward tem
 world 1, 1 and 2 blocks, AC   a block's part with activation checkpointing (its input)
                               and the one block recomputed at a time
 world 1, 2 blocks, AMP        the ratio AMP's bf16 activations make
-world 2 fsdp, 2 blocks        FSDP's gathered units and buffers at the peak
+world 2 fsdp, 2 blocks        FSDP's step at its peak: the gathered units and collective
+                              buffers, the activations and temporaries, and which block's
+                              backward the peak is in (from the sharded gradients held)
+world 2 fsdp, 2 blocks, AC    the same under activation checkpointing (its peak is in the
+                              backward, beside a recomputed block and the gradients so far)
 world 2 placements, 2 blocks  the share of a block's activations TP does not split
 ===========================  ===========================================================
 
 "Dynamic" is the tracker's peak less parameters, buffers, optimizer state and gradients (what
 ``DryRunReport.peak_breakdown`` names so): what grows with the micro-batch. It scales
 linearly with the micro-batch's rows and with the blocks; the static part is computed from
-the parameters per rank (``_cost``).
+the parameters per rank (``_cost``). FSDP's peak is not the world-1 peak plus its gathered
+units: under checkpointing it comes in the backward, where the recomputed block, the
+prefetched and reduce-scattered blocks' buffers and the gradients reduced so far sit
+together. Its runs are kept split (``FsdpPeak``) so ``_cost`` can walk a candidate's
+blocks and take the largest.
 """
 
 from __future__ import annotations
@@ -39,13 +47,51 @@ from spmdgt.train._config import TrainConfig, TrainingConfig
 from spmdgt.train._dryrun import DryRunError, DryRunReport, dry_run
 from spmdgt.train._plan._model import ModelFacts, meta_copy, truncated
 
-__all__ = ["MemoryModel", "calibrate", "guess_loss_fn"]
+__all__ = ["FsdpPeak", "MemoryModel", "calibrate", "dry_run_peak", "guess_loss_fn"]
 
 # Left out of the dynamic part: what the cost model counts per rank itself (parameters,
 # buffers, optimizer state, and the gradients, which at world 1 grow with every block and
-# would otherwise be scaled as activations). FSDP's unsharded gradients (one unit's, being
-# reduce-scattered) stay in: they are part of its extra.
+# would otherwise be scaled as activations). FSDP's unsharded gradients stay in: they are
+# part of its peak's units (``FsdpPeak``).
 _STATIC = ("params", "sharded params", "buffers", "optimizer state", "grads", "sharded grads")
+# Of FSDP's dynamic bytes, those that scale with the parameters, not the micro-batch: the
+# gathered units, and the blocks' collective buffers.
+_UNITS = ("unsharded params", "unsharded grads")
+_BUFFERS = ("all-gather buffers", "reduce-scatter buffers")
+
+
+@dataclass
+class FsdpPeak:
+    """FSDP's step at its peak (one activation-checkpointing setting), as its world-2 dry run
+    of the calibration copy measured it: the peak falls in the backward of ``block`` (0 is
+    the last block the backward reaches), with the saved activations (under checkpointing
+    every block's, else those of the blocks up to it), the gathered root and block, a
+    prefetched block's all-gather buffer (not at block 0) and a reduce-scattered one's (not
+    at the first block of the backward), and the sharded gradients of the blocks after it."""
+
+    blocks: int
+    """Blocks of the calibration copy."""
+    block: int
+    """The block whose backward held the peak."""
+    rows: float
+    """Dynamic bytes at the peak that grow with the micro-batch (activations, temporaries),
+    at ``MemoryModel.rows`` rows."""
+    units: float
+    """Bytes at the peak of gathered parameters and unsharded gradients, per byte of the
+    root's parameters plus one block's."""
+    buffer: float
+    """Bytes of one block's all-gather or reduce-scatter buffer per byte of its
+    parameters."""
+    grads: float
+    """Sharded gradients at the peak outside the blocks' (bytes, all ranks together)."""
+    saved: float = 0.0
+    """A block's saved activations (bytes at ``MemoryModel.rows``): the world-1 line's per
+    block, under checkpointing at least the block's input (``calibrate``)."""
+    fresh: float = 0.0
+    """The peak block's own new gradients, unsharded, per byte of its parameters (1 where
+    the peak is in a block's backward, under checkpointing; 0 at the backward's start):
+    bytes the tracker counts as temporaries but that scale with the parameters, and that
+    accumulation's held gradients already count."""
 
 
 @dataclass
@@ -62,9 +108,11 @@ class MemoryModel:
     """Dynamic bytes per block, by (activation checkpointing, AMP)."""
     tp_keep: float = 1.0
     """Share of a block's dynamic bytes that tensor parallelism leaves whole on every rank."""
-    fsdp_extra: float | None = 0.0
-    """FSDP's extra dynamic bytes at the peak per byte of one block plus the root (the units
-    gathered at once, their all-gather buffers); None when FSDP was not calibrated."""
+    fsdp: dict[bool, FsdpPeak] = field(default_factory=dict)
+    """FSDP's peak by activation checkpointing (empty, or without ``True``, where FSDP, or
+    FSDP with checkpointing, was not calibrated)."""
+    amp_ratio: float = 1.0
+    """The ratio AMP's bf16 makes of the dynamic bytes."""
     runs: list[str] = field(default_factory=list)
     """Each dry run: what it was and its seconds."""
 
@@ -94,14 +142,16 @@ def guess_loss_fn(batch: object) -> Callable | None:
     return F.mse_loss
 
 
-def _fake_batch(batch: object) -> object:
-    """The batch's shapes and dtypes as tensors made now (fake under the dry run's mode)."""
+def _fake_batch(batch: object, rows: int | None = None) -> object:
+    """The batch's shapes and dtypes as tensors made now (fake under the dry run's mode),
+    with ``rows`` rows (dim 0) when given."""
     if isinstance(batch, torch.Tensor):
-        return torch.zeros(batch.shape, dtype=batch.dtype)
+        shape = (rows, *batch.shape[1:]) if rows is not None and batch.ndim else batch.shape
+        return torch.zeros(shape, dtype=batch.dtype)
     if isinstance(batch, dict):
-        return {k: _fake_batch(v) for k, v in batch.items()}
+        return {k: _fake_batch(v, rows) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):
-        return type(batch)(_fake_batch(v) for v in batch)
+        return type(batch)(_fake_batch(v, rows) for v in batch)
     return batch
 
 
@@ -125,15 +175,41 @@ def _materialize(model: nn.Module) -> nn.Module:
     return model
 
 
-def _builder(model: nn.Module, batch: object, optimizer: Callable) -> Callable:
-    """``dry_run``'s ``build``: a fresh meta copy made here, filled in under its mode."""
+def _builder(
+    model: nn.Module, batch: object, optimizer: Callable, rows: int | None = None
+) -> Callable:
+    """``dry_run``'s ``build``: a fresh meta copy made here, filled in under its mode (the
+    batch at ``rows`` rows when given)."""
     copy_ = meta_copy(model)
 
     def build():
         m = _materialize(copy_)
-        return m, optimizer(m.parameters()), _fake_batch(batch)
+        return m, optimizer(m.parameters()), _fake_batch(batch, rows)
 
     return build
+
+
+def dry_run_peak(
+    model: nn.Module,
+    batch: object,
+    candidate,
+    *,
+    loss_fn: Callable | None,
+    optimizer: Callable | None = None,
+    base: TrainConfig | None = None,
+    backend: str = "nccl",
+) -> int:
+    """The peak per rank of one candidate's own dry run (its config on its world, ``batch``
+    at its micro-batch's rows): what the planner's composed prediction is checked against
+    (``benchmarks/plan_memory.py``, ``tests/train/test_plan_memory.py``); the planner
+    itself runs none per candidate."""
+    opt = optimizer or (lambda params: torch.optim.AdamW(params))
+    build = _builder(model, batch, opt, candidate.micro_batch)
+    try:
+        cfg = candidate.config(base)
+        return dry_run(build, candidate.world, cfg, loss_fn=loss_fn, backend=backend).peak
+    finally:
+        _forget_runtime()
 
 
 @dataclass
@@ -141,6 +217,8 @@ class _Measured:
     """What the planner keeps of one dry run (small enough to come back from a worker)."""
 
     dynamic: float
+    parts: dict[str, int]
+    """The peak by category (``DryRunReport.peak_breakdown``)."""
     optimizer: int
     params: int
     buffers: int
@@ -174,6 +252,9 @@ def _plan_runs(facts: ModelFacts, needs: tuple[bool, bool, bool]) -> list[_Run]:
         runs.append(_Run("amp", "AMP", two, 1, amp_cfg))
     if fsdp:
         runs.append(_Run("fsdp", "fsdp, world 2", two, 2, TrainConfig(strategy="fsdp")))
+    if fsdp and ac:
+        fsdp_ac = TrainConfig(strategy="fsdp", activation_checkpointing=True)
+        runs.append(_Run("fsdp_ac", "fsdp + checkpointing, world 2", two, 2, fsdp_ac))
     if ac:
         runs.append(_Run("ac2", "activation checkpointing, 2 blocks", two, 1, ac_cfg))
     if cut:
@@ -192,6 +273,7 @@ def _measure(model: nn.Module, batch: object, optimizer: Callable, loss_fn, run:
         _forget_runtime()
     return _Measured(
         dynamic=_dynamic(r),
+        parts=dict(r.peak_breakdown),
         optimizer=r.optimizer[0],
         params=r.params[0],
         buffers=r.peak_breakdown.get("buffers", 0),
@@ -279,9 +361,19 @@ def calibrate(
     skipped, and the model refuses to price them); ``jobs``: dry runs at once."""
     runs = _plan_runs(facts, needs)
     got = _execute(model, batch, optimizer, loss_fn, runs, jobs, log)
-    return _fit(
+    mem = _fit(
         model, facts, got, _rows(batch), [f"{r.label}: {got[r.key].seconds:.1f}s" for r in runs]
     )
+    # under checkpointing a block keeps at least its input (a row's tokens x the width, in
+    # the parameters' dtype): the world-1 line can read less (0 on the example decoder,
+    # whose 1- and 2-block peaks are the recompute's)
+    width = facts.flops.width if facts.flops else None
+    tokens = _tokens(batch)
+    if True in mem.fsdp and width and tokens and facts.parameters:
+        element = facts.param_bytes / facts.parameters
+        floor = mem.rows * tokens * width * element
+        mem.fsdp[True].saved = max(mem.fsdp[True].saved, floor)
+    return mem
 
 
 def _line(two: float, one: float | None) -> tuple[float, float]:
@@ -315,18 +407,45 @@ def _fit(
         mem.rest[(True, False)], mem.block[(True, False)] = _line(got["ac2"].dynamic, one)
     if "amp" in got:
         r_amp = got["amp"].dynamic / d2 if d2 else 1.0
+        mem.amp_ratio = r_amp
         for ac_on in [k[0] for k in list(mem.rest)]:
             mem.rest[(ac_on, True)] = mem.rest[(ac_on, False)] * r_amp
             mem.block[(ac_on, True)] = mem.block[(ac_on, False)] * r_amp
-    if "fsdp" in got:
-        units = _unit_bytes(model, 2 if facts.blocks >= 2 else None)
-        mem.fsdp_extra = max(0.0, got["fsdp"].dynamic - d2) / units if units else 0.0
-    else:
-        mem.fsdp_extra = None
+    blocks = min(facts.blocks, 2)
+    units = _unit_bytes(model, 2 if facts.blocks >= 2 else None)
+    for key, ac_on in (("fsdp", False), ("fsdp_ac", True)):
+        if key in got and (ac_on, False) in mem.block:
+            peak = _fsdp_peak(got[key], blocks, facts.block_bytes, units, ac_on)
+            peak.saved = mem.block[(ac_on, False)]
+            mem.fsdp[ac_on] = peak
     if "tp" in got and blk:
         per_block = (got["tp"].dynamic - rest) / 2
         mem.tp_keep = min(1.0, max(0.0, 2 * per_block / blk - 1))
     return mem
+
+
+def _fsdp_peak(got: _Measured, blocks: int, block_bytes: int, units: float, ac: bool) -> FsdpPeak:
+    """FSDP's peak split (``FsdpPeak``) from its world-2 run of ``blocks`` blocks: the
+    block it fell in is read from the sharded gradients held (each block whose backward is
+    done holds its own, half on each of the 2 ranks)."""
+    held = got.parts.get("sharded grads", 0) * 2
+    block = max(blocks - 1, 0)
+    if blocks and block_bytes:
+        block = min(blocks - 1, max(0, blocks - 1 - round(held / block_bytes)))
+    on_units = sum(got.parts.get(k, 0) for k in _UNITS)
+    on_buffers = sum(got.parts.get(k, 0) for k in _BUFFERS)
+    buffers = (block >= 1) + (block < blocks - 1)  # a prefetch, a reduce-scatter under way
+    rows = max(0.0, got.dynamic - on_units - on_buffers)
+    fresh = min(float(block_bytes), rows) if ac and blocks else 0.0
+    return FsdpPeak(
+        blocks=blocks,
+        block=block,
+        rows=rows - fresh,
+        units=on_units / units if units else 0.0,
+        buffer=on_buffers / (buffers * block_bytes) if buffers and block_bytes else 1.0,
+        grads=max(0.0, held - (blocks - 1 - block) * block_bytes) if blocks else held,
+        fresh=fresh / block_bytes if block_bytes else 0.0,
+    )
 
 
 def _forget_runtime() -> None:
@@ -347,6 +466,16 @@ def _unit_bytes(model: nn.Module, blocks: int | None) -> float:
     from spmdgt.train._plan._model import read_model_bytes
 
     return read_model_bytes(truncated(model, blocks) if blocks else model)
+
+
+def _tokens(batch: object) -> int:
+    """Tokens per row when the batch holds token ids (a 2-D integer tensor, first found),
+    else 0."""
+    items = batch.values() if isinstance(batch, dict) else batch
+    for v in items if isinstance(batch, (dict, list, tuple)) else (batch,):
+        if isinstance(v, torch.Tensor) and v.ndim == 2 and not v.is_floating_point():
+            return int(v.shape[1])
+    return 0
 
 
 def _rows(batch: object) -> int:

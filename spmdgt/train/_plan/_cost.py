@@ -1,12 +1,13 @@
 """The price of one candidate: bytes per rank at the peak, and seconds per optimizer step.
 
-Memory (per rank, the peak): parameters, optimizer state and gradients by what each rank
-holds (DDP all; FSDP its ``1/dp_shard`` shard, and TP's split layers ``1/tp`` of that; a
-``no_sync`` accumulation keeps FSDP2's gradients unsharded until the last micro-step), plus
-the step's dynamic bytes from the calibrated ``MemoryModel`` (activations and backward
-temporaries per row and per block, TP's share, FSDP's gathered units), plus DDP's gradient
-buckets. Gradients of earlier micro-steps are alive during the next forward (accumulation);
-without accumulation the peak is the larger of the forward's activations and the gradients.
+Memory (per rank, the peak): parameters and optimizer state by what each rank holds (DDP
+all; FSDP its ``1/dp_shard`` shard, and TP's split layers ``1/tp`` of that), plus the step's
+part. DDP and TP alone: the calibrated world-1 dynamic bytes (activations and backward
+temporaries per row and per block, TP's share) plus the gradients, taken whole at the peak,
+plus DDP's gradient buckets. FSDP: its own calibrated peak (``FsdpPeak``) walked over the
+candidate's blocks (``_fsdp_step``: which block's backward holds the peak depends on the
+blocks, the rows and ``dp_shard``), with the gradients reduced so far (FSDP2's ``no_sync``
+holds them unsharded under accumulation, until the last micro-step).
 
 Time (per optimizer step, per rank):
 
@@ -92,35 +93,68 @@ def _local_bytes(c: Candidate, facts: ModelFacts) -> float:
 
 def _memory(c: Candidate, facts: ModelFacts, mem: MemoryModel) -> dict[str, float]:
     """Bytes per rank at the peak, by part."""
-    t = c.tp
-    half = 2 if c.amp else 4  # bytes of a compute-dtype element
     local = _local_bytes(c, facts)
     params = local / (c.dp_shard if c.strategy == "fsdp" else 1)
-    grads_step = params  # sharded (FSDP) or whole (DDP), at the step
-    grads_accum = local if c.accumulation > 1 else 0.0  # FSDP2 no_sync keeps them unsharded
-    if c.strategy != "fsdp":
-        grads_accum = grads_step if c.accumulation > 1 else 0.0
-    dyn = mem.dynamic(c.micro_batch, c.ac, c.amp, facts.blocks, t)
-    extra = 0.0
     if c.strategy == "fsdp":
-        if mem.fsdp_extra is None:
-            raise ValueError(
-                "this memory model was calibrated without FSDP: plan without memory_model= "
-                "(or with one calibrated for the whole search)"
-            )
-        block = facts.block_bytes - facts.tp_block_bytes * (1 - 1 / t)
-        extra = mem.fsdp_extra * (facts.root_bytes + block) * (half / 4)
-    # the gradients held beside the step's dynamic bytes: earlier micro-steps' (FSDP2's
-    # unsharded under no_sync) through the next forward, else this step's, taken whole at
-    # the peak (under AC the peak is late in the backward, when most of them exist)
-    live = (grads_accum if c.accumulation > 1 else grads_step) + dyn + extra
+        live = _fsdp_step(c, facts, mem, local)
+    else:
+        # the gradients held beside the step's dynamic bytes: earlier micro-steps' through
+        # the next forward, else this step's, taken whole at the peak (under AC the peak is
+        # late in the backward, when most of them exist)
+        live = params + mem.dynamic(c.micro_batch, c.ac, c.amp, facts.blocks, c.tp)
     return {
         "params": params,
         "optimizer": params * mem.opt_ratio,
         "buffers": float(mem.buffers),
         "step (activations, temporaries, gathered units, grads)": live,
-        "DDP buckets": grads_step if c.strategy == "ddp" and c.world > 1 else 0.0,
+        "DDP buckets": params if c.strategy == "ddp" and c.world > 1 else 0.0,
     }
+
+
+def _fsdp_step(c: Candidate, facts: ModelFacts, mem: MemoryModel, local: float) -> float:
+    """FSDP's step bytes per rank at its peak (activations, temporaries, gathered units,
+    collective buffers, gradients): the calibrated peak (``FsdpPeak``) moved to each block's
+    backward of this candidate in turn, the largest taken. Going back one block adds its
+    reduced gradients (``1/dp_shard`` of its bytes; under accumulation FSDP2's ``no_sync``
+    holds every gradient unsharded until the last micro-step's reduce-scatters) and, without
+    checkpointing, frees its activations; the first block of the backward has no
+    reduce-scatter under way and block 0 no prefetch. Without checkpointing the peak is at
+    the backward's start, with every block's activations and no gradient reduced yet."""
+    peak = mem.fsdp.get(c.ac)
+    if peak is None:
+        raise ValueError(
+            f"this memory model was calibrated without FSDP{' + checkpointing' if c.ac else ''}"
+            ": plan without memory_model= (or with one calibrated for the whole search)"
+        )
+    mem.dynamic(c.micro_batch, c.ac, c.amp, facts.blocks, c.tp)  # refuses what is not calibrated
+    t, s, n = c.tp, c.dp_shard, facts.blocks
+    half = 2 if c.amp else 4  # bytes of a compute-dtype element
+    scale = c.micro_batch / mem.rows * (mem.amp_ratio if c.amp else 1.0)
+    saved = peak.saved  # a block's saved activations, at the calibration's rows
+    per_block = saved * scale * (mem.tp_keep + (1 - mem.tp_keep) / t)
+    block = facts.block_bytes - facts.tp_block_bytes * (1 - 1 / t)  # before FSDP's sharding
+    units = peak.units * (facts.root_bytes + block) * half / 4
+    # what the calibrated peak held besides its blocks' saved activations: under
+    # checkpointing the recomputed block's activations and temporaries (TP splits them as
+    # a block's), else the loss's (outside the blocks: whole on every rank). Under
+    # checkpointing every block's saved bytes stay through the backward (HF's GPT-2 and
+    # Llama at 2, 3, 4 and 6 blocks hold them all at the same block of the backward);
+    # without it a block's activations go at the end of its backward.
+    kept = (peak.blocks if c.ac else peak.block + 1) if peak.blocks else 0
+    rest = (peak.rows - kept * saved) * scale
+    if c.ac:
+        rest *= mem.tp_keep + (1 - mem.tp_keep) / t
+    buffer = peak.buffer * block * half / 4  # a prefetched or reduce-scattered block's
+    # the block's new gradients (counted in ``local`` under accumulation)
+    fresh = peak.fresh * block * half / 4 if c.accumulation == 1 else 0.0
+    best = 0.0
+    for j in range(max(n, 1)):
+        acts = rest + (n if c.ac else j + 1) * per_block if n else peak.rows * scale
+        buffers = ((j >= 1) + (j < n - 1)) * buffer
+        done = max(0, n - 1 - j) * block  # blocks whose gradients are reduced
+        grads = local - done * (1 - 1 / s) if c.accumulation > 1 else (done + peak.grads) / s
+        best = max(best, acts + units + buffers + grads + fresh)
+    return best
 
 
 def _flops_per_rank(c: Candidate, facts: ModelFacts, seq: int) -> float:
