@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from tests._dist import run_ranks
+from tests.compile._both import with_both_halves
 
 D, STEPS = 48, 8
 ENV = {"GT_LAZY_MIN_NUMEL": "100"}
@@ -90,18 +91,11 @@ def _loop(make, scope):
 
 def _ranked(rank, world):
     import spmdgt as gt
-    import spmdgt.compile as gt_compile
 
     gt.register_config("rows", gt.SignalConfig(shard=gt.ShardConfig(axis=0), compile=True))
-    gt_compile.enable(backend="aot_eager", every=2, hot_at=4)
-    assert gt_compile.enable_regions(batch=64, backend="aot_eager")
-    try:
-        got = _loop(gt.tensor, lambda: gt.signal.context("rows"))
-        st = gt_compile.stats()
-    finally:
-        gt_compile.disable()
-        gt_compile.disable_regions()
-    return got, st
+    return with_both_halves(
+        lambda: _loop(gt.tensor, lambda: gt.signal.context("rows")), every=2, hot_at=4, batch=64
+    )
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from tests._dist import run_ranks
+from tests.compile._both import with_both_halves
 
 ROWS = [7, 9, 5, 11, 7, 13, 9, 6]  # uneven over 2 and 3 ranks, a new shape most calls
 D = 6
@@ -50,19 +51,11 @@ def _calls(make, scope, w):
 
 def _ranked(rank, world):
     import spmdgt as gt
-    import spmdgt.compile as gt_compile
 
     gt.register_config("rows", gt.SignalConfig(shard=gt.ShardConfig(axis=0)))
-    gt_compile.enable(backend="aot_eager", every=1, hot_at=2)
-    assert gt_compile.enable_regions(batch=16, backend="aot_eager")
     w = _inputs()[1].requires_grad_()
-    try:
-        got = _calls(gt.tensor, lambda: gt.signal.context("rows"), w)
-        st = gt_compile.stats()
-    finally:
-        gt_compile.disable()
-        gt_compile.disable_regions()
-    return got, st
+    run = lambda: _calls(gt.tensor, lambda: gt.signal.context("rows"), w)  # noqa: E731
+    return with_both_halves(run, every=1, hot_at=2, batch=16)
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -12,29 +12,14 @@ block and the gradients reduced so far).
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from spmdgt.train._plan import plan
 from spmdgt.train._plan._calibrate import dry_run_peak
+from tests.train.test_plan import _example
 
-ROOT = Path(__file__).resolve().parents[2]
 WORLD, GLOBAL_BATCH, TOLERANCE = 4, 16, 0.05
-
-
-def _example():
-    if "train_transformer" not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            "train_transformer", ROOT / "examples" / "train_transformer.py"
-        )
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules["train_transformer"]
 
 
 def _errors(model, batch, loss_fn, micro_batches) -> dict[str, float]:
