@@ -87,9 +87,8 @@ def without_hooks(fn: Callable[..., Any], *args: Any) -> Any:
 
     if _get_current_function_mode() is not mode:
         # a mode pushed after ours (the interceptor's) is above it: ours cannot leave the
-        # stack, so it passes every call through. Before, its hooks went on recording the
-        # graph's calls into a region while the graph ran, and on gt.Tensors whose shards
-        # differ by rank the ranks' regions split at different calls (a hang)
+        # stack, so it passes every call through (before, its hooks went on seeing the
+        # graph's runtime calls, which the innermost case above already keeps from them)
         _suspended += 1
         try:
             return fn(*args)

@@ -102,8 +102,9 @@ def init(backend: str | None = None) -> Runtime:
             # joined with torch's default timeout: GT_TIMEOUT bounds a collective's wait for
             # a rank, not the start, where ranks of a cluster job arrive minutes apart
             dist.init_process_group(backend=backend_used, **kwargs)
-            if _rank_errors.timeout() is not None:
-                dist.distributed_c10d._set_pg_timeout(_rank_errors.timeout())
+            limit = _rank_errors.timeout()
+            if limit is not None:
+                dist.distributed_c10d._set_pg_timeout(limit)
             _owns_process_group = True
             atexit.register(_destroy_at_exit)
         _runtime = Runtime(rank, world, local_rank, device, backend_used)
