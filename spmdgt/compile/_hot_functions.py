@@ -392,14 +392,21 @@ class HotFunctionPass:
             except BaseException:
                 self.backend.code = None
                 raise
+            # Nothing dynamo does while it compiles may exchange: it runs code on real
+            # tensors on its own, per rank (a ``repr`` of a sub-mesh gt.Tensor on the rank
+            # outside it, found by the parity sweep), and a point reached there would pair
+            # with the other ranks' compile result below. Refused points fail this compile.
             try:
-                with static_shapes(_agree.active()):
+                with static_shapes(_agree.active()), _agree.closed(code.co_name) as refused:
                     result = self.hook.inner(frame, cache_entry, frame_state)
             except Exception as e:  # dynamo or the backend failed: eager is always right
                 error = e
             finally:
                 self.backend.code = None
             reason = f"compile error: {_describe(error)}" if error else ""
+            if refused:
+                what, site = refused[0]
+                reason = f"an agreement point inside dynamo's compile ({what} at {site})"
             if error is None and _runs_cached_only(result):
                 # dynamo's recompile limit: from now on it runs a cached graph where one's
                 # guards pass and the code eagerly where none does, a choice per rank (a

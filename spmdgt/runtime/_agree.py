@@ -33,11 +33,12 @@ no rank, clock or terminal takes part in a decision.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import os
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -69,6 +70,7 @@ __all__ = [
     "before_collective",
     "call_site",
     "checking",
+    "closed",
     "end",
     "forget",
     "on_agreed",
@@ -119,6 +121,44 @@ _lock = threading.Lock()  # one exchange at a time: they share slot 0 and the co
 _acquire, _release = _lock.acquire, _lock.release
 _at_exit = False  # the end-of-program exchange is registered
 _ENDED = object()  # the side group after a failure on one rank ended it: active, but ended
+# While dynamo compiles a frame for the compile pass on this rank (``closed``): the points
+# refused there, (what, site). None: exchanges are open.
+_closed: list[tuple[str, str]] | None = None
+
+
+class ClosedError(RuntimeError):
+    """An agreement point reached while the exchanges are closed (``closed``)."""
+
+
+@contextlib.contextmanager
+def closed(why: str) -> Iterator[list[tuple[str, str]]]:
+    """No exchange while the block runs: an agreement point reached in it raises
+    :class:`ClosedError` on this rank at once, before anything is sent, and is listed in the
+    yielded list. For dynamo's compile of a hot function (``why``): the compiler runs user
+    code on real tensors on its own, per rank (a ``repr`` while it builds a guard or a
+    message, on one rank only), and a point reached there pairs with whatever the other ranks
+    exchange next. The caller turns a refused point into a decision every rank takes."""
+    global _closed
+    prior, _closed = _closed, []
+    seen = _closed
+    try:
+        yield seen
+    finally:
+        _closed = prior
+        if prior is not None:
+            prior.extend(seen)
+
+
+def _refuse(what: str, site: str | None) -> None:
+    assert _closed is not None
+    if site is None:
+        f = user_frame(sys._getframe(3))  # the point's caller: _refuse < _print < the point
+        site = "<no user frame>" if f is None else site_text(f)
+    _closed.append((what, site))
+    raise ClosedError(
+        f"spmdgt: {what} at {site} was reached while exchanges are closed on this rank "
+        "(dynamo compiling a hot function); no data moved"
+    )
 
 
 def checking() -> bool:
@@ -187,7 +227,10 @@ def _print(what: str, site: str | None) -> tuple[int, str, Any]:
     """(the fingerprint of ``what`` at ``site``, ``site``, a key), ``site`` None meaning the
     user's call site. Hashed once per description and call site (``_prints``): a point reached again
     (a read in a loop) costs a dictionary look-up. The hash takes the file's base name:
-    checkouts on different nodes differ in path."""
+    checkouts on different nodes differ in path. Every point passes here first: refused
+    while the exchanges are ``closed``."""
+    if _closed is not None:
+        _refuse(what, site)
     code = f = None
     if site is None:
         f = user_frame(sys._getframe(2))
@@ -395,6 +438,8 @@ def all_ranks(value: Any) -> list[Any]:
     same point of the program; in a world of one, ``[value]``."""
     if _group is None:
         return [value]
+    if _closed is not None:
+        _refuse("an exchange of values", None)
     if _errors.out_of_step is not None:
         raise _errors.stopped("an exchange of values")
     settle()
