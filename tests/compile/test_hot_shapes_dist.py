@@ -34,14 +34,14 @@ def head(x, w):
     return (h * h).mean(0), h.amax(1)
 
 
-def _inputs():
+def _inputs(rows=ROWS):
     g = torch.Generator().manual_seed(0)
-    return [torch.randn(n, D, generator=g) for n in ROWS], torch.randn(D, D, generator=g)
+    return [torch.randn(n, D, generator=g) for n in rows], torch.randn(D, D, generator=g)
 
 
-def _calls(make, scope, w):
+def _calls(make, scope, w, rows=ROWS):
     out = []
-    for x in _inputs()[0]:
+    for x in _inputs(rows)[0]:
         with scope():
             xs = make(x)
         m, a = head(xs, w)
@@ -73,3 +73,38 @@ def test_hot_function_on_changing_shapes_equals_one_process(tmp_path, world):
                     g[k], r[k], rtol=1e-5, atol=1e-6, err_msg=f"{what}, call {i}, rank {rank}"
                 )
         assert "head" in st["status"] and st["recompiles"] >= 2, st["status"]
+
+
+# Past dynamo's recompile limit (2 here, 8 by default) dynamo runs a cached graph where its
+# guards pass and the code eagerly where none does: a choice each rank made from its own
+# shards. The pass makes the limit a fallback to eager on every rank at the same call.
+LIMIT_ROWS = [7, 5, 6, 7, 8, 5]  # compiles for 5 and 6 rows, then meets the limit at 7
+
+
+def _ranked_limit(rank, world):
+    import torch._dynamo.config as dynamo_config
+
+    import spmdgt as gt
+
+    gt.register_config("rows", gt.SignalConfig(shard=gt.ShardConfig(axis=0)))
+    w = _inputs()[1].requires_grad_()
+    scope = lambda: gt.signal.context("rows")  # noqa: E731
+    run = lambda: _calls(gt.tensor, scope, w, LIMIT_ROWS)  # noqa: E731
+    with dynamo_config.patch(recompile_limit=2):
+        return with_both_halves(run, every=1, hot_at=2, batch=16)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_recompile_limit_is_an_agreed_fallback(tmp_path, world):
+    import contextlib
+
+    w = _inputs()[1].requires_grad_()
+    ref = _calls(lambda t: t, contextlib.nullcontext, w, LIMIT_ROWS)
+    results = run_ranks(_ranked_limit, world, tmp_path, env={"GT_LAZY_MIN_NUMEL": "1"}, timeout=300)
+    for rank, (got, st) in enumerate(results):
+        for i, (g, r) in enumerate(zip(got, ref, strict=True)):
+            for k, what in enumerate(("mean", "amax", "w.grad")):
+                np.testing.assert_allclose(
+                    g[k], r[k], rtol=1e-5, atol=1e-6, err_msg=f"{what}, call {i}, rank {rank}"
+                )
+        assert st["fallbacks"] == {"past dynamo's recompile limit": 1}, (rank, st["fallbacks"])
