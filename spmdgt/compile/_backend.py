@@ -9,6 +9,12 @@ inputs): if eager raises too, the error is the program's and propagates as it wo
 pass; if eager succeeds, its result is returned, the graph runs eagerly from then on and the
 function falls back (``on_runtime_error``). So a compiler bug costs speed, never a wrong answer
 or a crash that eager would not have.
+
+A graph that may move data between ranks (a sharded ``gt.Tensor`` input, a collective in the
+graph) is rerun only where every rank's run raised: a rerun on one rank alone would issue its
+collectives against whatever the other ranks run next. Whether every rank raised is decided as
+for an op's error (``runtime._rank_errors.translate``): if one rank alone did, every rank
+raises the same :class:`RankFailedError`, naming it.
 """
 
 from __future__ import annotations
@@ -55,7 +61,30 @@ class CountingBackend:
         ops = sum(1 for n in gm.graph.nodes if n.op in _OP_NODES)
         self._stats.graphs += 1
         self._stats.graph_ops += ops
-        return _Runner(compiled, gm, ops, self.code, self)
+        return _Runner(compiled, gm, ops, self.code, self, _moves_data(gm, example_inputs))
+
+
+def _moves_data(gm: Any, example_inputs: list) -> bool:
+    """Whether the graph may take part in a collective: more than one rank, and a DTensor
+    input on a mesh of more than one rank or a collective op of its own."""
+    from spmdgt.runtime import _agree
+
+    if not _agree.active():
+        return False
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is not None and any(
+        isinstance(x, dtensor.DTensor) and x.device_mesh.size() > 1 for x in example_inputs
+    ):
+        return True
+    return any(n.op == "call_function" and _is_collective(n.target) for n in gm.graph.nodes)
+
+
+def _is_collective(target: Any) -> bool:
+    """A c10d op (``torch.ops._c10d_functional.*``) or a ``torch.distributed`` function."""
+    module = getattr(target, "__module__", None) or ""
+    return "c10d" in (getattr(target, "namespace", None) or "") or module.startswith(
+        "torch.distributed"
+    )
 
 
 def eager_random() -> Any:
@@ -76,13 +105,16 @@ class _Runner:
     """One compiled graph: counts runs (the first is the compile's, the rest are cache hits)
     and falls back to the traced graph on a run-time error that eager does not raise."""
 
-    def __init__(self, compiled: Any, gm: Any, ops: int, code: Any, owner: CountingBackend):
+    def __init__(
+        self, compiled: Any, gm: Any, ops: int, code: Any, owner: CountingBackend, comm: bool
+    ):
         self._fn = compiled
         self._gm = gm
         self._ops = ops
         self._code = code
         self._owner = owner
         self._first = True
+        self._comm = comm  # may take part in a collective: rerun only where every rank failed
 
     def __call__(self, *args: Any) -> Any:
         sync = _scope.lazy_sync
@@ -109,6 +141,13 @@ class _Runner:
         except Exception as e:
             if self._fn is self._gm:
                 raise  # already eager: the program's own error
+            if self._comm:
+                from spmdgt.runtime import _rank_errors
+
+                where = getattr(self._code, "co_name", "a hot function")
+                err = _rank_errors.translate(e, f"the compiled graph of {where}")
+                if err is not e:  # not every rank failed: no rank reruns alone
+                    raise err from e
             t0 = time.perf_counter_ns()
             out = self._gm(*args)  # raises the program's error if it is one
             st.compile_ns += time.perf_counter_ns() - t0

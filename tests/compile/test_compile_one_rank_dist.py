@@ -1,6 +1,11 @@
-"""An agreement point reached inside dynamo's compile of a hot function, on one rank only: the
-compile fails on every rank and the function runs eagerly, equal to one process, on 2 and 3
-ranks; no exchange leaves the rank.
+"""What one rank alone meets in a hot function, on 2 and 3 ranks: never a rank running on alone.
+
+1. An agreement point reached inside dynamo's compile, on one rank only: the compile fails on
+   every rank and the function runs eagerly, equal to one process; no exchange leaves the rank.
+2. A compiled graph over sharded ``gt.Tensor``s that raises at run time: where every rank's run
+   raised, every rank reruns it eagerly (equal to one process); where one rank's alone did,
+   every rank raises the same ``RankFailedError`` naming it, instead of that rank rerunning
+   the graph's collectives alone.
 
 Dynamo runs code on real tensors while it compiles, on its own and per rank: the parity sweep
 (both halves on) found it formatting a sub-mesh ``gt.Tensor`` into an internal error's message
@@ -83,3 +88,68 @@ def test_agreement_point_inside_a_compile_falls_back_on_every_rank(tmp_path, wor
         assert len(fallbacks) == 1 and why in next(iter(fallbacks)), fallbacks
         assert formatted == (["ClosedError"] if rank == 0 else []), formatted
         assert total == 6.0  # the exchanges are open again after the compile
+
+
+def mixed(x, w):
+    # the sum is a partial value on each rank: the product needs it whole (a collective)
+    return x * (x @ w).sum()
+
+
+def _failing(rank, world, fail_on):
+    """Graphs of ``mixed`` that raise from their second run on the ranks in ``fail_on``."""
+    import spmdgt as gt
+    import spmdgt.compile as gt_compile
+
+    gt.register_config("rows", gt.SignalConfig(shard=gt.ShardConfig(axis=0)))
+    x, w = _inputs()
+    with gt.signal.context("rows"):
+        x = gt.tensor(x)
+    runs = []
+
+    def backend(gm, example_inputs):
+        def run(*args):
+            runs.append(1)
+            if len(runs) > 1 and rank in fail_on:
+                raise RuntimeError(f"a compiled graph's bug on rank {rank}")
+            return gm.forward(*args)
+
+        return run
+
+    gt_compile.enable(backend=backend, every=1, hot_at=2)
+    out = []
+    try:
+        for i in range(CALLS):
+            out.append(mixed(x * (1 + i), w).numpy())
+    except Exception as e:
+        out.append((type(e).__name__, str(e)))
+    finally:
+        st = gt_compile.stats()
+        gt_compile.disable()
+    return out, dict(st["fallbacks"])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_graph_failing_on_every_rank_reruns_everywhere(tmp_path, world):
+    x, w = _inputs()
+    ref = [mixed(x * (1 + i), w).numpy() for i in range(CALLS)]
+    results = run_ranks(_failing, world, tmp_path, set(range(world)), env=_WAIT, timeout=120)
+    for rank, (got, fallbacks) in enumerate(results):
+        assert len(got) == CALLS, got[-1]
+        for i, (g, r) in enumerate(zip(got, ref, strict=True)):
+            np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5, err_msg=f"call {i}, rank {rank}")
+        assert list(fallbacks) == [
+            f"runtime error: RuntimeError: a compiled graph's bug on rank {rank}"
+        ]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_graph_failing_on_one_rank_fails_every_rank(tmp_path, world):
+    results = run_ranks(_failing, world, tmp_path, {0}, env=_WAIT, timeout=120)
+    for rank, (got, _) in enumerate(results):
+        name, text = got[-1]
+        assert name == "RankFailedError", (rank, got[-1])
+        assert "rank 0 failed in the compiled graph of mixed" in text, text
+        assert "a compiled graph's bug on rank 0" in text, text
+
+
+_WAIT = {"GT_RANK_ERROR_WAIT": "3"}
