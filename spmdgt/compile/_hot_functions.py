@@ -41,10 +41,11 @@ from typing import Any
 from spmdgt._core import debuglog as _debuglog
 from spmdgt.compile._backend import CountingBackend
 from spmdgt.compile._frames import FrameHook
-from spmdgt.compile._guards import exact_dtensor_guards, static_shapes
+from spmdgt.compile._guards import static_shapes
 from spmdgt.compile._sampler import LIBRARY, STOP, USER, CodeSampler
 from spmdgt.compile._stats import CompileStats, first_line
 from spmdgt.compile._steps import StepPoints
+from spmdgt.tensor import _dynamo_guards
 
 __all__ = ["HotFunctionPass"]
 
@@ -88,7 +89,7 @@ class HotFunctionPass:
         if self._listener is None:
             self._listener = _agree.on_agreed(self._on_agreed)
         self.steps.start()
-        exact_dtensor_guards(True)
+        _dynamo_guards.hold("hot functions")
 
     def stop(self) -> None:
         """Stop sampling, remove the hook and its marks (compiled code is dropped by dynamo
@@ -100,7 +101,7 @@ class HotFunctionPass:
         if self._ic is not None and self._ic.sampler is self.sampler:
             self._ic.set_sampler(None)
         self.hook.uninstall()
-        exact_dtensor_guards(False)
+        _dynamo_guards.let_go("hot functions")
 
     def snapshot(self) -> dict[str, Any]:
         """The stats entry's ``compilation`` fields (``_stats.CompileStats``), with

@@ -13,6 +13,7 @@ import warnings
 from spmdgt._core.session import session
 from spmdgt.runtime import _agree
 from spmdgt.runtime._state import get_runtime, world_mesh
+from spmdgt.tensor import _dynamo_guards
 
 __all__ = ["clear", "describe_mesh", "mesh_for", "mesh_ranks", "named_mesh"]
 
@@ -45,6 +46,8 @@ def mesh_for(workers: list[int] | None, signal: str | None = None):
     so a mesh ``[1, 0]`` would gather its shards swapped (a silent permutation of the value).
     Shard ``i`` lives on the ``i``-th smallest listed rank."""
     world = get_runtime().world_size
+    if world > 1 and not _dynamo_guards._holders:
+        _dynamo_guards.hold("sharded meshes")  # your torch.compile over gt.Tensors: exact
     ranks = tuple(range(world)) if workers is None else tuple(sorted(_clamp(workers, signal)))
     if ranks == tuple(range(world)):
         return world_mesh()
@@ -72,6 +75,7 @@ def named_mesh(dims: tuple[tuple[str, int], ...]):
 
         world_mesh()  # the default group must exist first
         _agree.settle()  # new_group is a collective: the points in flight are checked first
+        _dynamo_guards.hold("sharded meshes")
         names = tuple(n for n, _ in key)
         sizes = tuple(s for _, s in key)
         mesh = init_device_mesh(get_runtime().device_type, sizes, mesh_dim_names=names)
@@ -112,6 +116,7 @@ def clear() -> None:
     _cache.clear()
     _named.clear()
     _warned.clear()
+    _dynamo_guards.let_go("sharded meshes")
 
 
 session.register("meshes", clear)

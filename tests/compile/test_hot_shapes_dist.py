@@ -2,7 +2,8 @@
 both halves of the compile pass on: every call equals one process, forward and backward, and
 each new global shape is a recompile on every rank at the same call.
 
-What it guards (``spmdgt/compile/_guards.py``), two faults of torch 2.13's dynamo on DTensors:
+What it guards (``spmdgt/tensor/_dynamo_guards.py``, ``spmdgt/compile/_guards.py``), two
+faults of torch 2.13's dynamo on DTensors:
 
 - its guards check a DTensor input's local shape and its spec without the global shape, so
   a graph compiled for 5 rows (3+2 over 2 ranks) passed rank 0's guards for 6 rows (3+3) and
