@@ -121,9 +121,9 @@ _lock = threading.Lock()  # one exchange at a time: they share slot 0 and the co
 _acquire, _release = _lock.acquire, _lock.release
 _at_exit = False  # the end-of-program exchange is registered
 _ENDED = object()  # the side group after a failure on one rank ended it: active, but ended
-# While dynamo compiles a frame for the compile pass on this rank (``closed``): the points
-# refused there, (what, site). None: exchanges are open.
-_closed: list[tuple[str, str]] | None = None
+# While dynamo compiles a frame for the compile pass on this rank (``closed``): what it
+# compiles, the thread compiling, and the points refused there, (what, site). None: open.
+_closed: tuple[str, int, list[tuple[str, str]]] | None = None
 
 
 class ClosedError(RuntimeError):
@@ -132,32 +132,38 @@ class ClosedError(RuntimeError):
 
 @contextlib.contextmanager
 def closed(why: str) -> Iterator[list[tuple[str, str]]]:
-    """No exchange while the block runs: an agreement point reached in it raises
-    :class:`ClosedError` on this rank at once, before anything is sent, and is listed in the
-    yielded list. For dynamo's compile of a hot function (``why``): the compiler runs user
-    code on real tensors on its own, per rank (a ``repr`` while it builds a guard or a
-    message, on one rank only), and a point reached there pairs with whatever the other ranks
-    exchange next. The caller turns a refused point into a decision every rank takes."""
+    """No exchange from this thread while the block runs: an agreement point reached in it
+    raises :class:`ClosedError` on this rank at once, before anything is sent, and is listed
+    in the yielded list. For dynamo's compile of a hot function (``why``: its name): the
+    compiler runs user code on real tensors on its own, per rank (a ``repr`` while it builds
+    an error message, on one rank only), and a point reached there would pair with whatever
+    the other ranks exchange next. The caller turns a refused point into a decision every
+    rank takes (the compile's result, ``any_rank``)."""
     global _closed
-    prior, _closed = _closed, []
-    seen = _closed
+    prior = _closed
+    seen: list[tuple[str, str]] = []
+    _closed = (why, threading.get_ident(), seen)
     try:
         yield seen
     finally:
         _closed = prior
         if prior is not None:
-            prior.extend(seen)
+            prior[2].extend(seen)
 
 
 def _refuse(what: str, site: str | None) -> None:
+    """Raise :class:`ClosedError` for a point reached while closed, on the closing thread."""
     assert _closed is not None
+    why, thread, seen = _closed
+    if threading.get_ident() != thread:
+        return  # another thread of this rank: its points are not the compile's
     if site is None:
         f = user_frame(sys._getframe(3))  # the point's caller: _refuse < _print < the point
         site = "<no user frame>" if f is None else site_text(f)
-    _closed.append((what, site))
+    seen.append((what, site))
     raise ClosedError(
-        f"spmdgt: {what} at {site} was reached while exchanges are closed on this rank "
-        "(dynamo compiling a hot function); no data moved"
+        f"spmdgt: {what} at {site} was reached while dynamo compiled {why} on this rank "
+        "(exchanges are closed then); no data moved"
     )
 
 
