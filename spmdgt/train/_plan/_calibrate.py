@@ -92,6 +92,12 @@ class FsdpPeak:
     the peak is in a block's backward, under checkpointing; 0 at the backward's start):
     bytes the tracker counts as temporaries but that scale with the parameters, and that
     accumulation's held gradients already count."""
+    left: float = 0.0
+    """Bytes (at ``MemoryMeter.rows``) each block whose backward is done leaves alive until
+    the whole backward ends: under checkpointing, tensors of its recomputed forward (on
+    HF's Llama its RMSNorm outputs and the rotary ``rotate_half(q)``, 3 x tokens x width;
+    found with the tracker's per-op tags, ``docs/planner.md``). Read from the calibration
+    run's backward temporaries at each block's backward start (``_left_behind``)."""
 
 
 @dataclass
@@ -111,6 +117,11 @@ class MemoryModel:
     fsdp: dict[bool, FsdpPeak] = field(default_factory=dict)
     """FSDP's peak by activation checkpointing (empty, or without ``True``, where FSDP, or
     FSDP with checkpointing, was not calibrated)."""
+    fsdp_late: dict[bool, FsdpPeak] = field(default_factory=dict)
+    """Under checkpointing, FSDP's peak in the first block's backward (the last reached),
+    beside what the finished block left (``FsdpPeak.left``): walked like ``fsdp``'s, the
+    larger taken. Deep models peak there (the finished blocks' leavings grow with depth)
+    even where the calibration copy's peak is at the loss."""
     amp_ratio: float = 1.0
     """The ratio AMP's bf16 makes of the dynamic bytes."""
     runs: list[str] = field(default_factory=list)
@@ -219,6 +230,12 @@ class _Measured:
     dynamic: float
     parts: dict[str, int]
     """The peak by category (``DryRunReport.peak_breakdown``)."""
+    before_backward: dict[str, int]
+    """Backward temporaries at each FSDP unit's backward start
+    (``DryRunReport.backward_temporaries``)."""
+    block_peak: dict[str, int]
+    """The peak in the first block's backward (the last the backward reaches), by category
+    (``DryRunReport.backward_peaks``); empty where not FSDP."""
     optimizer: int
     params: int
     buffers: int
@@ -274,6 +291,8 @@ def _measure(model: nn.Module, batch: object, optimizer: Callable, loss_fn, run:
     return _Measured(
         dynamic=_dynamic(r),
         parts=dict(r.peak_breakdown),
+        before_backward=dict(r.backward_temporaries),
+        block_peak=_first_block(r.backward_peaks),
         optimizer=r.optimizer[0],
         params=r.params[0],
         buffers=r.peak_breakdown.get("buffers", 0),
@@ -417,6 +436,8 @@ def _fit(
         if key in got and (ac_on, False) in mem.block:
             peak = _fsdp_peak(got[key], blocks, facts.block_bytes, units, ac_on)
             peak.saved = mem.block[(ac_on, False)]
+            if ac_on and got[key].block_peak:
+                mem.fsdp_late[True] = _late_peak(got, key, blocks, facts, units, peak.saved)
             mem.fsdp[ac_on] = peak
     if "tp" in got and blk:
         per_block = (got["tp"].dynamic - rest) / 2
@@ -446,6 +467,66 @@ def _fsdp_peak(got: _Measured, blocks: int, block_bytes: int, units: float, ac: 
         grads=max(0.0, held - (blocks - 1 - block) * block_bytes) if blocks else held,
         fresh=fresh / block_bytes if block_bytes else 0.0,
     )
+
+
+def _first_block(peaks: dict[str, dict[str, int]]) -> dict[str, int]:
+    """The backward peak (``DryRunReport.backward_peaks``) of the block with the lowest
+    index (the last the backward reaches); empty without blocks."""
+    blocks = sorted(
+        (int(name.rpartition(".")[2]), name) for name in peaks if name.rpartition(".")[2].isdigit()
+    )
+    return dict(peaks[blocks[0][1]]) if blocks else {}
+
+
+def _late_peak(
+    got: dict[str, _Measured], key: str, blocks: int, facts: ModelFacts, units: float, saved: float
+) -> FsdpPeak:
+    """FSDP's peak in the calibration copy's first block's backward (``MemoryModel.fsdp_late``),
+    with what each finished block leaves (``_left_behind``). Its saved bytes per block: the
+    world-1 checkpointing line's, less one block's leavings where that line holds them (its
+    2-block run peaked after block 1's backward, block 1's gradients held beside the 1-block
+    run's: at world 1 they are counted as activations)."""
+    run = got[key]
+    parts = run.block_peak
+    total = parts.get("total", 0)
+    dynamic = max(0.0, total - sum(v for k, v in parts.items() if k in _STATIC))
+    late = _fsdp_peak(
+        _Measured(dynamic, parts, {}, {}, run.optimizer, run.params, run.buffers, 0.0),
+        blocks,
+        facts.block_bytes,
+        units,
+        True,
+    )
+    late.left = _left_behind(run.before_backward)
+    late.saved = saved
+    one, two = got.get("ac1"), got.get("ac2")
+    if one and two and facts.block_bytes:
+        grew = two.parts.get("grads", 0) - one.parts.get("grads", 0)
+        if grew >= 0.5 * facts.block_bytes:
+            late.saved = max(0.0, saved - late.left)
+    return late
+
+
+def _left_behind(before_backward: dict[str, int]) -> float:
+    """Bytes each finished block's backward leaves alive until the backward ends, from the
+    temporaries at each block's backward start (``_Measured.before_backward``): the first
+    block's (reached last) less the last block's (reached first), over the blocks between.
+    Both hold one incoming activation gradient; what differs is what the finished blocks
+    left. Under checkpointing on HF's Llama, 3 x tokens x width a block (0.375 GiB at the
+    8B shape's 8192 tokens), the recomputed forward's RMSNorm outputs and ``rotate_half(q)``:
+    the checkpoint's frame has handed every recomputed tensor to the backward by then (its
+    ``recomputed`` dict is empty, its holders gone), a ``gc.collect`` frees nothing, and
+    without early stop it is the same, so something the autograd graph keeps holds them;
+    all are freed when the backward ends (the root's post-backward). 0 with fewer than 2
+    blocks."""
+    blocks = sorted(
+        (int(name.rpartition(".")[2]), v)
+        for name, v in before_backward.items()
+        if name.rpartition(".")[2].isdigit()
+    )
+    if len(blocks) < 2:
+        return 0.0
+    return max(0.0, (blocks[0][1] - blocks[-1][1]) / (len(blocks) - 1))
 
 
 def _forget_runtime() -> None:

@@ -127,6 +127,13 @@ def _fsdp_step(c: Candidate, facts: ModelFacts, mem: MemoryModel, local: float) 
             ": plan without memory_model= (or with one calibrated for the whole search)"
         )
     mem.dynamic(c.micro_batch, c.ac, c.amp, facts.blocks, c.tp)  # refuses what is not calibrated
+    best = _walk(c, facts, mem, local, peak)
+    late = mem.fsdp_late.get(c.ac)
+    return max(best, _walk(c, facts, mem, local, late)) if late is not None else best
+
+
+def _walk(c: Candidate, facts: ModelFacts, mem: MemoryModel, local: float, peak) -> float:
+    """``_fsdp_step`` from one calibrated peak (``FsdpPeak``)."""
     t, s, n = c.tp, c.dp_shard, facts.blocks
     half = 2 if c.amp else 4  # bytes of a compute-dtype element
     scale = c.micro_batch / mem.rows * (mem.amp_ratio if c.amp else 1.0)
@@ -141,15 +148,20 @@ def _fsdp_step(c: Candidate, facts: ModelFacts, mem: MemoryModel, local: float) 
     # Llama at 2, 3, 4 and 6 blocks hold them all at the same block of the backward);
     # without it a block's activations go at the end of its backward.
     kept = (peak.blocks if c.ac else peak.block + 1) if peak.blocks else 0
-    rest = (peak.rows - kept * saved) * scale
+    # and what the calibration's finished blocks left (``FsdpPeak.left``: under
+    # checkpointing each finished block's backward leaves tensors alive to the backward's end)
+    finished = max(0, peak.blocks - 1 - peak.block)
+    rest = (peak.rows - kept * saved - finished * peak.left) * scale
     if c.ac:
         rest *= mem.tp_keep + (1 - mem.tp_keep) / t
     buffer = peak.buffer * block * half / 4  # a prefetched or reduce-scattered block's
     # the block's new gradients (counted in ``local`` under accumulation)
     fresh = peak.fresh * block * half / 4 if c.accumulation == 1 else 0.0
     best = 0.0
+    left = peak.left * scale * (mem.tp_keep + (1 - mem.tp_keep) / t)
     for j in range(max(n, 1)):
         acts = rest + (n if c.ac else j + 1) * per_block if n else peak.rows * scale
+        acts += max(0, n - 1 - j) * left
         buffers = ((j >= 1) + (j < n - 1)) * buffer
         done = max(0, n - 1 - j) * block  # blocks whose gradients are reduced
         grads = local - done * (1 - 1 / s) if c.accumulation > 1 else (done + peak.grads) / s
