@@ -92,6 +92,8 @@ class FsdpPeak:
     the peak is in a block's backward, under checkpointing; 0 at the backward's start):
     bytes the tracker counts as temporaries but that scale with the parameters, and that
     accumulation's held gradients already count."""
+    amp: bool = False
+    """Measured under FSDP's AMP: its bytes are AMP's (the walk scales nothing by dtype)."""
     left: float = 0.0
     """Bytes (at ``MemoryMeter.rows``) each block whose backward is done leaves alive until
     the whole backward ends: under checkpointing, tensors of its recomputed forward (on
@@ -118,6 +120,11 @@ class MemoryModel:
     """FSDP's peak by activation checkpointing (empty, or without ``True``, where FSDP, or
     FSDP with checkpointing, was not calibrated)."""
     fsdp_late: dict[bool, FsdpPeak] = field(default_factory=dict)
+    fsdp_amp: dict[bool, FsdpPeak] = field(default_factory=dict)
+    """``fsdp`` and ``fsdp_late`` calibrated under FSDP's AMP (``FsdpPeak.amp``), where AMP
+    is searched: its reduce-scatter stays fp32 while the rest is bf16, and the world-1 AMP
+    run (autocast: fp32 weights cast per op) is no measure of it."""
+    fsdp_late_amp: dict[bool, FsdpPeak] = field(default_factory=dict)
     """Under checkpointing, FSDP's peak in the first block's backward (the last reached),
     beside what the finished block left (``FsdpPeak.left``): walked like ``fsdp``'s, the
     larger taken. Deep models peak there (the finished blocks' leavings grow with depth)
@@ -272,6 +279,18 @@ def _plan_runs(facts: ModelFacts, needs: tuple[bool, bool, bool]) -> list[_Run]:
     if fsdp and ac:
         fsdp_ac = TrainConfig(strategy="fsdp", activation_checkpointing=True)
         runs.append(_Run("fsdp_ac", "fsdp + checkpointing, world 2", two, 2, fsdp_ac))
+    if fsdp and amp:
+        # FSDP's AMP is its MixedPrecisionPolicy (bf16 parameters and compute, fp32
+        # reduce-scatter), not world 1's autocast: its own runs, its own peaks
+        on = TrainingConfig(use_amp=True)
+        runs.append(
+            _Run(
+                "fsdp_amp", "fsdp + AMP, world 2", two, 2, TrainConfig(strategy="fsdp", training=on)
+            )
+        )
+        if ac:
+            both = TrainConfig(strategy="fsdp", activation_checkpointing=True, training=on)
+            runs.append(_Run("fsdp_ac_amp", "fsdp + checkpointing + AMP, world 2", two, 2, both))
     if ac:
         runs.append(_Run("ac2", "activation checkpointing, 2 blocks", two, 1, ac_cfg))
     if cut:
@@ -388,10 +407,13 @@ def calibrate(
     # whose 1- and 2-block peaks are the recompute's)
     width = facts.flops.width if facts.flops else None
     tokens = _tokens(batch)
-    if True in mem.fsdp and width and tokens and facts.parameters:
+    if width and tokens and facts.parameters:
         element = facts.param_bytes / facts.parameters
         floor = mem.rows * tokens * width * element
-        mem.fsdp[True].saved = max(mem.fsdp[True].saved, floor)
+        for peaks in (mem.fsdp, mem.fsdp_late, mem.fsdp_amp, mem.fsdp_late_amp):
+            if True in peaks:
+                low = floor / 2 if peaks[True].amp else floor
+                peaks[True].saved = max(peaks[True].saved, low)
     return mem
 
 
@@ -432,20 +454,30 @@ def _fit(
             mem.block[(ac_on, True)] = mem.block[(ac_on, False)] * r_amp
     blocks = min(facts.blocks, 2)
     units = _unit_bytes(model, 2 if facts.blocks >= 2 else None)
-    for key, ac_on in (("fsdp", False), ("fsdp_ac", True)):
+    fsdp_runs = (
+        ("fsdp", False, False),
+        ("fsdp_ac", True, False),
+        ("fsdp_amp", False, True),
+        ("fsdp_ac_amp", True, True),
+    )
+    for key, ac_on, amp_on in fsdp_runs:
         if key in got and (ac_on, False) in mem.block:
-            peak = _fsdp_peak(got[key], blocks, facts.block_bytes, units, ac_on)
-            peak.saved = mem.block[(ac_on, False)]
+            peak = _fsdp_peak(got[key], blocks, facts.block_bytes, units, ac_on, amp_on)
+            # under FSDP's AMP a block's activations are bf16: half the fp32 line's
+            peak.saved = mem.block[(ac_on, False)] * (0.5 if amp_on else 1.0)
             if ac_on and got[key].block_peak:
-                mem.fsdp_late[True] = _late_peak(got, key, blocks, facts, units, peak.saved)
-            mem.fsdp[ac_on] = peak
+                late = _late_peak(got, key, blocks, facts, units, peak.saved, amp_on)
+                (mem.fsdp_late_amp if amp_on else mem.fsdp_late)[True] = late
+            (mem.fsdp_amp if amp_on else mem.fsdp)[ac_on] = peak
     if "tp" in got and blk:
         per_block = (got["tp"].dynamic - rest) / 2
         mem.tp_keep = min(1.0, max(0.0, 2 * per_block / blk - 1))
     return mem
 
 
-def _fsdp_peak(got: _Measured, blocks: int, block_bytes: int, units: float, ac: bool) -> FsdpPeak:
+def _fsdp_peak(
+    got: _Measured, blocks: int, block_bytes: int, units: float, ac: bool, amp: bool = False
+) -> FsdpPeak:
     """FSDP's peak split (``FsdpPeak``) from its world-2 run of ``blocks`` blocks: the
     block it fell in is read from the sharded gradients held (each block whose backward is
     done holds its own, half on each of the 2 ranks)."""
@@ -457,7 +489,8 @@ def _fsdp_peak(got: _Measured, blocks: int, block_bytes: int, units: float, ac: 
     on_buffers = sum(got.parts.get(k, 0) for k in _BUFFERS)
     buffers = (block >= 1) + (block < blocks - 1)  # a prefetch, a reduce-scatter under way
     rows = max(0.0, got.dynamic - on_units - on_buffers)
-    fresh = min(float(block_bytes), rows) if ac and blocks else 0.0
+    # the block's new unsharded gradients: bf16 under FSDP's AMP
+    fresh = min(block_bytes * (0.5 if amp else 1.0), rows) if ac and blocks else 0.0
     return FsdpPeak(
         blocks=blocks,
         block=block,
@@ -466,6 +499,7 @@ def _fsdp_peak(got: _Measured, blocks: int, block_bytes: int, units: float, ac: 
         buffer=on_buffers / (buffers * block_bytes) if buffers and block_bytes else 1.0,
         grads=max(0.0, held - (blocks - 1 - block) * block_bytes) if blocks else held,
         fresh=fresh / block_bytes if block_bytes else 0.0,
+        amp=amp,
     )
 
 
@@ -479,7 +513,13 @@ def _first_block(peaks: dict[str, dict[str, int]]) -> dict[str, int]:
 
 
 def _late_peak(
-    got: dict[str, _Measured], key: str, blocks: int, facts: ModelFacts, units: float, saved: float
+    got: dict[str, _Measured],
+    key: str,
+    blocks: int,
+    facts: ModelFacts,
+    units: float,
+    saved: float,
+    amp: bool = False,
 ) -> FsdpPeak:
     """FSDP's peak in the calibration copy's first block's backward (``MemoryModel.fsdp_late``),
     with what each finished block leaves (``_left_behind``). Its saved bytes per block: the
@@ -496,6 +536,7 @@ def _late_peak(
         facts.block_bytes,
         units,
         True,
+        amp,
     )
     late.left = _left_behind(run.before_backward)
     late.saved = saved

@@ -35,7 +35,7 @@ import math
 from dataclasses import dataclass, field
 
 from spmdgt.train._comm_cost import CommunicationProfiler
-from spmdgt.train._plan._calibrate import MemoryModel
+from spmdgt.train._plan._calibrate import FsdpPeak, MemoryModel
 from spmdgt.train._plan._device import DeviceSpec, Link
 from spmdgt.train._plan._model import ModelFacts
 from spmdgt.train._plan._space import Candidate
@@ -120,7 +120,8 @@ def _fsdp_step(c: Candidate, facts: ModelFacts, mem: MemoryModel, local: float) 
     checkpointing, frees its activations; the first block of the backward has no
     reduce-scatter under way and block 0 no prefetch. Without checkpointing the peak is at
     the backward's start, with every block's activations and no gradient reduced yet."""
-    peak = mem.fsdp.get(c.ac)
+    amp = c.amp and c.ac in mem.fsdp_amp  # FSDP's AMP calibrated as itself
+    peak = (mem.fsdp_amp if amp else mem.fsdp).get(c.ac)
     if peak is None:
         raise ValueError(
             f"this memory model was calibrated without FSDP{' + checkpointing' if c.ac else ''}"
@@ -128,15 +129,17 @@ def _fsdp_step(c: Candidate, facts: ModelFacts, mem: MemoryModel, local: float) 
         )
     mem.dynamic(c.micro_batch, c.ac, c.amp, facts.blocks, c.tp)  # refuses what is not calibrated
     best = _walk(c, facts, mem, local, peak)
-    late = mem.fsdp_late.get(c.ac)
+    late = (mem.fsdp_late_amp if amp else mem.fsdp_late).get(c.ac)
     return max(best, _walk(c, facts, mem, local, late)) if late is not None else best
 
 
-def _walk(c: Candidate, facts: ModelFacts, mem: MemoryModel, local: float, peak) -> float:
+def _walk(c: Candidate, facts: ModelFacts, mem: MemoryModel, local: float, peak: FsdpPeak) -> float:
     """``_fsdp_step`` from one calibrated peak (``FsdpPeak``)."""
     t, s, n = c.tp, c.dp_shard, facts.blocks
-    half = 2 if c.amp else 4  # bytes of a compute-dtype element
-    scale = c.micro_batch / mem.rows * (mem.amp_ratio if c.amp else 1.0)
+    # bytes of a compute-dtype element, and AMP's ratio of the rows' bytes: from the world-1
+    # AMP run unless the peak was calibrated under FSDP's AMP itself
+    half = 2 if c.amp and not peak.amp else 4
+    scale = c.micro_batch / mem.rows * (mem.amp_ratio if c.amp and not peak.amp else 1.0)
     saved = peak.saved  # a block's saved activations, at the calibration's rows
     per_block = saved * scale * (mem.tp_keep + (1 - mem.tp_keep) / t)
     block = facts.block_bytes - facts.tp_block_bytes * (1 - 1 / t)  # before FSDP's sharding
