@@ -184,7 +184,7 @@ def _report(raw: dict, cfg: TrainConfig, s: _Settings, t0: float, notes: list[st
         device=s.device,
         headroom=s.headroom,
         tracker=raw["tracker"],
-        backward_temporaries=raw.get("backward_temporaries", {}),
+        before_backward=raw.get("before_backward", {}),
         backward_peaks=raw.get("backward_peaks", {}),
         elapsed=time.perf_counter() - t0,
         notes=notes,

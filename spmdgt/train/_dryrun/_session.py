@@ -207,13 +207,13 @@ class DrySession:
             "collectives": counter.totals_by_dim(step=1),
             "sizes": layout.dim_sizes(),
             "tracker": meter.tracker_name,
-            "backward_temporaries": _backward_temporaries(meter.last_tracker),
+            "before_backward": _before_backward(meter.last_tracker),
             "backward_peaks": _backward_peaks(meter.last_tracker),
         }
 
 
-def _backward_temporaries(tracker: object) -> dict[str, int]:
-    """FSDPMemTracker's backward temporaries (its "Temp") just before each FSDP unit's
+def _before_backward(tracker: object) -> dict[str, int]:
+    """FSDPMemTracker's activations and backward temporaries just before each FSDP unit's
     backward starts, by the unit's name (the last tracked step's; empty for other trackers).
     Under activation checkpointing they grow with each block whose backward is done: the
     planner reads the bytes a finished block leaves behind from them (``_plan._calibrate``)."""
@@ -221,7 +221,7 @@ def _backward_temporaries(tracker: object) -> dict[str, int]:
 
     out: dict[str, int] = {}
     for name, snap in _unit_snapshots(tracker, _FSDPModState.BEF_PRE_BW).items():
-        out[name] = snap.get("backward temporaries", 0)
+        out[name] = snap.get("backward temporaries", 0) + snap.get("activations", 0)
     return out
 
 

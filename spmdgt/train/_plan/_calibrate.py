@@ -238,8 +238,8 @@ class _Measured:
     parts: dict[str, int]
     """The peak by category (``DryRunReport.peak_breakdown``)."""
     before_backward: dict[str, int]
-    """Backward temporaries at each FSDP unit's backward start
-    (``DryRunReport.backward_temporaries``)."""
+    """Activations and backward temporaries at each FSDP unit's backward start
+    (``DryRunReport.before_backward``)."""
     block_peak: dict[str, int]
     """The peak in the first block's backward (the last the backward reaches), by category
     (``DryRunReport.backward_peaks``); empty where not FSDP."""
@@ -310,7 +310,7 @@ def _measure(model: nn.Module, batch: object, optimizer: Callable, loss_fn, run:
     return _Measured(
         dynamic=_dynamic(r),
         parts=dict(r.peak_breakdown),
-        before_backward=dict(r.backward_temporaries),
+        before_backward=dict(r.before_backward),
         block_peak=_first_block(r.backward_peaks),
         optimizer=r.optimizer[0],
         params=r.params[0],
@@ -552,17 +552,21 @@ def _late_peak(
 
 
 def _left_behind(before_backward: dict[str, int]) -> float:
-    """Bytes each finished block's backward leaves alive until the backward ends, from the
-    temporaries at each block's backward start (``_Measured.before_backward``): the first
-    block's (reached last) less the last block's (reached first), over the blocks between.
-    Both hold one incoming activation gradient; what differs is what the finished blocks
-    left. Under checkpointing on HF's Llama, 3 x tokens x width a block (0.375 GiB at the
-    8B shape's 8192 tokens), the recomputed forward's RMSNorm outputs and ``rotate_half(q)``:
-    the checkpoint's frame has handed every recomputed tensor to the backward by then (its
-    ``recomputed`` dict is empty, its holders gone), a ``gc.collect`` frees nothing, and
-    without early stop it is the same, so something the autograd graph keeps holds them;
-    all are freed when the backward ends (the root's post-backward). 0 with fewer than 2
-    blocks."""
+    """Bytes each finished block's backward leaves alive until the backward ends, net of
+    what it frees, from the activations and temporaries at each block's backward start
+    (``_Measured.before_backward``): the first block's (reached last) less the last
+    block's (reached first), over the blocks between. Both hold one incoming activation
+    gradient and every block's checkpoint input; what differs is what the finished blocks
+    left, less the saved bytes they freed (which the walk counts for every block).
+
+    Under checkpointing on HF's Llama a finished block leaves 3 x tokens x width in fp32
+    (0.375 GiB at the 8B shape's 8192 tokens): tensors its recomputed forward made (the
+    tracker's per-op tags name RMSNorm's two multiplies and ``rotate_half(q)``'s cat).
+    The checkpoint's frame has handed every recomputed tensor to the backward by then (its
+    ``recomputed`` dict is empty, its holders gone), ``gc.collect`` frees none of them,
+    and without early stop it is the same: something the autograd graph keeps (not found)
+    holds them until the backward ends (the root's post-backward frees them all). 0 with
+    fewer than 2 blocks."""
     blocks = sorted(
         (int(name.rpartition(".")[2]), v)
         for name, v in before_backward.items()
