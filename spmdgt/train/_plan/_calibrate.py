@@ -16,7 +16,11 @@ world 2 fsdp, 2 blocks        FSDP's step at its peak: the gathered units and co
                               buffers, the activations and temporaries, and which block's
                               backward the peak is in (from the sharded gradients held)
 world 2 fsdp, 2 blocks, AC    the same under activation checkpointing (its peak is in the
-                              backward, beside a recomputed block and the gradients so far)
+                              backward, beside a recomputed block and the gradients so far),
+                              and its peak inside the first block's backward with the bytes
+                              each finished block leaves to the backward's end
+world 2 fsdp, 2 blocks, AMP   the two above under FSDP's AMP (MixedPrecisionPolicy: bf16
+(with and without AC)         compute, fp32 reduce-scatter), not world 1's autocast
 world 2 placements, 2 blocks  the share of a block's activations TP does not split
 ===========================  ===========================================================
 

@@ -7,7 +7,9 @@ temporaries per row and per block, TP's share) plus the gradients, taken whole a
 plus DDP's gradient buckets. FSDP: its own calibrated peak (``FsdpPeak``) walked over the
 candidate's blocks (``_fsdp_step``: which block's backward holds the peak depends on the
 blocks, the rows and ``dp_shard``), with the gradients reduced so far (FSDP2's ``no_sync``
-holds them unsharded under accumulation, until the last micro-step).
+holds them unsharded under accumulation, until the last micro-step); under checkpointing
+a second calibrated peak, in a block's backward, is walked too with what each finished
+block leaves alive to the backward's end (``FsdpPeak.left``), and the larger taken.
 
 Time (per optimizer step, per rank):
 
