@@ -129,6 +129,8 @@ class MemoryMeter:
         self.tracker: object | None = None
         """The tracker of the step in progress (``None`` between steps and untracked): a dry
         run reads the activations it counts and tells it of tensors made outside it."""
+        self.last_tracker: object | None = None
+        """The last tracked step's tracker: a dry run reads its per-module snapshots."""
         self.allocator = device.type == "cuda"
         if self.allocator:
             torch.cuda.reset_peak_memory_stats(device)
@@ -161,6 +163,7 @@ class MemoryMeter:
                 yield
         finally:
             self.tracker = None
+            self.last_tracker = tracker
             hook.remove()
         for snap in tracker.get_tracker_snapshot("peak").values():  # type: ignore[attr-defined]
             if snap.get("Total", 0) > (self._peak or 0):

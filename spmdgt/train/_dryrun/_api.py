@@ -184,6 +184,8 @@ def _report(raw: dict, cfg: TrainConfig, s: _Settings, t0: float, notes: list[st
         device=s.device,
         headroom=s.headroom,
         tracker=raw["tracker"],
+        before_backward=raw.get("before_backward", {}),
+        backward_peaks=raw.get("backward_peaks", {}),
         elapsed=time.perf_counter() - t0,
         notes=notes,
     )

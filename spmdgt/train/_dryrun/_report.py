@@ -67,6 +67,12 @@ class DryRunReport:
     links: dict[str, tuple[float, float, str]] | None = None
     """Per mesh dim given its own link: (bandwidth, latency, label); other dims use
     ``bandwidth``/``latency``."""
+    before_backward: dict[str, int] = field(default_factory=dict)
+    """FSDP only: the tracker's activations and backward temporaries just before each FSDP
+    unit's backward starts, by the unit's name (rank 0's, the last step's)."""
+    backward_peaks: dict[str, dict[str, int]] = field(default_factory=dict)
+    """FSDP only: the peak in each FSDP unit's backward by category (``total`` their sum),
+    by the unit's name (rank 0's, the last step's)."""
 
     def collectives_by_dim(self) -> dict[str, dict[str, dict[str, int]]]:
         """One step's collectives per mesh dim: ``{dim: {kind: {count, bytes}}}`` (bytes of

@@ -207,7 +207,50 @@ class DrySession:
             "collectives": counter.totals_by_dim(step=1),
             "sizes": layout.dim_sizes(),
             "tracker": meter.tracker_name,
+            "before_backward": _before_backward(meter.last_tracker),
+            "backward_peaks": _backward_peaks(meter.last_tracker),
         }
+
+
+def _before_backward(tracker: object) -> dict[str, int]:
+    """FSDPMemTracker's activations and backward temporaries just before each FSDP unit's
+    backward starts, by the unit's name (the last tracked step's; empty for other trackers).
+    Under activation checkpointing they grow with each block whose backward is done: the
+    planner reads the bytes a finished block leaves behind from them (``_plan._calibrate``)."""
+    from torch.distributed._tools.fsdp2_mem_tracker import _FSDPModState
+
+    out: dict[str, int] = {}
+    for name, snap in _unit_snapshots(tracker, _FSDPModState.BEF_PRE_BW).items():
+        out[name] = snap.get("backward temporaries", 0) + snap.get("activations", 0)
+    return out
+
+
+def _backward_peaks(tracker: object) -> dict[str, dict[str, int]]:
+    """FSDPMemTracker's peak in each FSDP unit's backward, by category as the report names
+    them, by the unit's name (the last tracked step's; empty for other trackers)."""
+    from torch.distributed._tools.fsdp2_mem_tracker import _FSDPModState
+
+    return _unit_snapshots(tracker, _FSDPModState.PEAK_BW)
+
+
+def _unit_snapshots(tracker: object, state: object) -> dict[str, dict[str, int]]:
+    tracking = getattr(tracker, "memory_tracking", None)
+    if not tracking or type(tracker).__name__ != "FSDPMemTracker":
+        return {}
+    out: dict[str, dict[str, int]] = {}
+    for stats in tracking.values():
+        snaps = stats.snapshots.get(state) or []
+        if snaps and snaps[-1]:
+            dev = max(snaps[-1].values(), key=lambda d: d.get("Total", 0))
+            out[stats.mod_fqn] = {
+                _CATEGORY.get(
+                    str(getattr(k, "value", k)), str(getattr(k, "value", k)).lower()
+                ): int(v)
+                for k, v in dev.items()
+                if v and k != "Total"
+            }
+            out[stats.mod_fqn]["total"] = int(dev.get("Total", 0))
+    return out
 
 
 def _nbytes(tensors: list[torch.Tensor]) -> int:

@@ -16,7 +16,11 @@ world 2 fsdp, 2 blocks        FSDP's step at its peak: the gathered units and co
                               buffers, the activations and temporaries, and which block's
                               backward the peak is in (from the sharded gradients held)
 world 2 fsdp, 2 blocks, AC    the same under activation checkpointing (its peak is in the
-                              backward, beside a recomputed block and the gradients so far)
+                              backward, beside a recomputed block and the gradients so far),
+                              and its peak inside the first block's backward with the bytes
+                              each finished block leaves to the backward's end
+world 2 fsdp, 2 blocks, AMP   the two above under FSDP's AMP (MixedPrecisionPolicy: bf16
+(with and without AC)         compute, fp32 reduce-scatter), not world 1's autocast
 world 2 placements, 2 blocks  the share of a block's activations TP does not split
 ===========================  ===========================================================
 
@@ -92,6 +96,14 @@ class FsdpPeak:
     the peak is in a block's backward, under checkpointing; 0 at the backward's start):
     bytes the tracker counts as temporaries but that scale with the parameters, and that
     accumulation's held gradients already count."""
+    amp: bool = False
+    """Measured under FSDP's AMP: its bytes are AMP's (the walk scales nothing by dtype)."""
+    left: float = 0.0
+    """Bytes (at ``MemoryMeter.rows``) each block whose backward is done leaves alive until
+    the whole backward ends: under checkpointing, tensors of its recomputed forward (on
+    HF's Llama its RMSNorm outputs and the rotary ``rotate_half(q)``, 3 x tokens x width;
+    found with the tracker's per-op tags, ``docs/planner.md``). Read from the calibration
+    run's backward temporaries at each block's backward start (``_left_behind``)."""
 
 
 @dataclass
@@ -111,6 +123,16 @@ class MemoryModel:
     fsdp: dict[bool, FsdpPeak] = field(default_factory=dict)
     """FSDP's peak by activation checkpointing (empty, or without ``True``, where FSDP, or
     FSDP with checkpointing, was not calibrated)."""
+    fsdp_late: dict[bool, FsdpPeak] = field(default_factory=dict)
+    fsdp_amp: dict[bool, FsdpPeak] = field(default_factory=dict)
+    """``fsdp`` and ``fsdp_late`` calibrated under FSDP's AMP (``FsdpPeak.amp``), where AMP
+    is searched: its reduce-scatter stays fp32 while the rest is bf16, and the world-1 AMP
+    run (autocast: fp32 weights cast per op) is no measure of it."""
+    fsdp_late_amp: dict[bool, FsdpPeak] = field(default_factory=dict)
+    """Under checkpointing, FSDP's peak in the first block's backward (the last reached),
+    beside what the finished block left (``FsdpPeak.left``): walked like ``fsdp``'s, the
+    larger taken. Deep models peak there (the finished blocks' leavings grow with depth)
+    even where the calibration copy's peak is at the loss."""
     amp_ratio: float = 1.0
     """The ratio AMP's bf16 makes of the dynamic bytes."""
     runs: list[str] = field(default_factory=list)
@@ -219,6 +241,12 @@ class _Measured:
     dynamic: float
     parts: dict[str, int]
     """The peak by category (``DryRunReport.peak_breakdown``)."""
+    before_backward: dict[str, int]
+    """Activations and backward temporaries at each FSDP unit's backward start
+    (``DryRunReport.before_backward``)."""
+    block_peak: dict[str, int]
+    """The peak in the first block's backward (the last the backward reaches), by category
+    (``DryRunReport.backward_peaks``); empty where not FSDP."""
     optimizer: int
     params: int
     buffers: int
@@ -255,6 +283,18 @@ def _plan_runs(facts: ModelFacts, needs: tuple[bool, bool, bool]) -> list[_Run]:
     if fsdp and ac:
         fsdp_ac = TrainConfig(strategy="fsdp", activation_checkpointing=True)
         runs.append(_Run("fsdp_ac", "fsdp + checkpointing, world 2", two, 2, fsdp_ac))
+    if fsdp and amp:
+        # FSDP's AMP is its MixedPrecisionPolicy (bf16 parameters and compute, fp32
+        # reduce-scatter), not world 1's autocast: its own runs, its own peaks
+        on = TrainingConfig(use_amp=True)
+        runs.append(
+            _Run(
+                "fsdp_amp", "fsdp + AMP, world 2", two, 2, TrainConfig(strategy="fsdp", training=on)
+            )
+        )
+        if ac:
+            both = TrainConfig(strategy="fsdp", activation_checkpointing=True, training=on)
+            runs.append(_Run("fsdp_ac_amp", "fsdp + checkpointing + AMP, world 2", two, 2, both))
     if ac:
         runs.append(_Run("ac2", "activation checkpointing, 2 blocks", two, 1, ac_cfg))
     if cut:
@@ -274,6 +314,8 @@ def _measure(model: nn.Module, batch: object, optimizer: Callable, loss_fn, run:
     return _Measured(
         dynamic=_dynamic(r),
         parts=dict(r.peak_breakdown),
+        before_backward=dict(r.before_backward),
+        block_peak=_first_block(r.backward_peaks),
         optimizer=r.optimizer[0],
         params=r.params[0],
         buffers=r.peak_breakdown.get("buffers", 0),
@@ -369,10 +411,13 @@ def calibrate(
     # whose 1- and 2-block peaks are the recompute's)
     width = facts.flops.width if facts.flops else None
     tokens = _tokens(batch)
-    if True in mem.fsdp and width and tokens and facts.parameters:
+    if width and tokens and facts.parameters:
         element = facts.param_bytes / facts.parameters
         floor = mem.rows * tokens * width * element
-        mem.fsdp[True].saved = max(mem.fsdp[True].saved, floor)
+        for peaks in (mem.fsdp, mem.fsdp_late, mem.fsdp_amp, mem.fsdp_late_amp):
+            if True in peaks:
+                low = floor / 2 if peaks[True].amp else floor
+                peaks[True].saved = max(peaks[True].saved, low)
     return mem
 
 
@@ -413,18 +458,33 @@ def _fit(
             mem.block[(ac_on, True)] = mem.block[(ac_on, False)] * r_amp
     blocks = min(facts.blocks, 2)
     units = _unit_bytes(model, 2 if facts.blocks >= 2 else None)
-    for key, ac_on in (("fsdp", False), ("fsdp_ac", True)):
+    fsdp_runs = (
+        ("fsdp", False, False),
+        ("fsdp_ac", True, False),
+        ("fsdp_amp", False, True),
+        ("fsdp_ac_amp", True, True),
+    )
+    for key, ac_on, amp_on in fsdp_runs:
         if key in got and (ac_on, False) in mem.block:
-            peak = _fsdp_peak(got[key], blocks, facts.block_bytes, units, ac_on)
-            peak.saved = mem.block[(ac_on, False)]
-            mem.fsdp[ac_on] = peak
+            peak = _fsdp_peak(got[key], blocks, facts.block_bytes, units, ac_on, amp_on)
+            # under FSDP's AMP a block's saved bytes are bf16: half the fp32 line's. Not
+            # quite (HF's RMSNorm computes in fp32): at the Llama-3-8B shape without
+            # checkpointing this reads FSDP's AMP peak 5.0% under its dry run; what a
+            # finished block leaves under checkpointing is no measure (0.83 of fp32's)
+            peak.saved = mem.block[(ac_on, False)] * (0.5 if amp_on else 1.0)
+            if ac_on and got[key].block_peak:
+                late = _late_peak(got, key, blocks, facts, units, peak.saved, amp_on)
+                (mem.fsdp_late_amp if amp_on else mem.fsdp_late)[True] = late
+            (mem.fsdp_amp if amp_on else mem.fsdp)[ac_on] = peak
     if "tp" in got and blk:
         per_block = (got["tp"].dynamic - rest) / 2
         mem.tp_keep = min(1.0, max(0.0, 2 * per_block / blk - 1))
     return mem
 
 
-def _fsdp_peak(got: _Measured, blocks: int, block_bytes: int, units: float, ac: bool) -> FsdpPeak:
+def _fsdp_peak(
+    got: _Measured, blocks: int, block_bytes: int, units: float, ac: bool, amp: bool = False
+) -> FsdpPeak:
     """FSDP's peak split (``FsdpPeak``) from its world-2 run of ``blocks`` blocks: the
     block it fell in is read from the sharded gradients held (each block whose backward is
     done holds its own, half on each of the 2 ranks)."""
@@ -436,7 +496,8 @@ def _fsdp_peak(got: _Measured, blocks: int, block_bytes: int, units: float, ac: 
     on_buffers = sum(got.parts.get(k, 0) for k in _BUFFERS)
     buffers = (block >= 1) + (block < blocks - 1)  # a prefetch, a reduce-scatter under way
     rows = max(0.0, got.dynamic - on_units - on_buffers)
-    fresh = min(float(block_bytes), rows) if ac and blocks else 0.0
+    # the block's new unsharded gradients: bf16 under FSDP's AMP
+    fresh = min(block_bytes * (0.5 if amp else 1.0), rows) if ac and blocks else 0.0
     return FsdpPeak(
         blocks=blocks,
         block=block,
@@ -445,7 +506,79 @@ def _fsdp_peak(got: _Measured, blocks: int, block_bytes: int, units: float, ac: 
         buffer=on_buffers / (buffers * block_bytes) if buffers and block_bytes else 1.0,
         grads=max(0.0, held - (blocks - 1 - block) * block_bytes) if blocks else held,
         fresh=fresh / block_bytes if block_bytes else 0.0,
+        amp=amp,
     )
+
+
+def _first_block(peaks: dict[str, dict[str, int]]) -> dict[str, int]:
+    """The backward peak (``DryRunReport.backward_peaks``) of the block with the lowest
+    index (the last the backward reaches); empty without blocks."""
+    blocks = sorted(
+        (int(name.rpartition(".")[2]), name) for name in peaks if name.rpartition(".")[2].isdigit()
+    )
+    return dict(peaks[blocks[0][1]]) if blocks else {}
+
+
+def _late_peak(
+    got: dict[str, _Measured],
+    key: str,
+    blocks: int,
+    facts: ModelFacts,
+    units: float,
+    saved: float,
+    amp: bool = False,
+) -> FsdpPeak:
+    """FSDP's peak in the calibration copy's first block's backward (``MemoryModel.fsdp_late``),
+    with what each finished block leaves (``_left_behind``). Its saved bytes per block: the
+    world-1 checkpointing line's, less one block's leavings where that line holds them (its
+    2-block run peaked after block 1's backward, block 1's gradients held beside the 1-block
+    run's: at world 1 they are counted as activations)."""
+    run = got[key]
+    parts = run.block_peak
+    total = parts.get("total", 0)
+    dynamic = max(0.0, total - sum(v for k, v in parts.items() if k in _STATIC))
+    late = _fsdp_peak(
+        _Measured(dynamic, parts, {}, {}, run.optimizer, run.params, run.buffers, 0.0),
+        blocks,
+        facts.block_bytes,
+        units,
+        True,
+        amp,
+    )
+    late.left = _left_behind(run.before_backward)
+    late.saved = saved
+    one, two = got.get("ac1"), got.get("ac2")
+    if one and two and facts.block_bytes:
+        grew = two.parts.get("grads", 0) - one.parts.get("grads", 0)
+        if grew >= 0.5 * facts.block_bytes:
+            late.saved = max(0.0, saved - late.left)
+    return late
+
+
+def _left_behind(before_backward: dict[str, int]) -> float:
+    """Bytes each finished block's backward leaves alive until the backward ends, net of
+    what it frees, from the activations and temporaries at each block's backward start
+    (``_Measured.before_backward``): the first block's (reached last) less the last
+    block's (reached first), over the blocks between. Both hold one incoming activation
+    gradient and every block's checkpoint input; what differs is what the finished blocks
+    left, less the saved bytes they freed (which the walk counts for every block).
+
+    Under checkpointing on HF's Llama a finished block leaves 3 x tokens x width in fp32
+    (0.375 GiB at the 8B shape's 8192 tokens): tensors its recomputed forward made (the
+    tracker's per-op tags name RMSNorm's two multiplies and ``rotate_half(q)``'s cat).
+    The checkpoint's frame has handed every recomputed tensor to the backward by then (its
+    ``recomputed`` dict is empty, its holders gone), ``gc.collect`` frees none of them,
+    and without early stop it is the same: something the autograd graph keeps (not found)
+    holds them until the backward ends (the root's post-backward frees them all). 0 with
+    fewer than 2 blocks."""
+    blocks = sorted(
+        (int(name.rpartition(".")[2]), v)
+        for name, v in before_backward.items()
+        if name.rpartition(".")[2].isdigit()
+    )
+    if len(blocks) < 2:
+        return 0.0
+    return max(0.0, (blocks[0][1] - blocks[-1][1]) / (len(blocks) - 1))
 
 
 def _forget_runtime() -> None:

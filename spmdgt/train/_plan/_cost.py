@@ -7,7 +7,9 @@ temporaries per row and per block, TP's share) plus the gradients, taken whole a
 plus DDP's gradient buckets. FSDP: its own calibrated peak (``FsdpPeak``) walked over the
 candidate's blocks (``_fsdp_step``: which block's backward holds the peak depends on the
 blocks, the rows and ``dp_shard``), with the gradients reduced so far (FSDP2's ``no_sync``
-holds them unsharded under accumulation, until the last micro-step).
+holds them unsharded under accumulation, until the last micro-step); under checkpointing
+a second calibrated peak, in a block's backward, is walked too with what each finished
+block leaves alive to the backward's end (``FsdpPeak.left``), and the larger taken.
 
 Time (per optimizer step, per rank):
 
@@ -35,7 +37,7 @@ import math
 from dataclasses import dataclass, field
 
 from spmdgt.train._comm_cost import CommunicationProfiler
-from spmdgt.train._plan._calibrate import MemoryModel
+from spmdgt.train._plan._calibrate import FsdpPeak, MemoryModel
 from spmdgt.train._plan._device import DeviceSpec, Link
 from spmdgt.train._plan._model import ModelFacts
 from spmdgt.train._plan._space import Candidate
@@ -120,16 +122,26 @@ def _fsdp_step(c: Candidate, facts: ModelFacts, mem: MemoryModel, local: float) 
     checkpointing, frees its activations; the first block of the backward has no
     reduce-scatter under way and block 0 no prefetch. Without checkpointing the peak is at
     the backward's start, with every block's activations and no gradient reduced yet."""
-    peak = mem.fsdp.get(c.ac)
+    amp = c.amp and c.ac in mem.fsdp_amp  # FSDP's AMP calibrated as itself
+    peak = (mem.fsdp_amp if amp else mem.fsdp).get(c.ac)
     if peak is None:
         raise ValueError(
             f"this memory model was calibrated without FSDP{' + checkpointing' if c.ac else ''}"
             ": plan without memory_model= (or with one calibrated for the whole search)"
         )
     mem.dynamic(c.micro_batch, c.ac, c.amp, facts.blocks, c.tp)  # refuses what is not calibrated
+    best = _walk(c, facts, mem, local, peak)
+    late = (mem.fsdp_late_amp if amp else mem.fsdp_late).get(c.ac)
+    return max(best, _walk(c, facts, mem, local, late)) if late is not None else best
+
+
+def _walk(c: Candidate, facts: ModelFacts, mem: MemoryModel, local: float, peak: FsdpPeak) -> float:
+    """``_fsdp_step`` from one calibrated peak (``FsdpPeak``)."""
     t, s, n = c.tp, c.dp_shard, facts.blocks
-    half = 2 if c.amp else 4  # bytes of a compute-dtype element
-    scale = c.micro_batch / mem.rows * (mem.amp_ratio if c.amp else 1.0)
+    # bytes of a compute-dtype element, and AMP's ratio of the rows' bytes: from the world-1
+    # AMP run unless the peak was calibrated under FSDP's AMP itself
+    half = 2 if c.amp and not peak.amp else 4
+    scale = c.micro_batch / mem.rows * (mem.amp_ratio if c.amp and not peak.amp else 1.0)
     saved = peak.saved  # a block's saved activations, at the calibration's rows
     per_block = saved * scale * (mem.tp_keep + (1 - mem.tp_keep) / t)
     block = facts.block_bytes - facts.tp_block_bytes * (1 - 1 / t)  # before FSDP's sharding
@@ -141,15 +153,20 @@ def _fsdp_step(c: Candidate, facts: ModelFacts, mem: MemoryModel, local: float) 
     # Llama at 2, 3, 4 and 6 blocks hold them all at the same block of the backward);
     # without it a block's activations go at the end of its backward.
     kept = (peak.blocks if c.ac else peak.block + 1) if peak.blocks else 0
-    rest = (peak.rows - kept * saved) * scale
+    # and what the calibration's finished blocks left (``FsdpPeak.left``: under
+    # checkpointing each finished block's backward leaves tensors alive to the backward's end)
+    finished = max(0, peak.blocks - 1 - peak.block)
+    rest = (peak.rows - kept * saved - finished * peak.left) * scale
     if c.ac:
         rest *= mem.tp_keep + (1 - mem.tp_keep) / t
     buffer = peak.buffer * block * half / 4  # a prefetched or reduce-scattered block's
     # the block's new gradients (counted in ``local`` under accumulation)
     fresh = peak.fresh * block * half / 4 if c.accumulation == 1 else 0.0
     best = 0.0
+    left = peak.left * scale * (mem.tp_keep + (1 - mem.tp_keep) / t)
     for j in range(max(n, 1)):
         acts = rest + (n if c.ac else j + 1) * per_block if n else peak.rows * scale
+        acts += max(0, n - 1 - j) * left
         buffers = ((j >= 1) + (j < n - 1)) * buffer
         done = max(0, n - 1 - j) * block  # blocks whose gradients are reduced
         grads = local - done * (1 - 1 / s) if c.accumulation > 1 else (done + peak.grads) / s
