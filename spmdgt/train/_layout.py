@@ -158,6 +158,9 @@ def build_layout(
 
     mesh = init_device_mesh(device.type, (rep, shard, tp), mesh_dim_names=DIMS)
     register_mesh(mesh)  # collectives are labelled with the dim whose group ran them
+    from spmdgt.tensor import _dynamo_guards
+
+    _dynamo_guards.hold("sharded meshes")  # compile=True over DTensors: exact shape guards
     dp_mesh = None
     if rep * shard > 1:
         dp_mesh = mesh["dp_replicate", "dp_shard"] if rep > 1 else mesh["dp_shard"]
