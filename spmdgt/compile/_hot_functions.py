@@ -397,6 +397,7 @@ class HotFunctionPass:
             # tensors on its own, per rank (a ``repr`` of a sub-mesh gt.Tensor on the rank
             # outside it, found by the parity sweep), and a point reached there would pair
             # with the other ranks' compile result below. Refused points fail this compile.
+            refused: list[tuple[str, str]] = []
             try:
                 with static_shapes(_agree.active()), _agree.closed(code.co_name) as refused:
                     result = self.hook.inner(frame, cache_entry, frame_state)

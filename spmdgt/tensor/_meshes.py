@@ -46,7 +46,7 @@ def mesh_for(workers: list[int] | None, signal: str | None = None):
     so a mesh ``[1, 0]`` would gather its shards swapped (a silent permutation of the value).
     Shard ``i`` lives on the ``i``-th smallest listed rank."""
     world = get_runtime().world_size
-    if world > 1 and not _dynamo_guards._holders:
+    if world > 1:
         _dynamo_guards.hold("sharded meshes")  # your torch.compile over gt.Tensors: exact
     ranks = tuple(range(world)) if workers is None else tuple(sorted(_clamp(workers, signal)))
     if ranks == tuple(range(world)):
