@@ -8,9 +8,11 @@ clear error every rank raises) is ``runtime._rank_errors``.
 
 Always on (a world of more than one):
 
-- Every agreement point exchanges a small fingerprint (one OR-reduced 64-bit word a rank,
-  the smallest all-reduce gloo runs: see ``_exchange``) over a gloo side group made at
-  ``init()``: creating a tensor (``gt.randn``, ``gt.tensor``, ...: global shape, dtype, signal,
+- Every agreement point exchanges a small fingerprint (one OR-reduced 64-bit word a rank:
+  see ``_exchange``), through shared memory where every rank is on one host (``runtime._shm``,
+  a few microseconds), else as the smallest all-reduce gloo runs over a gloo side group
+  made at ``init()``: creating a tensor (``gt.randn``, ``gt.tensor``, ...: global shape, dtype,
+  signal,
   placement and mesh), each host read of a sharded tensor (``.numpy()``, ``.item()``,
   ``.tolist()``, ``print``: the read, shape, dtype, placement and the user's call site), and the
   end of the program. A side group, so a fingerprint only ever pairs with a fingerprint: rank
@@ -46,6 +48,7 @@ import torch.distributed as dist
 
 from spmdgt._core import env as _env
 from spmdgt.runtime import _rank_errors as _errors
+from spmdgt.runtime import _shm
 from spmdgt.runtime._rank_errors import (
     RankDivergenceError,
     RankFailedError,
@@ -73,6 +76,7 @@ __all__ = [
     "closed",
     "end",
     "forget",
+    "gather_rows",
     "on_agreed",
     "propose",
     "settle",
@@ -84,6 +88,9 @@ _group: Any = None  # the gloo side group for agreement points; None: no exchang
 # Its gloo backend, called directly: agreement traffic is spmdgt's own, not the program's, so
 # it bypasses the dispatcher and torch functions that the interceptor's levels record.
 _backend: Any = None
+# The same exchange through shared memory where every rank is on one host (``runtime._shm``:
+# microseconds, not gloo's round trip); None: over ``_backend``.
+_words: Any = None
 _world = 1
 _count = 0  # agreement points passed on this rank
 # this rank's last agreed point, for messages: (number, what, detail, call site)
@@ -107,9 +114,9 @@ _OR.reduceOp = dist.ReduceOp.BOR
 # as an unsigned Python int (a memoryview: no numpy scalar, no torch op); ``_args[0]`` is the
 # backend all-reduce's argument list.
 _SOON_MAX = 64  # agree_soon's points are settled at once past this many
-_words = torch.zeros(1, dtype=torch.int64)
-_slots = memoryview(_words.numpy()).cast("B").cast("Q")
-_args = [[_words[0:1]]]
+_word = torch.zeros(1, dtype=torch.int64)
+_slots = memoryview(_word.numpy()).cast("B").cast("Q")
+_args = [[_word[0:1]]]
 _GOLDEN = 0x9E3779B1  # odd: n -> n * _GOLDEN is one-to-one modulo 2**31 (the point's number)
 # (what, site) or (what, id of the user's code object, line) -> (the 31-bit hash of the
 # description and call site, the call site's text, that code object). A pure function of its key,
@@ -182,11 +189,14 @@ def active() -> bool:
 def setup(rank: int, world: int) -> None:
     """Make the side group (a collective: every rank calls it from ``init``), read
     ``GT_CHECK_RANKS`` and arrange the end-of-program agreement."""
-    global _group, _backend, _world, _count, _last, _check, _at_exit
+    global _group, _backend, _words, _world, _count, _last, _check, _at_exit
     check = _env.flag("GT_CHECK_RANKS")  # read before the collective: a bad value raises alike
     kwargs = {"timeout": timeout()} if timeout() is not None else {}
     _group = dist.new_group(backend="gloo", **kwargs)
     _backend = _group._get_backend(torch.device("cpu"))
+    _words = _shm.open_words(_group, rank, world)  # a collective on the side group
+    if _words is not None:
+        _words.set_timeout(timeout().total_seconds() if timeout() is not None else None)
     _world, _count, _last = world, 0, (0, "none yet", "", "")
     _check = check
     if _check:
@@ -199,9 +209,12 @@ def setup(rank: int, world: int) -> None:
 
 def _drop_side_group() -> None:
     # after a failure on one rank: ending the process groups frees the side group and closes
-    # its connections only if nothing holds it; agreement points raise from then on
-    global _group, _backend
-    _group, _backend = _ENDED, None
+    # its connections only if nothing holds it, and ending the shared-memory exchange wakes
+    # every rank waiting in it; agreement points raise from then on
+    global _group, _backend, _words
+    if _words is not None:
+        _words.end()
+    _group, _backend, _words = _ENDED, None, None
 
 
 def _last_agreed() -> tuple[int, str, str, str]:
@@ -210,8 +223,10 @@ def _last_agreed() -> tuple[int, str, str, str]:
 
 def forget() -> None:
     """Drop all state (a forked child, ``gt.shutdown()``): the side group is not ours."""
-    global _group, _count
-    _group, _count = None, 0
+    global _group, _count, _words
+    if _words is not None:
+        _words.close()
+    _group, _count, _words = None, 0, None
     _proposals.clear()
     _soon.clear()
     _errors.forget()
@@ -372,17 +387,18 @@ def _exchange(
             _soon.clear()
             x = _fold(carried[:-1], x)
         word = (x + 1) * _MASK
-        if flag or _proposals:
-            _slots[0] = word | (_PENDING if _proposals else 0) | (_FLAG if flag else 0)
-        else:
-            _slots[0] = word
+        sent = word | (_PENDING if _proposals else 0) | (_FLAG if flag else 0)
         try:
             if barrier:
                 dist.monitored_barrier(_group, timeout=timeout(), wait_all_ranks=True)
-            _backend.allreduce(_args[0], _OR).wait()
+            if _words is not None:
+                got = _words.exchange(sent)
+            else:
+                _slots[0] = sent
+                _backend.allreduce(_args[0], _OR).wait()
+                got = _slots[0]
         except RuntimeError as e:
             _errors.exchange_failed(e, point_text(what, detail, site), n)
-        got = _slots[0]
         if got == word:  # agreed, with no proposals and no flag anywhere: the common case
             _last = (n, what, detail, site)
             return False
@@ -453,6 +469,26 @@ def all_ranks(value: Any) -> list[Any]:
     with torch._C.DisableTorchFunction():  # the agreement's own ops: no hook sees them
         dist.all_gather_object(everyone, value, group=_group)
     return everyone
+
+
+def gather_rows(local: torch.Tensor, group: Any, rows: int, k: int) -> torch.Tensor | None:
+    """The ``k``-row matrix from every rank's row shard (``rows`` a rank, as ``torch.chunk``
+    cuts), through shared memory (``runtime._shm``), where every rank is on one host, the
+    rows are on the CPU and ``group`` is every rank in order; else None (the caller gathers
+    with a collective). First an agreement point on the gather's sizes: every rank then
+    writes and reads the same places, or every rank raises before any row is read."""
+    words = _words
+    if (
+        words is None
+        or local.device.type != "cpu"
+        or len(dist.get_process_group_ranks(group)) != _world
+    ):
+        return None
+    if dist.get_process_group_ranks(group) != list(range(_world)):
+        return None
+    row = list(local.shape[1:])
+    agree(f"the gather of {k} rows of {local.dtype}{row} in {rows}-row shards", site="spmdgt")
+    return words.gather(local, rows, k)
 
 
 def any_rank(flag: bool, what: str, site: str) -> bool:

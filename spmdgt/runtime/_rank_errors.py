@@ -234,7 +234,9 @@ def exchange_failed(e: BaseException, doing: str, n: int) -> None:
         raise _fail_everywhere(shown, e, f"was waiting at agreement point #{n} ({doing})")
     text = str(e)
     found = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", text)
-    if found:  # rank 0's monitored barrier names the ranks that did not arrive
+    if getattr(e, "who", None):  # the shared-memory exchange knows who (``runtime._shm``)
+        who = e.who  # type: ignore[attr-defined]
+    elif found:  # rank 0's monitored barrier names the ranks that did not arrive
         missing = [int(r) for r in re.findall(r"\d+", found.group(1))]
         who = f"rank(s) {missing} did not arrive"
     elif "monitoredBarrier" in text:  # the other ranks only learn that rank 0 gave up
@@ -243,8 +245,9 @@ def exchange_failed(e: BaseException, doing: str, n: int) -> None:
         who = "no answer from the other ranks"
     # a peer that did not arrive may never exchange again: no later exchange on this rank
     out_of_step = (RankTimeoutError, f"agreement point #{n} timed out: {who}", {})
+    within = "" if who.endswith("exited") else f" within {_waited()}"
     raise RankTimeoutError(
-        f"rank {_rank}: {who} within {_waited()} at agreement point #{n} ({doing}); this "
+        f"rank {_rank}: {who}{within} at agreement point #{n} ({doing}); this "
         f"rank's last agreed point was {_said(_last_agreed())}. A rank is running something else, "
         "is stuck or has exited."
     ) from e

@@ -140,13 +140,17 @@ def gather_rows(local: torch.Tensor, group, rows: int, k: int) -> torch.Tensor:
     """The whole ``k``-row matrix from each rank's row shard, by one all-gather on the mesh's
     group (c10d's own, under no autograd or functional layer). Shards follow ``torch.chunk``:
     ``rows`` each but at the end (fewer, or none), so the shards padded to ``rows`` and
-    gathered in rank order hold the matrix in their first ``k`` rows.
+    gathered in rank order hold the matrix in their first ``k`` rows. CPU ranks on one host
+    gather through shared memory instead (``_agree.gather_rows``).
 
     Its own tensor ops (the padding only some ranks need) run with torch function modes off:
     a lazy region or the interceptor must not see ops that differ between ranks."""
     with torch._C.DisableTorchFunction():
-        w = dist.get_world_size(group)
         local = local.contiguous()
+        full = _agree.gather_rows(local, group, rows, k)  # one host: through shared memory
+        if full is not None:
+            return full
+        w = dist.get_world_size(group)
         if local.shape[0] != rows:
             pad = local.new_zeros((rows - local.shape[0], *local.shape[1:]))
             local = torch.cat([local, pad]) if local.shape[0] else pad

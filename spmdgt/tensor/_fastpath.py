@@ -30,7 +30,8 @@ no lazy region, no forward-AD or functorch transform, not while dynamo traces, n
 no view spmdgt had to copy (``_gt_view``). Everything else, and every key that failed the
 proof, goes the usual way. The cache is bounded (``MAX_ENTRIES``, oldest key out first) and
 counted in ``gt.debug.get_worker_stats()["fastpath"]``. Keys depend on global metadata only,
-so they are alike on every rank; a hit or a miss issues no collective either way (a
+so they are alike on every rank (a tensor on a sub-mesh, whose proof would hold on its own
+ranks only, is never cached); a hit or a miss issues no collective either way (a
 cacheable key's usual path has none), so ranks never wait on each other over it.
 ``GT_FASTPATH=0`` turns it off.
 """
@@ -87,6 +88,7 @@ def clear() -> None:
     """Forget every learned key and zero the counters (a new session)."""
     _cache.clear()
     _refusals.clear()
+    _whole.clear()
     for k in counts:
         counts[k] = 0
 
@@ -97,7 +99,11 @@ def _arg_key(a, gt):
     if t is gt:
         if a._gt_view is not None or (a.requires_grad and _grad_enabled()):
             return _NO
-        return a._spec
+        spec = a._spec
+        whole = _whole.get(spec.mesh)
+        if whole is None:
+            whole = _whole[spec.mesh] = spec.mesh.size() == _world_size()
+        return spec if whole else _NO
     if t in _SCALARS:
         return (t, a)
     if isinstance(a, _Tensor):
@@ -111,6 +117,17 @@ def _arg_key(a, gt):
 
 
 _NO = object()  # a part that rules the fast path out
+# mesh -> whether it holds every rank. A key whose tensor lives on a sub-mesh is not for the
+# fast path: a rank off the sub-mesh records no local op, so the proof that the op is local
+# would hold on some ranks only, and a hit (which settles no agreement) on the ranks of the
+# sub-mesh against a miss elsewhere (which does) would leave the ranks' exchanges unpaired.
+_whole: dict = {}
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def lookup(func, args, kwargs):

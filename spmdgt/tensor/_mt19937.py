@@ -9,30 +9,22 @@ words; the words between are read out and tempered. So a skip is the twists alon
 of C (``csrc/mt19937_skip.c``) on the bytes ``Generator.get_state()`` returns, ~10x cheaper
 than ``random_()``.
 
-How: the C file is compiled once per machine with the system C compiler (``$CC``, ``cc`` or
-``gcc``; ~0.2 s) into the build cache (``$TORCH_EXTENSIONS_DIR`` or
-``~/.cache/spmdgt/torch_extensions``, one file per source and compiler), written atomically so
-ranks that start together never read half a file, and loaded with ``ctypes``: no torch headers,
-no ninja. Before its first use it must skip a private generator exactly as torch's own draws
-move it; if that check fails, or there is no compiler, ``skip`` returns False and the caller
-skips with torch (the same numbers either way, only slower).
+How: the C file is compiled once per machine and loaded with ``ctypes``
+(``_core/cbuild.py``). Before its first use it must skip a private generator exactly as
+torch's own draws move it; if that check fails, or there is no compiler, ``skip`` returns
+False and the caller skips with torch (the same numbers either way, only slower).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import platform
-import shlex
-import shutil
-import subprocess
 from collections.abc import Callable
 
 import torch
 
+from spmdgt._core import cbuild as _cbuild
 from spmdgt._core import debuglog as _debuglog
-from spmdgt._core import env as _env
 
 __all__ = ["MIN_WORDS", "error", "skip"]
 
@@ -67,7 +59,7 @@ def _load() -> Callable[[int, int], int] | None:
     global _fn, _tried, _error
     _tried = True
     try:
-        lib = ctypes.CDLL(_build())
+        lib = _cbuild.load(_SRC)
         fn = lib.gt_mt19937_skip
         fn.argtypes = (ctypes.c_void_p, ctypes.c_uint64)
         fn.restype = ctypes.c_int
@@ -79,28 +71,6 @@ def _load() -> Callable[[int, int], int] | None:
         return None
     _fn = fn
     return fn
-
-
-def _build() -> str:
-    """The compiled skip's path: built now unless this source and compiler built it before."""
-    with open(_SRC, "rb") as f:
-        source = f.read()
-    cc = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc")]
-    if cc[0] is None:
-        raise RuntimeError("no C compiler ($CC, cc or gcc)")
-    key = hashlib.sha256(b"\0".join([source, " ".join(cc).encode(), platform.machine().encode()]))
-    so = os.path.join(_env.build_root(), f"spmdgt_mt19937_skip_{key.hexdigest()[:16]}.so")
-    if not os.path.exists(so):
-        os.makedirs(os.path.dirname(so), exist_ok=True)
-        tmp = f"{so}.{os.getpid()}.tmp"
-        cmd = [*cc, "-O2", "-shared", "-fPIC", "-x", "c", "-", "-o", tmp]
-        try:
-            subprocess.run(cmd, input=source, check=True, capture_output=True, timeout=120)
-            os.replace(tmp, so)  # atomic: a rank never loads another's half-written file
-        finally:  # a failed or timed-out build leaves no partial file in the cache
-            if os.path.exists(tmp):
-                os.remove(tmp)
-    return so
 
 
 def _check(fn: Callable[[int, int], int]) -> None:

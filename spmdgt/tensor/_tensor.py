@@ -79,6 +79,8 @@ class Tensor(DTensor):
         # DTensor's C++ fast path as the forward does, and keep what comes out (gradients) a
         # gt.Tensor, so ``.grad`` and ``torch.autograd.grad`` answer ``.numpy()``. Also
         # reached by ``Tensor.set_``, which offers no ``__torch_function__``.
+        if not _compiling() and _soon:  # creations being agreed on: checked before data moves
+            _agree.settle()
         swapped = _swap(args, kwargs)[0]
         kwargs = kwargs or {}
         implicit = _get_implicit()

@@ -58,13 +58,26 @@ def test_every_rank_names_the_disagreement(tmp_path, name, check):
     assert results[0]["error"] == results[1]["error"]  # one message, the same on every rank
 
 
-def _one_word(rank, world):
+def _over(transport, rank, world):
+    """Make the agreement exchange go through ``transport``: shared memory (``runtime._shm``,
+    ranks on one host, the default here) or gloo (ranks on several hosts)."""
+    from spmdgt.runtime import _agree, _shm
+
+    if transport == "gloo":
+        _shm.ENABLED = False
+        _agree.forget()
+        _agree.setup(rank, world)  # a new side group, and now no shared memory
+    assert (_agree._words is not None) == (transport == "shm"), transport
+
+
+def _one_word(rank, world, transport):
     """The exchange is one OR-reduced word a rank (``_agree._exchange``): what it must carry."""
     import torch
 
     import spmdgt as gt
     from spmdgt.runtime import _agree
 
+    _over(transport, rank, world)
     out = {}
     gt.register_config("rows", gt.SignalConfig(shard=gt.ShardConfig(axis=0)))
     gt.register_config("sub", gt.SignalConfig(shard=gt.ShardConfig(axis=0, workers=[0, 1])))
@@ -110,9 +123,10 @@ def _one_word(rank, world):
     return out
 
 
+@pytest.mark.parametrize("transport", ["shm", "gloo"])
 @pytest.mark.parametrize("world", [2, 3])
-def test_one_word_carries_fingerprint_flag_and_proposals(tmp_path, world):
-    for r in run_ranks(_one_word, world, tmp_path, timeout=90):
+def test_one_word_carries_fingerprint_flag_and_proposals(tmp_path, world, transport):
+    for r in run_ranks(_one_word, world, tmp_path, transport, timeout=90):
         assert r["reads"] == [True] * 3 and r["sub reads"] == [True] * 2 and r["item"], r
         assert r["any"] == [True, False], r
         assert r["proposals"] == [[f"hot on rank {k}" for k in range(world) if k != 1]], r
@@ -120,12 +134,15 @@ def test_one_word_carries_fingerprint_flag_and_proposals(tmp_path, world):
         assert r["after"], r
 
 
-def _reads(rank, world):
-    """Host reads of sharded layouts, each equal to one process's value on every rank."""
+def _reads(rank, world, transport):
+    """Host reads of sharded layouts, each equal to one process's value on every rank. Rows
+    are gathered through shared memory on one host (``_agree.gather_rows``), else by gloo;
+    reads past the staging segment's first size make it grow (a collective, every rank)."""
     import torch
 
     import spmdgt as gt
 
+    _over(transport, rank, world)
     gt.register_config("rows", gt.SignalConfig(shard=gt.ShardConfig(axis=0)))
     gt.register_config("cols", gt.SignalConfig(shard=gt.ShardConfig(axis=1)))
     torch.manual_seed(0)
@@ -136,6 +153,8 @@ def _reads(rank, world):
         "int64 rows": ("rows", torch.arange(21).reshape(7, 3)),
         "bool rows": ("rows", torch.arange(7) % 3 == 0),
         "complex rows": ("rows", torch.randn(7, 2, dtype=torch.complex64)),
+        "rows past 1 MiB": ("rows", torch.randn(701, 500)),  # the staging segment grows
+        "float rows again": ("rows", torch.randn(5, 3)),
     }
     out = {}
     for name, (signal, full) in values.items():
@@ -147,10 +166,18 @@ def _reads(rank, world):
             # a transposed view: its shard is not contiguous (Shard(0) <-> Shard(1))
             bool((x.mT.numpy() == full.mT.numpy()).all()) if full.dim() == 2 else True,
         ]
-    return out
+    from spmdgt.runtime import _agree
+
+    return out, (_agree._words._half if _agree._words is not None else 0)
 
 
-@pytest.mark.parametrize(("world", "check"), [(2, "0"), (3, "0"), (3, "1")])
-def test_host_reads_of_sharded_layouts_equal_torch(tmp_path, world, check):
-    for r in run_ranks(_reads, world, tmp_path, env={"GT_CHECK_RANKS": check}, timeout=90):
+@pytest.mark.parametrize(
+    ("world", "check", "transport"),
+    [(2, "0", "shm"), (3, "0", "shm"), (3, "1", "shm"), (2, "0", "gloo"), (3, "0", "gloo")],
+)
+def test_host_reads_of_sharded_layouts_equal_torch(tmp_path, world, check, transport):
+    env = {"GT_CHECK_RANKS": check}
+    for r, half in run_ranks(_reads, world, tmp_path, transport, env=env, timeout=90):
         assert all(all(v) for v in r.values()), r
+        # rows went through the staging segment, grown past 1 MiB for 701 x 500 float32
+        assert half == (2 << 20 if transport == "shm" else 0), half
