@@ -1,6 +1,6 @@
 """Seed 001's auto-shard benchmark, run for real: speedup of sharded work over 1, 2, 4, 8 ranks.
 
-    python benchmarks/scaling.py --quick --ranks 1 2              # CPU sizes, < 5 min on 2 cores
+    python benchmarks/scaling.py --quick --ranks 1 2              # CPU sizes, ~2 min on 2 cores
     python benchmarks/scaling.py --quick --ranks 1 2 --auto-shard # GT_AUTO_SHARD=1, no signal
     python benchmarks/scaling.py --quick --ranks 1 2 --auto-shard plan  # GT_AUTO_SHARD=plan
     python benchmarks/scaling.py --device cuda --ranks 1 2 4 8    # seed 001's sizes, 1 GPU a rank
@@ -29,11 +29,13 @@ Threads on the CPU: every rank count r runs on r x ``--threads-per-rank`` (defau
 in all, whichever side: spmdgt and DTensor as r ranks x 1 thread, torch as 1 process x r
 threads; so the 1-rank baseline is one thread and the ideal speedup at r ranks is r.
 
-Timing: ``--warmup`` (2) untimed then ``--runs`` (5) timed runs per side and mode; before each
-run every rank meets in a barrier, each rank times its own run, and a run's time is the
-slowest rank's (all-reduce MAX). Two modes: **compute** (inputs made before the timer; the ops
-only, the result left sharded; on CUDA synchronised) and **+read**, as GT timed it (make the
-inputs, the ops, then the result's global value on the host with ``.numpy()`` on every rank).
+Timing: ``--warmup`` (2; 3 with ``--quick``) untimed then ``--runs`` (5; 20 with ``--quick``,
+whose runs take milliseconds and spread by 10-40% on a shared CPU) timed runs per side and
+mode; before each run every rank meets in a barrier, each rank times its own run, and a
+run's time is the slowest rank's (all-reduce MAX). Two modes: **compute** (inputs made
+before the timer; the ops only, the result left sharded; on CUDA synchronised) and
+**+read**, as GT timed it (make the inputs, the ops, then the result's global value on the
+host with ``.numpy()`` on every rank).
 Per shape and side: mean +- std (population, as numpy's) of the timed runs, achieved TFLOP/s,
 speedup over the same side at 1 rank and parallel efficiency (speedup / r).
 
@@ -463,8 +465,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--threads-per-rank", type=int, default=1, help="CPU: torch threads a rank")
     p.add_argument("--groups", default="square,batch,mlp", help="comma-separated workloads")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=None, help="untimed runs (2; 3 with --quick)")
+    p.add_argument("--runs", type=int, default=None, help="timed runs (5; 20 with --quick)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per rank count")
     p.add_argument("--json", metavar="PATH", help="write the figures to PATH")
     args = p.parse_args(argv)
@@ -474,6 +476,12 @@ def main(argv: list[str] | None = None) -> None:
     unknown = sorted(set(groups) - set(GROUPS))
     if unknown:
         p.error(f"--groups: unknown {unknown}; choose from {sorted(GROUPS)}")
+    # --quick's runs take milliseconds, and a 2-rank run's spread on a shared CPU is 10-40% of
+    # its mean: 20 runs put a side's mean within a few percent, 5 could not tell two sides apart
+    if args.runs is None:
+        args.runs = 20 if args.quick else 5
+    if args.warmup is None:
+        args.warmup = 3 if args.quick else 2
     if args.runs < 1 or args.warmup < 0 or args.threads_per_rank < 1:
         p.error("--runs >= 1, --warmup >= 0 and --threads-per-rank >= 1")
     if args.device == "cuda":
