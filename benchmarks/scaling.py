@@ -18,11 +18,12 @@ split over every rank), or with ``--auto-shard`` under ``GT_AUTO_SHARD=1`` and n
 same placement: each dimension here divides by the rank counts). The MLP's weights are
 ordinary ``nn.Linear`` parameters (replicated).
 
-Three sides do the same work at each rank count r, alternating within every run so the
-machine's drift hits them alike: **spmdgt** (``gt.randn`` under the signal, the op, ``.numpy()``),
-**raw DTensor** (each rank draws its ``Shard(0)`` block, ``DTensor.from_local``, the op,
-``.full_tensor().numpy()``; replicated DTensor weights for the MLP), and on the CPU **torch**:
-one process with all r ranks' threads (rank 0 runs it while the other ranks wait in a barrier).
+Three sides do the same work at each rank count r, taking turns in every order (each side
+follows each other side as often) so the machine's drift hits them alike: **spmdgt**
+(``gt.randn`` under the signal, the op, ``.numpy()``), **raw DTensor** (each rank draws its
+``Shard(0)`` block, ``DTensor.from_local``, the op, ``.full_tensor().numpy()``; replicated
+DTensor weights for the MLP), and on the CPU **torch**: one process with all r ranks'
+threads (rank 0 runs it while the other ranks wait in a barrier).
 The first two say what spmdgt adds to DTensor; the third what the cores allow one process.
 
 Threads on the CPU: every rank count r runs on r x ``--threads-per-rank`` (default 1) threads
@@ -237,6 +238,10 @@ def _rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict | None:
     # NCCL's barrier is told its device (else it guesses, and warns); gloo takes none
     barrier_kw = {"device_ids": [dev.index]} if cuda else {}
     sides = ["spmdgt", "dtensor"] + ([] if cuda else ["torch"])
+    # every order of the sides in turn, so each side follows each other side as often: a
+    # rotation put spmdgt after the 2-thread torch side twice as often as DTensor, and the
+    # threads torch leaves spinning (OpenMP) slow whichever side comes next
+    orders = list(itertools.permutations(sides))
     own_threads = torch.get_num_threads()
     torch_threads = world * cfg["threads_per_rank"]
     progress = Progress(f"scaling {world} rank{'s' if world > 1 else ''}") if rank == 0 else None
@@ -268,7 +273,7 @@ def _rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict | None:
             inputs = {s: (sd.make(s) if s != "torch" or rank == 0 else None) for s in sides}
             times: dict[tuple[str, str], list[float]] = {(s, m): [] for s in sides for m in MODES}
             for rep in range(cfg["warmup"] + cfg["runs"]):
-                order = sides[rep % len(sides) :] + sides[: rep % len(sides)]
+                order = orders[rep % len(orders)]
                 for side in order:
                     for mode in MODES:
                         t = timed(side, mode, sd, inputs[side])
