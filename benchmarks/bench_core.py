@@ -264,6 +264,16 @@ def _two_rank(rank: int, world: int, q: bool) -> list | None:
         5,
         1e6,
     )
+    # a Partial sum read on the host (a loss summed over sharded rows): DTensor all-reduces
+    # it; spmdgt, on one host, reduces it through shared memory after the read's header
+    dsum, gsum = dc.sum(), gc.sum()
+    run(
+        "2 ranks: .item() of a Partial sum, header",
+        lambda: dsum.full_tensor().item(),
+        lambda: gsum.item(),
+        20,
+        1e6,
+    )
     # the header alone (one agreement point) against the smallest all-reduce its side group
     # runs: one int64, on the group's gloo backend as the agreement calls it (two or more
     # elements take gloo's ring 1.5-2x as long; dist.all_reduce adds its Python on top)

@@ -79,6 +79,7 @@ __all__ = [
     "gather_rows",
     "on_agreed",
     "propose",
+    "reduce",
     "settle",
     "setup",
 ]
@@ -489,6 +490,18 @@ def gather_rows(local: torch.Tensor, group: Any, rows: int, k: int) -> torch.Ten
     row = list(local.shape[1:])
     agree(f"the gather of {k} rows of {local.dtype}{row} in {rows}-row shards", site="spmdgt")
     return words.gather(local, rows, k)
+
+
+def reduce(local: torch.Tensor, group: Any, op: str) -> torch.Tensor | None:
+    """``op`` (``sum``, ``max``, ``min``) of every rank's ``local`` (a ``Partial`` value read
+    on the host), through shared memory, on the terms of ``gather_rows``; else None."""
+    words = _words
+    if words is None or local.device.type != "cpu" or op not in ("sum", "max", "min"):
+        return None
+    if dist.get_process_group_ranks(group) != list(range(_world)):
+        return None
+    agree(f"the {op} of {local.dtype}{list(local.shape)} over every rank", site="spmdgt")
+    return words.reduce(local.contiguous(), op)
 
 
 def any_rank(flag: bool, what: str, site: str) -> bool:

@@ -197,15 +197,46 @@ class Words:
         none at the end) the ranks hold, on every rank; None where it does not fit, the same
         on every rank (the caller gathers over gloo). Every rank calls it at the same point
         with the same ``rows``, ``k``, row shape and dtype (the caller's agreement point
-        checked that) and a contiguous CPU ``local``.
-
-        Each rank writes its rows at their place in one half of the segment, an exchange
-        says every rank wrote, and each copies the matrix out. The halves alternate: a rank
-        writes a half again only after every rank has passed the exchange of the gather in
-        between, which each reaches after copying this one out."""
+        checked that) and a contiguous CPU ``local``."""
         row = tuple(local.shape[1:])
-        per_row = local.element_size() * math.prod(row)
-        half = self._world * rows * per_row
+        at = self._write(local, rows * local.element_size() * math.prod(row))
+        if at is None:
+            return None
+        if not k * math.prod(row):
+            return local.new_empty((k, *row))
+        out = torch.frombuffer(self._view, dtype=local.dtype, count=k * math.prod(row), offset=at)
+        return out.clone().view(k, *row)
+
+    def reduce(self, local: torch.Tensor, op: str) -> torch.Tensor | None:
+        """``op`` (``sum``, ``max``, ``min``) over every rank's ``local``, taken in rank order,
+        so every rank gets the same bits; None where it does not fit. As ``gather``: the same
+        point, shape and dtype on every rank, a contiguous CPU ``local``."""
+        at = self._write(local, local.numel() * local.element_size())
+        if at is None:
+            return None
+        n, step = local.numel(), local.numel() * local.element_size()
+        if not n:
+            return local.clone()
+        parts = [
+            torch.frombuffer(self._view, dtype=local.dtype, count=n, offset=at + r * step)
+            for r in range(self._world)
+        ]
+        out = parts[0].clone()
+        for p in parts[1:]:
+            if op == "sum":
+                out += p
+            else:
+                torch.maximum(out, p, out=out) if op == "max" else torch.minimum(out, p, out=out)
+        return out.view(local.shape)
+
+    def _write(self, local: torch.Tensor, step: int) -> int | None:
+        """Write ``local`` at this rank's place (``step`` bytes a rank) in the next half of the
+        staging segment and wait until every rank wrote; the half's offset, or None on every
+        rank where ``step`` does not fit.
+
+        The halves alternate: a rank writes a half again only after every rank has passed
+        the exchange of the call in between, which each reaches after reading this one."""
+        half = self._world * step
         if self._no_stage or 2 * half > STAGING_MAX:
             return None
         if half > self._half and not self._grow(half):
@@ -213,16 +244,13 @@ class Words:
         at = self._parity * self._half
         self._parity ^= 1
         if local.numel():
-            mine = at + self._rank * rows * per_row
+            mine = at + self._rank * step
             torch.frombuffer(self._view, dtype=local.dtype, count=local.numel(), offset=mine).copy_(
                 local.reshape(-1)
             )
         if self.exchange(_WRITTEN) != _WRITTEN:
-            raise RuntimeError("a rank sent another word than 'written' in a gather of rows")
-        if not k * math.prod(row):
-            return local.new_empty((k, *row))
-        out = torch.frombuffer(self._view, dtype=local.dtype, count=k * math.prod(row), offset=at)
-        return out.clone().view(k, *row)
+            raise RuntimeError("a rank sent another word than 'written' to the staging segment")
+        return at
 
     def _grow(self, half: int) -> bool:
         """Make a staging segment whose halves hold ``half`` bytes (a collective on the side

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.autograd.forward_ad as _fwad
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Partial, Shard
 
 from spmdgt._core import scope as _scope
 from spmdgt.runtime import _agree, _rank_errors
@@ -263,8 +263,10 @@ def _host_value(t: DTensor) -> torch.Tensor:
     the same ``Shard._to_replicate_tensor`` (pad, all-gather, unpad) that
     ``redistribute_local_tensor`` runs for this layout, without the autograd function, plan
     and wrapping around it, which cost a 1000x1000 read ~20% (docs/benchmarks.md); rows by
-    c10d's all-gather itself (``_contract.gather_rows``), without the functional layer. Every
-    other layout (a sub-mesh, n-D, partial, a stale view) takes ``global_value``.
+    c10d's all-gather itself (``_contract.gather_rows``), without the functional layer, or
+    through shared memory where every rank is on one host. A ``Partial`` sum, max or min on
+    such a mesh is reduced through shared memory (``_agree.reduce``) where it can be. Every
+    other layout (a sub-mesh, n-D, a stale view) takes ``global_value``.
     Decided from the spec, the same on every rank."""
     spec = t._spec
     placements = spec.placements
@@ -284,6 +286,17 @@ def _host_value(t: DTensor) -> torch.Tensor:
                 return _contract.gather_rows(t._local_tensor, spec.mesh.get_group(), rows, k)
             out = placements[0]._to_replicate_tensor(t._local_tensor, spec.mesh, 0, shape)
         return out.wait() if isinstance(out, AsyncCollectiveTensor) else out
+    if (
+        len(placements) == 1
+        and type(placements[0]) is Partial
+        and getattr(t, "_gt_view", None) is None
+        and _spec_text(spec)[2]
+        and not _agree.checking()
+    ):  # a Partial value (a loss summed over rows): reduced through shared memory on one host
+        with torch.no_grad():
+            out = _agree.reduce(t._local_tensor, spec.mesh.get_group(), placements[0].reduce_op)
+        if out is not None:
+            return out
     return global_value(t)
 
 
