@@ -293,7 +293,7 @@ class HotFunctionPass:
             self._make_hot(units)
             return
         for code in units:
-            if code not in self._decided:
+            if code not in self._decided and code not in self.hook.fallen:
                 key = _key(code)
                 if key not in self._by_key and _debuglog.COMPILE:
                     _debuglog.debug(
@@ -334,6 +334,13 @@ class HotFunctionPass:
             if code in self._decided:  # counts restart when the interceptor restarts
                 continue
             self._decided.add(code)
+            if code in self.hook.fallen or _key(code) in self._eager_keys:
+                # eager from now on, on every rank (a fallback agreed, or followed at an
+                # agreement point): a rank whose first compile of it came through another
+                # rank's proposal had not ruled on it, and making it hot again would unmark
+                # it on that rank alone, whose next call then waited in a compile agreement
+                # no other rank reached (found by the parity sweep, both halves on)
+                continue
             where = _where(code)
             if code.co_name == "<module>":
                 reason = "module-level code (lazy regions will serve it)"
