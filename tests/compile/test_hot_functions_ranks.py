@@ -84,3 +84,30 @@ def test_a_runtime_failure_on_one_rank_is_a_fallback_on_every_rank(tmp_path):
     assert fb1 == {"runtime error: RuntimeError: kernel failed on rank 1": 1}, fb1
     assert fb0 == {"another rank's graph failed at run time": 1}, fb0
     assert runs0 == runs1 == 1  # the one failing run; eager on both ranks from then on
+
+
+def test_a_function_that_fell_back_is_never_made_hot_again():
+    # A rank whose first compile of a function came through another rank's proposal has not
+    # ruled on it itself. Once the function fell back (dynamo's recompile limit, a fallback
+    # every rank took at the same call), its own samples could make it hot there again: the
+    # rank unmarked it alone and its next call waited in a compile agreement that no other
+    # rank reached (the both-halves parity sample, 3 ranks: a hang). In one process the
+    # rank's side is enough to show it: a fallen code stays fallen and is not made hot.
+    from spmdgt.compile._hot_functions import HotFunctionPass
+
+    def f(x):
+        return x + 1
+
+    p = HotFunctionPass(backend="aot_eager")
+    try:
+        p.hook.fall_back(f.__code__)  # compiled through a proposal, then fell back
+        p.on_hot([f.__code__])  # its own samples reach the threshold afterwards
+        assert f.__code__ not in p.hook.hot
+        assert f.__code__ in p.hook.fallen
+        assert not p.hook.installed
+    finally:
+        from torch._C._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+
+        default = FrameExecStrategy(FrameAction.DEFAULT, FrameAction.DEFAULT)
+        set_code_exec_strategy(f.__code__, default)
