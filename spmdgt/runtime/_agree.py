@@ -26,7 +26,8 @@ Always on (a world of more than one):
 
 ``GT_CHECK_RANKS=1`` adds an agreement point before every collective spmdgt or DTensor issues
 (every redistribution: op, tensor specs and the user's call site), after a gloo monitored
-barrier that names a rank that does not arrive within ``GT_TIMEOUT``.
+barrier that names a rank that does not arrive within ``GT_TIMEOUT`` (over shared memory the
+exchange names it itself, and there is no barrier).
 
 Every exchange is reached by the same calls on every rank and decided from exchanged data only:
 no rank, clock or terminal takes part in a decision.
@@ -390,7 +391,7 @@ def _exchange(
         word = (x + 1) * _MASK
         sent = word | (_PENDING if _proposals else 0) | (_FLAG if flag else 0)
         try:
-            if barrier:
+            if barrier and _words is None:  # shared memory names a rank that is missing itself
                 dist.monitored_barrier(_group, timeout=timeout(), wait_all_ranks=True)
             if _words is not None:
                 got = _words.exchange(sent)
