@@ -11,9 +11,8 @@ Always on (a world of more than one):
 - Every agreement point exchanges a small fingerprint (one OR-reduced 64-bit word a rank:
   see ``_exchange``), through shared memory where every rank is on one host (``runtime._shm``,
   a few microseconds), else as the smallest all-reduce gloo runs over a gloo side group
-  made at ``init()``: creating a tensor (``gt.randn``, ``gt.tensor``, ...: global shape, dtype,
-  signal,
-  placement and mesh), each host read of a sharded tensor (``.numpy()``, ``.item()``,
+  made at ``init()``: creating a tensor (``gt.randn``, ``gt.tensor``, ...: global shape,
+  dtype, signal, placement and mesh), each host read of a sharded tensor (``.numpy()``, ``.item()``,
   ``.tolist()``, ``print``: the read, shape, dtype, placement and the user's call site), and the
   end of the program. A side group, so a fingerprint only ever pairs with a fingerprint: rank
   0 reading ``x`` while rank 1 reads ``y``, or has already finished, is an error on both ranks
@@ -473,20 +472,21 @@ def all_ranks(value: Any) -> list[Any]:
     return everyone
 
 
+def _shared(local: torch.Tensor, group: Any) -> Any:
+    """The shared-memory exchange, where it can carry ``local`` over ``group``: every rank on
+    one host, the tensor on the CPU and ``group`` every rank in order; else None."""
+    if _words is None or local.device.type != "cpu":
+        return None
+    return _words if dist.get_process_group_ranks(group) == list(range(_world)) else None
+
+
 def gather_rows(local: torch.Tensor, group: Any, rows: int, k: int) -> torch.Tensor | None:
     """The ``k``-row matrix from every rank's row shard (``rows`` a rank, as ``torch.chunk``
-    cuts), through shared memory (``runtime._shm``), where every rank is on one host, the
-    rows are on the CPU and ``group`` is every rank in order; else None (the caller gathers
-    with a collective). First an agreement point on the gather's sizes: every rank then
-    writes and reads the same places, or every rank raises before any row is read."""
-    words = _words
-    if (
-        words is None
-        or local.device.type != "cpu"
-        or len(dist.get_process_group_ranks(group)) != _world
-    ):
-        return None
-    if dist.get_process_group_ranks(group) != list(range(_world)):
+    cuts), through shared memory (``runtime._shm``, ``_shared``); else None (the caller
+    gathers with a collective). First an agreement point on the gather's sizes: every rank
+    then writes and reads the same places, or every rank raises before any row is read."""
+    words = _shared(local, group)
+    if words is None:
         return None
     row = list(local.shape[1:])
     agree(f"the gather of {k} rows of {local.dtype}{row} in {rows}-row shards", site="spmdgt")
@@ -496,10 +496,8 @@ def gather_rows(local: torch.Tensor, group: Any, rows: int, k: int) -> torch.Ten
 def reduce(local: torch.Tensor, group: Any, op: str) -> torch.Tensor | None:
     """``op`` (``sum``, ``max``, ``min``) of every rank's ``local`` (a ``Partial`` value read
     on the host), through shared memory, on the terms of ``gather_rows``; else None."""
-    words = _words
-    if words is None or local.device.type != "cpu" or op not in ("sum", "max", "min"):
-        return None
-    if dist.get_process_group_ranks(group) != list(range(_world)):
+    words = _shared(local, group) if op in ("sum", "max", "min") else None
+    if words is None:
         return None
     agree(f"the {op} of {local.dtype}{list(local.shape)} over every rank", site="spmdgt")
     return words.reduce(local.contiguous(), op)

@@ -47,6 +47,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from spmdgt._core import env as _env
 from spmdgt._core import scope as _scope
+from spmdgt.runtime._state import get_runtime
 from spmdgt.tensor import _overlap
 
 __all__ = ["MAX_ENTRIES", "clear", "counts", "enabled", "learn", "lookup", "replay"]
@@ -102,7 +103,7 @@ def _arg_key(a, gt):
         spec = a._spec
         whole = _whole.get(spec.mesh)
         if whole is None:
-            whole = _whole[spec.mesh] = spec.mesh.size() == _world_size()
+            whole = _whole[spec.mesh] = spec.mesh.size() == get_runtime().world_size
         return spec if whole else _NO
     if t in _SCALARS:
         return (t, a)
@@ -122,12 +123,6 @@ _NO = object()  # a part that rules the fast path out
 # would hold on some ranks only, and a hit (which settles no agreement) on the ranks of the
 # sub-mesh against a miss elsewhere (which does) would leave the ranks' exchanges unpaired.
 _whole: dict = {}
-
-
-def _world_size() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def lookup(func, args, kwargs):

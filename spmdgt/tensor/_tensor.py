@@ -270,12 +270,8 @@ def _host_value(t: DTensor) -> torch.Tensor:
     Decided from the spec, the same on every rank."""
     spec = t._spec
     placements = spec.placements
-    if (
-        len(placements) == 1
-        and type(placements[0]) is Shard
-        and getattr(t, "_gt_view", None) is None
-        and _spec_text(spec)[2]
-    ):
+    one_step = len(placements) == 1 and getattr(t, "_gt_view", None) is None and _spec_text(spec)[2]
+    if one_step and type(placements[0]) is Shard:
         if _agree.checking():  # GT_CHECK_RANKS: as DTensor's redistribution is checked
             _agree.before_collective(f"the all-gather of a host read of {_spec_text(spec)[0]}")
         shape = spec.tensor_meta.shape
@@ -286,13 +282,8 @@ def _host_value(t: DTensor) -> torch.Tensor:
                 return _contract.gather_rows(t._local_tensor, spec.mesh.get_group(), rows, k)
             out = placements[0]._to_replicate_tensor(t._local_tensor, spec.mesh, 0, shape)
         return out.wait() if isinstance(out, AsyncCollectiveTensor) else out
-    if (
-        len(placements) == 1
-        and type(placements[0]) is Partial
-        and getattr(t, "_gt_view", None) is None
-        and _spec_text(spec)[2]
-        and not _agree.checking()
-    ):  # a Partial value (a loss summed over rows): reduced through shared memory on one host
+    if one_step and type(placements[0]) is Partial and not _agree.checking():
+        # a Partial value (a loss summed over rows): reduced through shared memory on one host
         with torch.no_grad():
             out = _agree.reduce(t._local_tensor, spec.mesh.get_group(), placements[0].reduce_op)
         if out is not None:
