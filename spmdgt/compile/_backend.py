@@ -15,6 +15,9 @@ graph) is rerun only where every rank's run raised: a rerun on one rank alone wo
 collectives against whatever the other ranks run next. Whether every rank raised is decided as
 for an op's error (``runtime._rank_errors.translate``): if one rank alone did, every rank
 raises the same :class:`RankFailedError`, naming it.
+
+A graph that calls a function whose ``out=`` torch.compile is known to lose (``out_lost``) is
+not compiled at all: it runs as dynamo traced it, eagerly, which writes ``out`` as torch does.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import Any
 from spmdgt._core import scope as _scope
 from spmdgt.compile._stats import CompileStats, first_line
 
-__all__ = ["CountingBackend", "eager_random"]
+__all__ = ["CountingBackend", "eager_random", "out_lost"]
 
 _OP_NODES = ("call_function", "call_method", "call_module")
 
@@ -56,12 +59,43 @@ class CountingBackend:
         # the backward too, now: a failure is then a compile error of this frame (agreed on
         # every rank, run eagerly), never an error inside the program's backward(), and its
         # time is the compile's; random ops draw eager's numbers (``eager_random``)
-        with functorch_config.patch(force_non_lazy_backward_lowering=True), eager_random():
-            compiled = self._real(gm, example_inputs)
+        lost = out_lost(gm)
+        if lost is not None:
+            compiled = gm  # as traced: torch's own out= write (see ``out_lost``)
+            self._stats.fallbacks[f"{lost}(out=) is lost when compiled: graph runs as traced"] += 1
+        else:
+            with functorch_config.patch(force_non_lazy_backward_lowering=True), eager_random():
+                compiled = self._real(gm, example_inputs)
         ops = sum(1 for n in gm.graph.nodes if n.op in _OP_NODES)
         self._stats.graphs += 1
         self._stats.graph_ops += ops
         return _Runner(compiled, gm, ops, self.code, self, _moves_data(gm, example_inputs))
+
+
+def _out_lost_funcs() -> frozenset:
+    import torch
+
+    # ``out=`` calls AOTAutograd functionalizes without the write back: the compiled call
+    # leaves ``out`` as it was (zeros read back; torch 2.13, plain tensors and DTensors alike).
+    # Found by running every OpInfo op that has ``out=`` through ``aot_eager`` against eager:
+    # of 346, only these differ (``tests/compile/test_out_under_compile.py`` keeps watch).
+    return frozenset({torch.linalg.matrix_rank})
+
+
+_OUT_LOST: frozenset = frozenset()
+
+
+def out_lost(gm: Any) -> str | None:
+    """The name of the first function of ``gm`` called with an ``out=`` that torch.compile
+    would lose, or None. Such a graph must run as dynamo traced it, never compiled: a compiled
+    one returns without writing ``out``, a silent wrong number."""
+    global _OUT_LOST
+    if not _OUT_LOST:
+        _OUT_LOST = _out_lost_funcs()
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target in _OUT_LOST and n.kwargs.get("out") is not None:
+            return getattr(n.target, "__name__", str(n.target))
+    return None
 
 
 def _moves_data(gm: Any, example_inputs: list) -> bool:
