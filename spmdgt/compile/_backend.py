@@ -16,8 +16,9 @@ collectives against whatever the other ranks run next. Whether every rank raised
 for an op's error (``runtime._rank_errors.translate``): if one rank alone did, every rank
 raises the same :class:`RankFailedError`, naming it.
 
-A graph that calls a function whose ``out=`` torch.compile is known to lose (``out_lost``) is
-not compiled at all: it runs as dynamo traced it, eagerly, which writes ``out`` as torch does.
+A graph that calls a function torch.compile is known to compute wrongly (``wrong_when_compiled``:
+``matrix_rank``'s ``out=`` write lost, ``multilabel_margin_loss`` with padded targets) is not
+compiled at all: it runs as dynamo traced it, eagerly, each call torch's own.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any
 from spmdgt._core import scope as _scope
 from spmdgt.compile._stats import CompileStats, first_line
 
-__all__ = ["CountingBackend", "eager_random", "out_lost"]
+__all__ = ["CountingBackend", "eager_random", "wrong_when_compiled"]
 
 _OP_NODES = ("call_function", "call_method", "call_module")
 
@@ -59,10 +60,10 @@ class CountingBackend:
         # the backward too, now: a failure is then a compile error of this frame (agreed on
         # every rank, run eagerly), never an error inside the program's backward(), and its
         # time is the compile's; random ops draw eager's numbers (``eager_random``)
-        lost = out_lost(gm)
-        if lost is not None:
-            compiled = gm  # as traced: torch's own out= write (see ``out_lost``)
-            self._stats.fallbacks[f"{lost}(out=) is lost when compiled: graph runs as traced"] += 1
+        wrong = wrong_when_compiled(gm)
+        if wrong is not None:
+            compiled = gm  # as traced: each call torch's own
+            self._stats.fallbacks[f"graph runs as traced: {wrong}"] += 1
         else:
             with functorch_config.patch(force_non_lazy_backward_lowering=True), eager_random():
                 compiled = self._real(gm, example_inputs)
@@ -72,29 +73,43 @@ class CountingBackend:
         return _Runner(compiled, gm, ops, self.code, self, _moves_data(gm, example_inputs))
 
 
-def _out_lost_funcs() -> frozenset:
+def _known_wrong() -> dict[Any, tuple[bool, str]]:
+    """torch functions torch.compile computes wrongly, silently: function -> (wrong only when
+    called with ``out=``, why). Each is watched by ``tests/compile/test_wrong_when_compiled.py``,
+    which fails once torch computes it right (then drop it here)."""
     import torch
+    import torch.nn.functional as F
 
-    # ``out=`` calls AOTAutograd functionalizes without the write back: the compiled call
-    # leaves ``out`` as it was (zeros read back; torch 2.13, plain tensors and DTensors alike).
-    # Found by running every OpInfo op that has ``out=`` through ``aot_eager`` against eager:
-    # of 346, only these differ (``tests/compile/test_out_under_compile.py`` keeps watch).
-    return frozenset({torch.linalg.matrix_rank})
+    lost = "AOTAutograd drops its out= write (zeros read back; torch 2.13)"
+    # the decomposition scores the target slots after the first -1 (class 0 in their place)
+    padded = "a wrong value where the target holds -1 (torch #141017; fixed after 2.13)"
+    return {
+        torch.linalg.matrix_rank: (True, lost),
+        F.multilabel_margin_loss: (False, padded),
+        torch._C._nn.multilabel_margin_loss: (False, padded),
+    }
 
 
-_OUT_LOST: frozenset = frozenset()
+_KNOWN_WRONG: dict[Any, tuple[bool, str]] = {}
 
 
-def out_lost(gm: Any) -> str | None:
-    """The name of the first function of ``gm`` called with an ``out=`` that torch.compile
-    would lose, or None. Such a graph must run as dynamo traced it, never compiled: a compiled
-    one returns without writing ``out``, a silent wrong number."""
-    global _OUT_LOST
-    if not _OUT_LOST:
-        _OUT_LOST = _out_lost_funcs()
+def wrong_when_compiled(gm: Any) -> str | None:
+    """Why ``gm`` must not be compiled: the first call in it of a function torch.compile
+    computes wrongly (``name: why``), or None. Such a graph runs as dynamo traced it (eagerly,
+    each call torch's own), never compiled: a compiled one returns a silent wrong number."""
+    global _KNOWN_WRONG
+    if not _KNOWN_WRONG:
+        _KNOWN_WRONG = _known_wrong()
     for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target in _OUT_LOST and n.kwargs.get("out") is not None:
-            return getattr(n.target, "__name__", str(n.target))
+        if n.op != "call_function":
+            continue
+        try:
+            known = _KNOWN_WRONG.get(n.target)
+        except TypeError:  # an unhashable target
+            continue
+        if known is not None and (not known[0] or n.kwargs.get("out") is not None):
+            name = getattr(n.target, "__name__", str(n.target))
+            return f"{name}{'(out=)' if known[0] else ''}: {known[1]}"
     return None
 
 

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from spmdgt._core import env as _env
-from spmdgt.compile._backend import out_lost
+from spmdgt.compile._backend import wrong_when_compiled
 from spmdgt.train._units import find_blocks
 
 __all__ = [
@@ -190,8 +190,8 @@ class _GuardedBackend:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         import torch._functorch.config as functorch_config
 
-        if out_lost(gm) is not None:
-            return gm.forward  # torch.compile would drop the out= write: run as traced
+        if wrong_when_compiled(gm) is not None:
+            return gm.forward  # torch.compile would compute it wrongly: run as traced
         try:
             with functorch_config.patch(force_non_lazy_backward_lowering=True):
                 return self.real(gm, example_inputs)

@@ -1,11 +1,12 @@
-"""``out=`` calls torch.compile loses: the compile pass and compiled trainer blocks run a graph
-that makes one as dynamo traced it, so ``out`` holds eager's value.
+"""Calls torch.compile computes wrongly: the compile pass and compiled trainer blocks run a
+graph that makes one as dynamo traced it (eagerly), so the program sees eager's values.
 
-torch 2.13's AOTAutograd drops the write of ``torch.linalg.matrix_rank(..., out=out)``: the
-compiled call leaves ``out`` as it was (plain tensors and DTensors alike). The parity sweep with
-both compile halves on found it (``linalg.matrix_rank.hermitian``, ``out``, zeros read back).
-The slow test sweeps every OpInfo op that takes ``out=`` and checks that the functions the
-backend guards are exactly those torch.compile gets wrong.
+torch 2.13 has two, both found by the parity sweep with both compile halves on: AOTAutograd
+drops the write of ``torch.linalg.matrix_rank(..., out=out)`` (zeros read back), and the
+decomposition of ``multilabel_margin_loss`` scores target slots after the first -1 (torch
+#141017). The tests below fail once torch computes them right. The slow test sweeps every
+OpInfo op that takes ``out=`` and checks that the ``out=`` calls guarded are exactly those
+torch.compile loses.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def fresh_dynamo():
 
 def test_torch_compile_still_loses_the_write(fresh_dynamo):
     # Why the guard exists. When this fails, torch keeps the write: drop matrix_rank from
-    # ``_backend._out_lost_funcs`` (and the slow sweep below will say the same).
+    # ``_backend._known_wrong`` (and the slow sweep below will say the same).
     a = _hermitian()
     out = torch.zeros(3, dtype=torch.int64)
     torch.compile(_rank_into, backend="aot_eager")(a, out)
@@ -69,9 +70,11 @@ def test_hot_function_with_a_lost_out_runs_as_traced(fresh_dynamo):
         assert out.tolist() == want.tolist()
     st = gt_compile.stats()
     assert st["compiled"] == 1 and st["graph_runs"] >= 2, st
-    assert st["fallbacks"] == {
-        "linalg_matrix_rank(out=) is lost when compiled: graph runs as traced": 1
-    }, st
+    [why] = st["fallbacks"]
+    assert (
+        why.startswith("graph runs as traced: linalg_matrix_rank(out=): ")
+        and st["fallbacks"][why] == 1
+    ), st
 
 
 def test_trainer_block_backend_runs_a_lost_out_as_traced(fresh_dynamo):
@@ -89,13 +92,51 @@ def test_graphs_without_a_lost_out_are_compiled(fresh_dynamo):
     graphs = []
 
     def spy(gm, example_inputs):
-        graphs.append(_backend.out_lost(gm))
+        graphs.append(_backend.wrong_when_compiled(gm))
         return gm.forward
 
     out = torch.zeros(3, 5, 5)
     torch.compile(fn, backend=spy)(_hermitian(), out)
     assert graphs == [None]
     assert torch.equal(out, _hermitian().abs())
+
+
+def _margin_case():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 6, generator=g)
+    y = torch.tensor(
+        [[0, 3, -1, 2, 1, 5], [1, -1, 0, 0, 0, 0], [5, 4, 3, 2, 1, 0], [2, 2, -1, 4, 1, 1]]
+    )
+    return x, y
+
+
+def _margin(x, y):
+    # the ops around the loss make the function, not its caller, hot
+    return torch.nn.functional.multilabel_margin_loss(x * 1.0, y, reduction="sum") * 1.0
+
+
+def test_torch_compile_still_scores_padded_targets(fresh_dynamo):
+    # Why the guard exists (torch #141017). When this fails, drop multilabel_margin_loss from
+    # ``_backend._known_wrong``.
+    x, y = _margin_case()
+    got = torch.compile(_margin, backend="aot_eager")(x, y)
+    assert not torch.allclose(got, _margin(x, y))
+
+
+def test_hot_function_with_a_padded_margin_loss_is_exact(fresh_dynamo):
+    x, y = _margin_case()
+    x.requires_grad_(True)
+    want = _margin(x, y)
+    (want_g,) = torch.autograd.grad(want, x)
+    gt_compile.enable(backend="aot_eager", every=2, hot_at=4)
+    for _ in range(30):  # hot, compiled, then cached runs: forward and gradient each time
+        got = _margin(x, y)
+        (g,) = torch.autograd.grad(got, x)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        torch.testing.assert_close(g, want_g, rtol=0, atol=0)
+    st = gt_compile.stats()
+    assert st["compiled"] == 1 and st["graph_runs"] >= 2, st
+    assert any("multilabel_margin_loss: " in why for why in st["fallbacks"]), st
 
 
 def _tmap(x, f):
@@ -153,4 +194,5 @@ def test_every_opinfo_out_kept_by_compile_or_guarded(fresh_dynamo):
             if not _same(got, out):
                 lost.add(op.op)
     assert checked > 300
-    assert lost == set(_backend._out_lost_funcs())
+    guarded = {f for f, (out_only, _) in _backend._known_wrong().items() if out_only}
+    assert lost == guarded
