@@ -23,6 +23,7 @@ compiled at all: it runs as dynamo traced it, eagerly, each call torch's own.
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from collections.abc import Callable
@@ -73,6 +74,7 @@ class CountingBackend:
         return _Runner(compiled, gm, ops, self.code, self, _moves_data(gm, example_inputs))
 
 
+@functools.cache
 def _known_wrong() -> dict[Any, tuple[bool, str]]:
     """torch functions torch.compile computes wrongly, silently: function -> (wrong only when
     called with ``out=``, why). Each is watched by ``tests/compile/test_wrong_when_compiled.py``,
@@ -90,21 +92,16 @@ def _known_wrong() -> dict[Any, tuple[bool, str]]:
     }
 
 
-_KNOWN_WRONG: dict[Any, tuple[bool, str]] = {}
-
-
 def wrong_when_compiled(gm: Any) -> str | None:
     """Why ``gm`` must not be compiled: the first call in it of a function torch.compile
     computes wrongly (``name: why``), or None. Such a graph runs as dynamo traced it (eagerly,
     each call torch's own), never compiled: a compiled one returns a silent wrong number."""
-    global _KNOWN_WRONG
-    if not _KNOWN_WRONG:
-        _KNOWN_WRONG = _known_wrong()
+    table = _known_wrong()
     for n in gm.graph.nodes:
         if n.op != "call_function":
             continue
         try:
-            known = _KNOWN_WRONG.get(n.target)
+            known = table.get(n.target)
         except TypeError:  # an unhashable target
             continue
         if known is not None and (not known[0] or n.kwargs.get("out") is not None):
