@@ -480,17 +480,21 @@ def _shared(local: torch.Tensor, group: Any) -> Any:
     return _words if dist.get_process_group_ranks(group) == list(range(_world)) else None
 
 
-def gather_rows(local: torch.Tensor, group: Any, rows: int, k: int) -> torch.Tensor | None:
+def gather_rows(
+    local: torch.Tensor, group: Any, rows: int, k: int, copy: bool = True
+) -> torch.Tensor | None:
     """The ``k``-row matrix from every rank's row shard (``rows`` a rank, as ``torch.chunk``
     cuts), through shared memory (``runtime._shm``, ``_shared``); else None (the caller
     gathers with a collective). First an agreement point on the gather's sizes: every rank
-    then writes and reads the same places, or every rank raises before any row is read."""
+    then writes and reads the same places, or every rank raises before any row is read.
+    ``copy=False``: a view of the segment, read before this rank's next exchange
+    (``_shm.Words.gather``)."""
     words = _shared(local, group)
     if words is None:
         return None
     row = list(local.shape[1:])
     agree(f"the gather of {k} rows of {local.dtype}{row} in {rows}-row shards", site="spmdgt")
-    return words.gather(local, rows, k)
+    return words.gather(local, rows, k, copy)
 
 
 def reduce(local: torch.Tensor, group: Any, op: str) -> torch.Tensor | None:

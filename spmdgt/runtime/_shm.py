@@ -192,12 +192,19 @@ class Words:
 
     # -- rows gathered through the staging segment ------------------------------------------
 
-    def gather(self, local: torch.Tensor, rows: int, k: int) -> torch.Tensor | None:
+    def gather(
+        self, local: torch.Tensor, rows: int, k: int, copy: bool = True
+    ) -> torch.Tensor | None:
         """The ``k``-row matrix whose row shards (``torch.chunk``'s: ``rows`` a rank, fewer or
         none at the end) the ranks hold, on every rank; None where it does not fit, the same
         on every rank (the caller gathers over gloo). Every rank calls it at the same point
         with the same ``rows``, ``k``, row shape and dtype (the caller's agreement point
-        checked that) and a contiguous CPU ``local``."""
+        checked that) and a contiguous CPU ``local``.
+
+        ``copy=False``: the matrix is a view of the staging segment itself, for a caller that
+        is done reading it before this rank's next exchange (a product's operand, read by
+        its ``mm`` and dropped): the half it lies in is written again only after every rank
+        has passed the exchange in between (``_write``)."""
         row = tuple(local.shape[1:])
         at = self._write(local, rows * local.element_size() * math.prod(row))
         if at is None:
@@ -205,7 +212,7 @@ class Words:
         if not k * math.prod(row):
             return local.new_empty((k, *row))
         out = torch.frombuffer(self._view, dtype=local.dtype, count=k * math.prod(row), offset=at)
-        return out.clone().view(k, *row)
+        return (out.clone() if copy else out).view(k, *row)
 
     def reduce(self, local: torch.Tensor, op: str) -> torch.Tensor | None:
         """``op`` (``sum``, ``max``, ``min``) over every rank's ``local``, taken in rank order,

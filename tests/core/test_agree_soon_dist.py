@@ -98,6 +98,17 @@ def _rows_at_rows(rank, world):
     (y * y).sum().backward()
     out["ga"], out["gb"] = a.grad.numpy().copy(), b.grad.numpy().copy()
     out["cb"] = torch.matmul(c, b.detach()).numpy().copy()
+    # products one after another, each result the next one's rows and all read at the end:
+    # the second operand is read in place from the gather's shared staging (no copy out),
+    # whose two halves alternate, so no product may see a later one's rows
+    g = torch.Generator().manual_seed(4)
+    with gt.signal.context("rows"):
+        mats = [gt.tensor(torch.randn(5, 5, generator=g)) for _ in range(5)]
+    x, chain = c, []
+    for m in mats:
+        x = x @ m
+        chain.append(x)
+    out["chain"] = [t.numpy().copy() for t in chain]
     from spmdgt.tensor import _contract
 
     pair = (big, b.detach())
@@ -130,10 +141,14 @@ def test_rows_at_rows_gathers_the_second_operand_and_equals_torch(tmp_path, worl
         torch.testing.assert_close(torch.from_numpy(r["ga"]), a.grad, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(torch.from_numpy(r["gb"]), b.grad, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(torch.from_numpy(r["cb"]), c0 @ b0, rtol=1e-5, atol=1e-5)
+        g, x = torch.Generator().manual_seed(4), c0
+        for got in r["chain"]:
+            x = x @ torch.randn(5, 5, generator=g)
+            torch.testing.assert_close(torch.from_numpy(got), x, rtol=1e-5, atol=1e-5)
         assert r["big_kept"]
         torch.testing.assert_close(torch.from_numpy(r["pair"]), c0 @ b0, rtol=1e-5, atol=1e-5)
         # a @ b under CommDebugMode and with gradients: through DTensor; c @ b: directly
-        assert r["counts"]["gathered"] >= 1 and r["counts"]["direct"] >= 1, r["counts"]
+        assert r["counts"]["gathered"] >= 1 and r["counts"]["direct"] >= 6, r["counts"]
         torch.testing.assert_close(
             torch.from_numpy(r["big"]), torch.from_numpy(r["ref_big"]), rtol=1e-5, atol=1e-5
         )

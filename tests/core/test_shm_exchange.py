@@ -159,3 +159,55 @@ def test_rows_gathered_through_the_staging_segment_equal_torch(world):
             assert out.dtype == full.dtype and torch.equal(out, full), (r, full.shape)
     lib.gt_unmap(bases[1], 2 * half)
     lib.gt_unmap(bases[0], size)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_gather_read_in_place_is_the_matrix_until_the_next_exchange(world):
+    """``gather(copy=False)`` (a product's second operand, ``_contract.direct``) hands back
+    the staging segment itself, not a copy; read at once, as the product does, it is the
+    whole matrix on every rank, however far a rank runs ahead: the half it lies in is
+    written again only after every rank has passed the call in between."""
+    import ctypes
+
+    import torch
+
+    lib = _shm._load()
+    size, half = 64 * (world + 1), 1 << 14
+    bases = []
+    for n in (size, 2 * half):
+        name = f"/dev/shm/spmdgt-test-{os.getpid()}-{n}-view"
+        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.ftruncate(fd, n)
+        bases.append(lib.gt_map(fd, n))
+        os.close(fd)
+        os.unlink(name)
+    ranks = [_shm.Words(lib, bases[0], size, r, world, [_me()] * world) for r in range(world)]
+    for w in ranks:
+        w.attach_stage(bases[1], half)
+    g = torch.Generator().manual_seed(1)
+    seconds = [torch.randn(5 + i % 4, 3, generator=g) for i in range(120)]  # uneven shards
+    firsts = [torch.randn(4, s.shape[0], generator=g) for s in seconds]
+    got = [[] for _ in range(world)]
+    in_place = [[] for _ in range(world)]
+    start = ctypes.cast(bases[1], ctypes.c_void_p).value
+    end = start + 2 * half
+
+    def run(r):
+        for a, full in zip(firsts, seconds):
+            rows = -(-full.shape[0] // world)
+            mine = full[r * rows : (r + 1) * rows].contiguous()
+            view = ranks[r].gather(mine, rows, full.shape[0], copy=False)
+            in_place[r].append(start <= view.data_ptr() < end)
+            got[r].append(torch.mm(a, view))
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for r in range(world):
+        assert len(got[r]) == len(seconds) and all(in_place[r])
+        for a, full, out in zip(firsts, seconds, got[r]):
+            assert torch.equal(out, torch.mm(a, full)), (r, full.shape)
+    lib.gt_unmap(bases[1], 2 * half)
+    lib.gt_unmap(bases[0], size)
