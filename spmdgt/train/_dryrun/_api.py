@@ -186,6 +186,7 @@ def _report(raw: dict, cfg: TrainConfig, s: _Settings, t0: float, notes: list[st
         tracker=raw["tracker"],
         before_backward=raw.get("before_backward", {}),
         backward_peaks=raw.get("backward_peaks", {}),
+        step_peak=raw.get("step_peak", {}),
         elapsed=time.perf_counter() - t0,
         notes=notes,
     )

@@ -73,6 +73,11 @@ class DryRunReport:
     backward_peaks: dict[str, dict[str, int]] = field(default_factory=dict)
     """FSDP only: the peak in each FSDP unit's backward by category (``total`` their sum),
     by the unit's name (rank 0's, the last step's)."""
+    step_peak: dict[str, int] = field(default_factory=dict)
+    """The peak of the forwards and backwards alone, before the optimizer step, by category
+    (``total`` their sum; rank 0's, the larger step's). ``peak`` is the step's whole: where
+    the optimizer step holds the most (parameters, gradients, state and its temporaries
+    together: a 70B-shaped Llama's one-block copy), it shows no activation at all."""
 
     def collectives_by_dim(self) -> dict[str, dict[str, dict[str, int]]]:
         """One step's collectives per mesh dim: ``{dim: {kind: {count, bytes}}}`` (bytes of

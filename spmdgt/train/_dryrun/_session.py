@@ -150,9 +150,16 @@ class DrySession:
         world = layout.world
         grads: list[int] = []
 
+        step_peak: dict[str, int] = {}
+
         def probe(opt: torch.optim.Optimizer, args: object, kwargs: object) -> None:
             tensors = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
             grads[:] = _bytes_per_rank(tensors, world)
+            # the peak of this step's forwards and backwards, before the optimizer's own
+            snap = _by_category(meter.tracker.get_tracker_snapshot("peak"))  # type: ignore[attr-defined]
+            if snap.get("total", 0) > step_peak.get("total", 0):
+                step_peak.clear()
+                step_peak.update(snap)
 
         activations = [0]
 
@@ -209,6 +216,7 @@ class DrySession:
             "tracker": meter.tracker_name,
             "before_backward": _before_backward(meter.last_tracker),
             "backward_peaks": _backward_peaks(meter.last_tracker),
+            "step_peak": step_peak,
         }
 
 
@@ -241,15 +249,22 @@ def _unit_snapshots(tracker: object, state: object) -> dict[str, dict[str, int]]
     for stats in tracking.values():
         snaps = stats.snapshots.get(state) or []
         if snaps and snaps[-1]:
-            dev = max(snaps[-1].values(), key=lambda d: d.get("Total", 0))
-            out[stats.mod_fqn] = {
-                _CATEGORY.get(
-                    str(getattr(k, "value", k)), str(getattr(k, "value", k)).lower()
-                ): int(v)
-                for k, v in dev.items()
-                if v and k != "Total"
-            }
-            out[stats.mod_fqn]["total"] = int(dev.get("Total", 0))
+            out[stats.mod_fqn] = _by_category(snaps[-1])
+    return out
+
+
+def _by_category(snap: dict) -> dict[str, int]:
+    """A tracker snapshot (device -> category -> bytes) as the report names the categories,
+    of the device with the most bytes, with ``total``; empty for an empty snapshot."""
+    if not snap:
+        return {}
+    dev = max(snap.values(), key=lambda d: d.get("Total", 0))
+    out = {
+        _CATEGORY.get(str(getattr(k, "value", k)), str(getattr(k, "value", k)).lower()): int(v)
+        for k, v in dev.items()
+        if v and k != "Total"
+    }
+    out["total"] = int(dev.get("Total", 0))
     return out
 
 

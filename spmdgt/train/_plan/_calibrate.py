@@ -83,9 +83,9 @@ class FsdpPeak:
     units: float
     """Bytes at the peak of gathered parameters and unsharded gradients, per byte of the
     root's parameters plus one block's."""
-    buffer: float
-    """Bytes of one block's all-gather or reduce-scatter buffer per byte of its
-    parameters."""
+    gather: float
+    """Bytes of all-gather buffers at every block's backward (a block gathered or being
+    gathered) per byte of one block's parameters: bf16 under FSDP's AMP."""
     grads: float
     """Sharded gradients at the peak outside the blocks' (bytes, all ranks together)."""
     saved: float = 0.0
@@ -98,6 +98,11 @@ class FsdpPeak:
     accumulation's held gradients already count."""
     amp: bool = False
     """Measured under FSDP's AMP: its bytes are AMP's (the walk scales nothing by dtype)."""
+    scatter: float = 1.0
+    """Bytes of the reduce-scatter buffer per byte of one block's parameters, held in every
+    block's backward but the first (the previous block's gradients being reduced): fp32
+    under FSDP's AMP too (its reduce dtype). 1 where the peak was in the first block's
+    backward, which holds none."""
     left: float = 0.0
     """Bytes (at ``MemoryMeter.rows``) each block whose backward is done leaves alive until
     the whole backward ends: under checkpointing, tensors of its recomputed forward (on
@@ -123,18 +128,24 @@ class MemoryModel:
     fsdp: dict[bool, FsdpPeak] = field(default_factory=dict)
     """FSDP's peak by activation checkpointing (empty, or without ``True``, where FSDP, or
     FSDP with checkpointing, was not calibrated)."""
-    fsdp_late: dict[bool, FsdpPeak] = field(default_factory=dict)
+    fsdp_second: dict[bool, FsdpPeak] = field(default_factory=dict)
+    """A second peak of FSDP's run, walked like ``fsdp``'s and the larger taken. Under
+    checkpointing the first block's backward (the last reached), beside what the finished
+    blocks left (``FsdpPeak.left``): deep models peak there (the leavings grow with depth)
+    even where the calibration copy's peak is at the loss. Without it the last block's
+    backward (the first reached), where the run's own peak fell later: its temporaries are
+    those of every block but block 0."""
     fsdp_amp: dict[bool, FsdpPeak] = field(default_factory=dict)
-    """``fsdp`` and ``fsdp_late`` calibrated under FSDP's AMP (``FsdpPeak.amp``), where AMP
+    """``fsdp`` and ``fsdp_second`` calibrated under FSDP's AMP (``FsdpPeak.amp``), where AMP
     is searched: its reduce-scatter stays fp32 while the rest is bf16, and the world-1 AMP
     run (autocast: fp32 weights cast per op) is no measure of it."""
-    fsdp_late_amp: dict[bool, FsdpPeak] = field(default_factory=dict)
-    """Under checkpointing, FSDP's peak in the first block's backward (the last reached),
-    beside what the finished block left (``FsdpPeak.left``): walked like ``fsdp``'s, the
-    larger taken. Deep models peak there (the finished blocks' leavings grow with depth)
-    even where the calibration copy's peak is at the loss."""
+    fsdp_second_amp: dict[bool, FsdpPeak] = field(default_factory=dict)
     amp_ratio: float = 1.0
     """The ratio AMP's bf16 makes of the dynamic bytes."""
+    optimizer_step: float = 0.0
+    """Bytes over the parameters, gradients, state and buffers at the optimizer step, per
+    parameter byte, where a world-1 calibration run peaked there (``_optimizer_step``): a
+    candidate's peak is the larger of its step's and its optimizer step's (``_cost``)."""
     runs: list[str] = field(default_factory=list)
     """Each dry run: what it was and its seconds."""
 
@@ -149,8 +160,27 @@ class MemoryModel:
         return (self.rest[(ac, amp)] + blocks * block) * rows / self.rows
 
 
-def _dynamic(r: DryRunReport) -> float:
-    return max(0.0, r.peak - sum(v for k, v in r.peak_breakdown.items() if k in _STATIC))
+def _step_parts(r: DryRunReport) -> dict[str, int]:
+    """The peak of the forwards and backwards by category (``DryRunReport.step_peak``), not
+    the optimizer step's: what grows with the micro-batch is measured there (a 70B-shaped
+    Llama's one-block copy peaks in its optimizer step, where no activation lives, and
+    read 0 bytes of activations). The whole step's peak for reports without it."""
+    return dict(r.step_peak) or {**r.peak_breakdown, "total": r.peak}
+
+
+def _dynamic(parts: dict[str, int]) -> float:
+    return max(0.0, parts["total"] - sum(v for k, v in parts.items() if k in _STATIC))
+
+
+def _optimizer_step(r: DryRunReport) -> float:
+    """Bytes at the step's peak over the parameters, buffers, gradients and optimizer state,
+    per parameter byte, where that peak is the optimizer step's (its update's temporaries:
+    AdamW's foreach works on a whole group at once); 0 where the forwards and backwards
+    peak higher."""
+    if not r.step_peak or r.peak <= r.step_peak.get("total", 0) or not r.params[0]:
+        return 0.0
+    held = r.params[0] + r.grads[0] + r.optimizer[0] + r.peak_breakdown.get("buffers", 0)
+    return max(0.0, (r.peak - held) / r.params[0])
 
 
 def guess_loss_fn(batch: object) -> Callable | None:
@@ -240,17 +270,22 @@ class _Measured:
 
     dynamic: float
     parts: dict[str, int]
-    """The peak by category (``DryRunReport.peak_breakdown``)."""
+    """The forwards' and backwards' peak by category (``_step_parts``)."""
     before_backward: dict[str, int]
     """Activations and backward temporaries at each FSDP unit's backward start
     (``DryRunReport.before_backward``)."""
     block_peak: dict[str, int]
     """The peak in the first block's backward (the last the backward reaches), by category
     (``DryRunReport.backward_peaks``); empty where not FSDP."""
+    start_peak: dict[str, int]
+    """The peak in the last block's backward (the first the backward reaches), as
+    ``block_peak``."""
     optimizer: int
     params: int
     buffers: int
     seconds: float
+    optimizer_step: float = 0.0
+    """``_optimizer_step`` of the run."""
 
 
 @dataclass(frozen=True)
@@ -311,15 +346,18 @@ def _measure(model: nn.Module, batch: object, optimizer: Callable, loss_fn, run:
         r = dry_run(_builder(m, batch, optimizer), run.world, run.config, loss_fn=loss_fn)
     finally:
         _forget_runtime()
+    parts = _step_parts(r)
     return _Measured(
-        dynamic=_dynamic(r),
-        parts=dict(r.peak_breakdown),
+        dynamic=_dynamic(parts),
+        parts=parts,
         before_backward=dict(r.before_backward),
-        block_peak=_first_block(r.backward_peaks),
+        block_peak=_block_peak(r.backward_peaks, first=True),
+        start_peak=_block_peak(r.backward_peaks, first=False),
         optimizer=r.optimizer[0],
         params=r.params[0],
         buffers=r.peak_breakdown.get("buffers", 0),
         seconds=time.perf_counter() - t0,
+        optimizer_step=_optimizer_step(r),
     )
 
 
@@ -414,7 +452,13 @@ def calibrate(
     if width and tokens and facts.parameters:
         element = facts.param_bytes / facts.parameters
         floor = mem.rows * tokens * width * element
-        for peaks in (mem.fsdp, mem.fsdp_late, mem.fsdp_amp, mem.fsdp_late_amp):
+        # the world-1 line too: its two runs may peak at different places (a 70B-shaped
+        # Llama's 2-block copy in block 0's backward, its 1-block one at the loss: 0)
+        for amp_on in (False, True):
+            if (True, amp_on) in mem.block:
+                low = floor / 2 if amp_on else floor
+                mem.block[(True, amp_on)] = max(mem.block[(True, amp_on)], low)
+        for peaks in (mem.fsdp, mem.fsdp_second, mem.fsdp_amp, mem.fsdp_second_amp):
             if True in peaks:
                 low = floor / 2 if peaks[True].amp else floor
                 peaks[True].saved = max(peaks[True].saved, low)
@@ -444,6 +488,7 @@ def _fit(
         rest={(False, False): rest},
         block={(False, False): blk},
         runs=runs,
+        optimizer_step=max(m.optimizer_step for k, m in got.items() if k in ("base1", "base2")),
     )
     if "ac2" in got:
         # Under AC a block keeps its input, and the one block being recomputed holds its
@@ -467,14 +512,27 @@ def _fit(
     for key, ac_on, amp_on in fsdp_runs:
         if key in got and (ac_on, False) in mem.block:
             peak = _fsdp_peak(got[key], blocks, facts.block_bytes, units, ac_on, amp_on)
-            # under FSDP's AMP a block's saved bytes are bf16: half the fp32 line's. Not
-            # quite (HF's RMSNorm computes in fp32): at the Llama-3-8B shape without
-            # checkpointing this reads FSDP's AMP peak 5.0% under its dry run; what a
-            # finished block leaves under checkpointing is no measure (0.83 of fp32's)
-            peak.saved = mem.block[(ac_on, False)] * (0.5 if amp_on else 1.0)
+            peak.saved = mem.block[(ac_on, False)]
+            if amp_on:
+                # under FSDP's AMP a block's saved bytes are mostly bf16, not all (HF's
+                # RMSNorm computes in fp32): without checkpointing they are what each
+                # block's backward frees, read from the run itself (0.56 of fp32's on
+                # HF's Llama); under it that step is what a finished block leaves (0.83
+                # of fp32's), no measure of a block's input, so half the fp32 line
+                step = _step_per_block(got[key].before_backward) if not ac_on else 0.0
+                peak.saved = step or peak.saved * 0.5
+            second = None
             if ac_on and got[key].block_peak:
-                late = _late_peak(got, key, blocks, facts, units, peak.saved, amp_on)
-                (mem.fsdp_late_amp if amp_on else mem.fsdp_late)[True] = late
+                second = _late_peak(got, key, blocks, facts, units, peak.saved, amp_on)
+            elif not ac_on and got[key].start_peak and peak.block != blocks - 1:
+                # the run's peak fell after the backward's start (under FSDP's AMP its
+                # fp32 reduce-scatter beside a bf16 gather makes block 0's the larger on
+                # 2 blocks), where the temporaries are smaller than in the blocks before
+                # it (HF's Llama: 0.06 MiB against 0.31): the start walked too
+                fp32_saved = mem.block[(False, False)]
+                second = _start_peak(got, key, blocks, facts, units, peak, fp32_saved)
+            if second is not None:
+                (mem.fsdp_second_amp if amp_on else mem.fsdp_second)[ac_on] = second
             (mem.fsdp_amp if amp_on else mem.fsdp)[ac_on] = peak
     if "tp" in got and blk:
         per_block = (got["tp"].dynamic - rest) / 2
@@ -494,7 +552,12 @@ def _fsdp_peak(
         block = min(blocks - 1, max(0, blocks - 1 - round(held / block_bytes)))
     on_units = sum(got.parts.get(k, 0) for k in _UNITS)
     on_buffers = sum(got.parts.get(k, 0) for k in _BUFFERS)
-    buffers = (block >= 1) + (block < blocks - 1)  # a prefetch, a reduce-scatter under way
+    # the two kinds of buffer apart: under FSDP's AMP a gather is bf16 and a reduce-scatter
+    # fp32, and every block's backward holds a gather (its own or the next one's, 4 blocks
+    # of HF's Llama at world 4: one bf16 block's bytes at each) where only those after the
+    # first hold a reduce-scatter (``_cost._walk``)
+    gathered = got.parts.get("all-gather buffers", 0)
+    scattered = got.parts.get("reduce-scatter buffers", 0)
     rows = max(0.0, got.dynamic - on_units - on_buffers)
     # the block's new unsharded gradients: bf16 under FSDP's AMP
     fresh = min(block_bytes * (0.5 if amp else 1.0), rows) if ac and blocks else 0.0
@@ -503,20 +566,60 @@ def _fsdp_peak(
         block=block,
         rows=rows - fresh,
         units=on_units / units if units else 0.0,
-        buffer=on_buffers / (buffers * block_bytes) if buffers and block_bytes else 1.0,
+        gather=gathered / block_bytes if block_bytes else 1.0,
         grads=max(0.0, held - (blocks - 1 - block) * block_bytes) if blocks else held,
         fresh=fresh / block_bytes if block_bytes else 0.0,
         amp=amp,
+        scatter=scattered / block_bytes if block_bytes and block < blocks - 1 else 1.0,
     )
 
 
-def _first_block(peaks: dict[str, dict[str, int]]) -> dict[str, int]:
+def _block_peak(peaks: dict[str, dict[str, int]], first: bool) -> dict[str, int]:
     """The backward peak (``DryRunReport.backward_peaks``) of the block with the lowest
-    index (the last the backward reaches); empty without blocks."""
+    index (``first``: the last the backward reaches), else of the highest (the first it
+    reaches); empty without blocks."""
     blocks = sorted(
         (int(name.rpartition(".")[2]), name) for name in peaks if name.rpartition(".")[2].isdigit()
     )
-    return dict(peaks[blocks[0][1]]) if blocks else {}
+    return dict(peaks[blocks[0 if first else -1][1]]) if blocks else {}
+
+
+def _at(run: _Measured, parts: dict[str, int]) -> _Measured:
+    """``run`` as it stood at another of its peaks (``parts``: a block's backward peak)."""
+    dynamic = _dynamic({"total": 0, **parts})
+    return _Measured(dynamic, parts, {}, {}, {}, run.optimizer, run.params, run.buffers, 0.0)
+
+
+def _start_peak(
+    got: dict[str, _Measured],
+    key: str,
+    blocks: int,
+    facts: ModelFacts,
+    units: float,
+    main: FsdpPeak,
+    fp32_saved: float,
+) -> FsdpPeak:
+    """FSDP's peak without checkpointing in the calibration copy's last block's backward
+    (the first the backward reaches: every block's activations saved, no gradient reduced
+    yet), for ``MemoryModel.fsdp_second``; ``main`` is the run's own peak.
+
+    Under FSDP's AMP the tracker keeps that block in its backward until its gradients'
+    reduce-scatter, inside the next block's backward, and shows the next block's peak for
+    it (gradients reduced, a reduce-scatter buffer: HF's Llama, 2 blocks). There the fp32
+    run's start stands in: its activations and temporaries scaled as a block's saved bytes
+    are (AMP's over fp32's), its gathered units and buffers AMP's own (``main``'s)."""
+    run, amp = got[key], main.amp
+    parts = run.start_peak
+    late = parts.get("sharded grads", 0) or parts.get("reduce-scatter buffers", 0)
+    fp32 = got.get("fsdp")
+    if amp and late and fp32 is not None and fp32.start_peak and fp32_saved:
+        start = _fsdp_peak(_at(fp32, fp32.start_peak), blocks, facts.block_bytes, units, False)
+        start.rows *= main.saved / fp32_saved
+        start.units, start.gather, start.amp = main.units, main.gather, True
+    else:
+        start = _fsdp_peak(_at(run, parts), blocks, facts.block_bytes, units, False, amp)
+    start.saved = main.saved
+    return start
 
 
 def _late_peak(
@@ -528,23 +631,13 @@ def _late_peak(
     saved: float,
     amp: bool = False,
 ) -> FsdpPeak:
-    """FSDP's peak in the calibration copy's first block's backward (``MemoryModel.fsdp_late``),
+    """FSDP's peak in the calibration copy's first block's backward (``MemoryModel.fsdp_second``),
     with what each finished block leaves (``_left_behind``). Its saved bytes per block: the
     world-1 checkpointing line's, less one block's leavings where that line holds them (its
     2-block run peaked after block 1's backward, block 1's gradients held beside the 1-block
     run's: at world 1 they are counted as activations)."""
     run = got[key]
-    parts = run.block_peak
-    total = parts.get("total", 0)
-    dynamic = max(0.0, total - sum(v for k, v in parts.items() if k in _STATIC))
-    late = _fsdp_peak(
-        _Measured(dynamic, parts, {}, {}, run.optimizer, run.params, run.buffers, 0.0),
-        blocks,
-        facts.block_bytes,
-        units,
-        True,
-        amp,
-    )
+    late = _fsdp_peak(_at(run, run.block_peak), blocks, facts.block_bytes, units, True, amp)
     late.left = _left_behind(run.before_backward)
     late.saved = saved
     one, two = got.get("ac1"), got.get("ac2")
@@ -553,6 +646,27 @@ def _late_peak(
         if grew >= 0.5 * facts.block_bytes:
             late.saved = max(0.0, saved - late.left)
     return late
+
+
+def _step_per_block(before_backward: dict[str, int]) -> float:
+    """How much the activations and temporaries at a block's backward start (``_Measured.
+    before_backward``) fall from one block to the next as the backward goes (0 where they
+    grow, or with fewer than 2 blocks): without checkpointing, a block's saved activations,
+    freed once its backward is done. Under checkpointing they grow (``_left_behind``)."""
+    return max(0.0, -_change_per_block(before_backward))
+
+
+def _change_per_block(before_backward: dict[str, int]) -> float:
+    """The first block's (reached last) less the last block's (reached first), over the
+    blocks between; 0 with fewer than 2 blocks."""
+    blocks = sorted(
+        (int(name.rpartition(".")[2]), v)
+        for name, v in before_backward.items()
+        if name.rpartition(".")[2].isdigit()
+    )
+    if len(blocks) < 2:
+        return 0.0
+    return (blocks[0][1] - blocks[-1][1]) / (len(blocks) - 1)
 
 
 def _left_behind(before_backward: dict[str, int]) -> float:
@@ -571,14 +685,7 @@ def _left_behind(before_backward: dict[str, int]) -> float:
     and without early stop it is the same: something the autograd graph keeps (not found)
     holds them until the backward ends (the root's post-backward frees them all). 0 with
     fewer than 2 blocks."""
-    blocks = sorted(
-        (int(name.rpartition(".")[2]), v)
-        for name, v in before_backward.items()
-        if name.rpartition(".")[2].isdigit()
-    )
-    if len(blocks) < 2:
-        return 0.0
-    return max(0.0, (blocks[0][1] - blocks[-1][1]) / (len(blocks) - 1))
+    return max(0.0, _change_per_block(before_backward))
 
 
 def _forget_runtime() -> None:

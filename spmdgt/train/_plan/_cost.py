@@ -104,13 +104,18 @@ def _memory(c: Candidate, facts: ModelFacts, mem: MemoryModel) -> dict[str, floa
         # the next forward, else this step's, taken whole at the peak (under AC the peak is
         # late in the backward, when most of them exist)
         live = params + mem.dynamic(c.micro_batch, c.ac, c.amp, facts.blocks, c.tp)
-    return {
+    parts = {
         "params": params,
         "optimizer": params * mem.opt_ratio,
         "buffers": float(mem.buffers),
         "step (activations, temporaries, gathered units, grads)": live,
         "DDP buckets": params if c.strategy == "ddp" and c.world > 1 else 0.0,
     }
+    # the optimizer step holds the gradients (sharded as the parameters are) and its
+    # update's temporaries beside the state: where that is more, it is the peak
+    over = params * (1 + mem.optimizer_step) - live
+    parts["optimizer step, over the step"] = max(0.0, over) if mem.optimizer_step else 0.0
+    return parts
 
 
 def _fsdp_step(c: Candidate, facts: ModelFacts, mem: MemoryModel, local: float) -> float:
@@ -130,13 +135,25 @@ def _fsdp_step(c: Candidate, facts: ModelFacts, mem: MemoryModel, local: float) 
             ": plan without memory_model= (or with one calibrated for the whole search)"
         )
     mem.dynamic(c.micro_batch, c.ac, c.amp, facts.blocks, c.tp)  # refuses what is not calibrated
-    best = _walk(c, facts, mem, local, peak)
-    late = (mem.fsdp_late_amp if amp else mem.fsdp_late).get(c.ac)
-    return max(best, _walk(c, facts, mem, local, late)) if late is not None else best
+    second = (mem.fsdp_second_amp if amp else mem.fsdp_second).get(c.ac)
+    if second is None:
+        return _walk(c, facts, mem, local, peak)
+    # under checkpointing a peak at the backward's start (the loss's, before any block's
+    # backward) is that moment's alone: the blocks after it are the second peak's walk
+    start = c.ac and peak.block == peak.blocks - 1
+    return max(_walk(c, facts, mem, local, peak, start), _walk(c, facts, mem, local, second))
 
 
-def _walk(c: Candidate, facts: ModelFacts, mem: MemoryModel, local: float, peak: FsdpPeak) -> float:
-    """``_fsdp_step`` from one calibrated peak (``FsdpPeak``)."""
+def _walk(
+    c: Candidate,
+    facts: ModelFacts,
+    mem: MemoryModel,
+    local: float,
+    peak: FsdpPeak,
+    start_only: bool = False,
+) -> float:
+    """``_fsdp_step`` from one calibrated peak (``FsdpPeak``), moved to each block's
+    backward (``start_only``: the backward's first block only)."""
     t, s, n = c.tp, c.dp_shard, facts.blocks
     # bytes of a compute-dtype element, and AMP's ratio of the rows' bytes: from the world-1
     # AMP run unless the peak was calibrated under FSDP's AMP itself
@@ -146,9 +163,9 @@ def _walk(c: Candidate, facts: ModelFacts, mem: MemoryModel, local: float, peak:
     per_block = saved * scale * (mem.tp_keep + (1 - mem.tp_keep) / t)
     block = facts.block_bytes - facts.tp_block_bytes * (1 - 1 / t)  # before FSDP's sharding
     units = peak.units * (facts.root_bytes + block) * half / 4
-    # what the calibrated peak held besides its blocks' saved activations: under
-    # checkpointing the recomputed block's activations and temporaries (TP splits them as
-    # a block's), else the loss's (outside the blocks: whole on every rank). Under
+    # what the calibrated peak held besides its blocks' saved activations: the loss's
+    # (outside the blocks: whole on every rank) and, under checkpointing, the recomputed
+    # block's activations and temporaries (TP splits them as a block's). Under
     # checkpointing every block's saved bytes stay through the backward (HF's GPT-2 and
     # Llama at 2, 3, 4 and 6 blocks hold them all at the same block of the backward);
     # without it a block's activations go at the end of its backward.
@@ -157,17 +174,26 @@ def _walk(c: Candidate, facts: ModelFacts, mem: MemoryModel, local: float, peak:
     # checkpointing each finished block's backward leaves tensors alive to the backward's end)
     finished = max(0, peak.blocks - 1 - peak.block)
     rest = (peak.rows - kept * saved - finished * peak.left) * scale
-    if c.ac:
-        rest *= mem.tp_keep + (1 - mem.tp_keep) / t
-    buffer = peak.buffer * block * half / 4  # a prefetched or reduce-scattered block's
+    if c.ac and t > 1:
+        # a checkpointed step peaks at its largest transient: a recomputed block (TP splits
+        # it) or, where the calibration's peak came before any gradient was reduced and the
+        # world-1 run's bytes outside the blocks are more than a block's, the loss (a large
+        # vocabulary's logits and their gradient, whole on every rank: splitting them read
+        # a Llama-3-8B shape at TP 4 37% under its dry run)
+        outside = mem.rest[(False, c.amp)]
+        at_loss = peak.block == peak.blocks - 1 and outside > mem.block[(False, c.amp)]
+        whole = min(rest, outside * c.micro_batch / mem.rows) if at_loss else 0.0
+        rest = whole + (rest - whole) * (mem.tp_keep + (1 - mem.tp_keep) / t)
+    gather = peak.gather * block * half / 4  # a block's all-gather buffer, in every block
+    scatter = peak.scatter * block  # a reduce-scatter under way, in all blocks but the first
     # the block's new gradients (counted in ``local`` under accumulation)
     fresh = peak.fresh * block * half / 4 if c.accumulation == 1 else 0.0
     best = 0.0
     left = peak.left * scale * (mem.tp_keep + (1 - mem.tp_keep) / t)
-    for j in range(max(n, 1)):
+    for j in [max(n - 1, 0)] if start_only else range(max(n, 1)):
         acts = rest + (n if c.ac else j + 1) * per_block if n else peak.rows * scale
         acts += max(0, n - 1 - j) * left
-        buffers = ((j >= 1) + (j < n - 1)) * buffer
+        buffers = gather + (j < n - 1) * scatter
         done = max(0, n - 1 - j) * block  # blocks whose gradients are reduced
         grads = local - done * (1 - 1 / s) if c.accumulation > 1 else (done + peak.grads) / s
         best = max(best, acts + units + buffers + grads + fresh)
