@@ -111,18 +111,14 @@ def test_a_rank_that_does_not_arrive_times_out_by_name(segment):
     done.join(30)
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_rows_gathered_through_the_staging_segment_equal_torch(world):
-    """Each rank writes its row shard (``torch.chunk``'s cut: uneven, some empty), the ranks
-    exchange "written", each copies the matrix out; the two halves alternate, so a rank that
-    runs ahead never overwrites rows another rank is still copying."""
-    import torch
-
+def _staged(world: int, half: int):
+    """(lib, size, half, bases, ranks): ``world`` thread-ranks on a fresh word segment and a
+    staging segment of two ``half``-byte halves (unmapped by the caller)."""
     lib = _shm._load()
-    size, half = 64 * (world + 1), 1 << 16
+    size = 64 * (world + 1)
     bases = []
     for n in (size, 2 * half):
-        name = f"/dev/shm/spmdgt-test-{os.getpid()}-{n}"
+        name = f"/dev/shm/spmdgt-test-{os.getpid()}-{threading.get_ident()}-{n}"
         fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         os.ftruncate(fd, n)
         bases.append(lib.gt_map(fd, n))
@@ -131,6 +127,26 @@ def test_rows_gathered_through_the_staging_segment_equal_torch(world):
     ranks = [_shm.Words(lib, bases[0], size, r, world, [_me()] * world) for r in range(world)]
     for w in ranks:
         w.attach_stage(bases[1], half)
+    return lib, size, half, bases, ranks
+
+
+def _as_ranks(world: int, run) -> None:
+    """``run(r)`` for every rank ``r`` on its own thread, all at once, joined."""
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_rows_gathered_through_the_staging_segment_equal_torch(world):
+    """Each rank writes its row shard (``torch.chunk``'s cut: uneven, some empty), the ranks
+    exchange "written", each copies the matrix out; the two halves alternate, so a rank that
+    runs ahead never overwrites rows another rank is still copying."""
+    import torch
+
+    lib, size, half, bases, ranks = _staged(world, 1 << 16)
     g = torch.Generator().manual_seed(0)
     cases = [
         torch.randn(7, 3, generator=g),  # 3/3/1 on 3 ranks, 4/3 on 2
@@ -148,11 +164,7 @@ def test_rows_gathered_through_the_staging_segment_equal_torch(world):
             mine = full[r * rows : (r + 1) * rows].contiguous()
             got[r].append(ranks[r].gather(mine, rows, full.shape[0]))
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    _as_ranks(world, run)
     for r in range(world):
         assert len(got[r]) == len(cases)
         for full, out in zip(cases, got[r]):
@@ -171,19 +183,7 @@ def test_a_gather_read_in_place_is_the_matrix_until_the_next_exchange(world):
 
     import torch
 
-    lib = _shm._load()
-    size, half = 64 * (world + 1), 1 << 14
-    bases = []
-    for n in (size, 2 * half):
-        name = f"/dev/shm/spmdgt-test-{os.getpid()}-{n}-view"
-        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        os.ftruncate(fd, n)
-        bases.append(lib.gt_map(fd, n))
-        os.close(fd)
-        os.unlink(name)
-    ranks = [_shm.Words(lib, bases[0], size, r, world, [_me()] * world) for r in range(world)]
-    for w in ranks:
-        w.attach_stage(bases[1], half)
+    lib, size, half, bases, ranks = _staged(world, 1 << 14)
     g = torch.Generator().manual_seed(1)
     seconds = [torch.randn(5 + i % 4, 3, generator=g) for i in range(120)]  # uneven shards
     firsts = [torch.randn(4, s.shape[0], generator=g) for s in seconds]
@@ -200,11 +200,7 @@ def test_a_gather_read_in_place_is_the_matrix_until_the_next_exchange(world):
             in_place[r].append(start <= view.data_ptr() < end)
             got[r].append(torch.mm(a, view))
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    _as_ranks(world, run)
     for r in range(world):
         assert len(got[r]) == len(seconds) and all(in_place[r])
         for a, full, out in zip(firsts, seconds, got[r]):
