@@ -102,7 +102,8 @@ def test_finished_checkpointed_blocks_leave_nothing_behind():
     block. ~3 s."""
     from spmdgt.train import TrainConfig
     from spmdgt.train._dryrun import dry_run
-    from spmdgt.train._plan._calibrate import _builder, _forget_runtime, _left_behind
+    from spmdgt.train._plan._calibrate import _builder, _forget_runtime
+    from spmdgt.train._plan._fsdp_peaks import _left_behind
 
     seq, width = 256, 64
     model = _meta_llama(3, width, 128, 256, seq)

@@ -37,8 +37,9 @@ import math
 from dataclasses import dataclass, field
 
 from spmdgt.train._comm_cost import CommunicationProfiler
-from spmdgt.train._plan._calibrate import FsdpPeak, MemoryModel
+from spmdgt.train._plan._calibrate import MemoryModel
 from spmdgt.train._plan._device import DeviceSpec, Link
+from spmdgt.train._plan._fsdp_peaks import FsdpPeak
 from spmdgt.train._plan._model import ModelFacts
 from spmdgt.train._plan._space import Candidate
 
