@@ -62,7 +62,13 @@ def global_value(t: torch.Tensor) -> torch.Tensor:
             return t.full_tensor()
         members = mesh_ranks(mesh)
         if rt.rank in members:
-            value = t.full_tensor().resolve_conj().resolve_neg().contiguous()
+            # laid out as the receivers' fresh tensor is, stride for stride: ``contiguous``
+            # keeps any stride on a size-1 dim (a 1-D ``nonzero``'s ``[n, 1]`` is ``(1, n)``),
+            # and a stride that differs by rank fails dynamo's guards on some ranks only: a
+            # hot function fed the value then recompiled, and waited in its compile agreement,
+            # on the receivers alone (found by the parity sweep, both halves on)
+            value = t.full_tensor().resolve_conj().resolve_neg()
+            value = value.clone(memory_format=torch.contiguous_format)
         else:
             value = torch.empty(t.shape, dtype=t.dtype, device=t.device)
         if _agree.checking():

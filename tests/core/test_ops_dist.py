@@ -249,3 +249,36 @@ def test_global_value_on_every_rank(tmp_path):
         assert "placements=(Partial(sum),)" in r["print"] and "tensor([[" in r["print"]
     assert r0["local"] == (3, 2) and r1["local"] == (3, 2)
     assert r0["print"] == r1["print"]
+
+
+def _sub_mesh_values(rank, world):
+    from torch.distributed.tensor import Replicate
+
+    import spmdgt  # noqa: F401  (initialises the rank)
+    from spmdgt.tensor._meshes import mesh_for
+    from spmdgt.tensor._moves import global_value, place
+    from spmdgt.tensor._placement import Target
+
+    target = Target(mesh_for(list(range(1, world))), (Replicate(),))
+    x = place(torch.tensor([0.0, 1.0, 0.0, 2.0, 3.0]), target)
+    m = place(torch.arange(12.0).reshape(3, 4), target)
+    out = {}
+    for name, y in (("nonzero", torch.nonzero(x)), ("transposed", m.t()), ("same", m)):
+        g = global_value(y)
+        g.add_(1)  # the caller's own memory on every rank, not the tensor's on some
+        out[name] = (g.tolist(), g.stride())
+    out["after"] = global_value(m).tolist()
+    return out
+
+
+def test_global_value_of_a_sub_mesh_is_laid_out_alike_on_every_rank(tmp_path):
+    """A value held on ranks 1..N-1 reaches every rank with the same strides (a stride that
+    differs by rank fails dynamo's guards on some ranks only) and as a copy everywhere."""
+    results = run_ranks(_sub_mesh_values, 3, tmp_path)
+    nz = torch.nonzero(torch.tensor([0.0, 1.0, 0.0, 2.0, 3.0])) + 1
+    m = torch.arange(12.0).reshape(3, 4)
+    for r in results:
+        assert r["nonzero"] == (nz.tolist(), (1, 1))
+        assert r["transposed"] == ((m.t() + 1).tolist(), (3, 1))
+        assert r["same"] == ((m + 1).tolist(), (4, 1))
+        assert r["after"] == m.tolist()
