@@ -29,7 +29,16 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from spmdgt._core import debuglog as _debuglog
 from spmdgt.tensor._moves import gather, scatter, target_of
 
-__all__ = ["counts", "run_global", "run_inplace", "tag_views", "write_through", "written"]
+__all__ = [
+    "NotTraceable",
+    "counts",
+    "run_global",
+    "run_inplace",
+    "tag_views",
+    "tracing",
+    "write_through",
+    "written",
+]
 
 _DisableSubclass = torch._C.DisableTorchFunctionSubclass
 
@@ -44,6 +53,40 @@ def op_name(func) -> str:
     if name == "__get__":  # a property's getter (``x.T``) reaches __torch_function__ as __get__
         name = getattr(getattr(func, "__self__", None), "__name__", "") or ""
     return name
+
+
+def tracing(args, kwargs=None) -> bool:
+    """Is torch.compile tracing this call (fake, functional or meta tensors: no data)?"""
+    if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
+        return True
+    for a in (*args, *(kwargs or {}).values()):
+        if isinstance(a, DTensor):
+            local = a._local_tensor
+            return local.is_meta or type(local) is not torch.Tensor
+    return False
+
+
+class NotTraceable(RuntimeError):
+    """An exact fallback reached while torch.compile traces.
+
+    A fallback gathers global values and writes each rank's part back into its shard with
+    plain tensor copies: traced, the gather of a sub-mesh (a point-to-point broadcast) and
+    every write-back are left out of the graph, which then runs on the shards alone (a
+    compiled ``kron(..., out=)`` on ``Shard(0)`` inputs left ``out`` all zeros). Raised from
+    global metadata, so at the same op on every rank: the compile fails there, spmdgt's hot
+    functions run the function eagerly, and a ``torch.compile`` of the user's says why."""
+
+    def __init__(self, func, why: str) -> None:
+        super().__init__(
+            f"{op_name(func) or func}: spmdgt runs it exactly on gathered global values "
+            f"({why}), which a compiled graph cannot hold; call it outside torch.compile "
+            "(torch.compiler.disable), or lay its inputs out so that DTensor has a rule"
+        )
+
+
+def _refuse_traced(func, args, kwargs, why: str) -> None:
+    if tracing(args, kwargs):
+        raise NotTraceable(func, why)
 
 
 def _user_stacklevel() -> int:
@@ -157,6 +200,7 @@ def in_layout_of(full: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
 def run_global(func, args, kwargs, why: str, strided: bool = False):
     """``func`` on the global values of its arguments; outputs laid out again. ``strided``
     (random ops): each global value in its DTensor's memory layout (``in_layout_of``)."""
+    _refuse_traced(func, args, kwargs, why)
     like = _first_dtensor(args, kwargs)
     _note(func, why, args, kwargs)
 
@@ -260,6 +304,7 @@ def run_inplace(func, args, kwargs, why: str):
     that writes lists) computed on global values, then written back into each rank's shard
     of every sharded tensor it mutates (``written``). Plain tensors it mutates are written by
     the op itself, alike on every rank."""
+    _refuse_traced(func, args, kwargs, why)
     name = op_name(func)
     targets = written(func, args, kwargs)
     # A Python function (nn.init.kaiming_uniform_) decides itself: its body may run under
@@ -354,6 +399,7 @@ def write_through(func, args, kwargs, view: DTensor):
     view, as torch would, write the base back, and refresh the view. Returns NotImplemented
     when torch's own op would not be a view either (advanced indexing): then the op acts on
     the copy alone, as in torch."""
+    _refuse_traced(func, args, kwargs, "a write through a view that DTensor had to copy")
     name = op_name(func)
     base, replay, _ = view._gt_view
     needs_grad = torch.is_grad_enabled() and (

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from spmdgt.tensor import _checks
+from spmdgt.tensor import _checks, _fallback
 from spmdgt.tensor._registry import plan, register, register_aten
 
 __all__ = [
@@ -291,17 +291,6 @@ def _bound_decomp_search(search) -> None:
     search._get_candidate_placements = candidates
 
 
-def _tracing(args) -> bool:
-    """Is torch.compile tracing this op (fake or meta tensors: no data, no collective)?"""
-    if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
-        return True
-    for a in args:
-        if isinstance(a, DTensor):
-            local = a._local_tensor
-            return local.is_meta or type(local) is not torch.Tensor
-    return False
-
-
 def _scalar(op_call, args, kwargs):
     """The global number a 0-d DTensor holds, on every rank: DTensor's own read gives a rank
     outside the tensor's sub-mesh None ("Cannot cast None to number", raised there while
@@ -368,7 +357,7 @@ def install() -> None:
 
     def propagate(op_call, args, kwargs, op_info, *rest, **kw):
         ours = torch._C._get_dtensor_allow_implicit_replication()
-        if _random.draws(op_call, args, kwargs) and not _tracing(args):
+        if _random.draws(op_call, args, kwargs) and not _fallback.tracing(args):
             if ours:  # one process's numbers and generator states (see _random)
                 return _random.run(op_call, args, kwargs)
             _random.note_outside()
