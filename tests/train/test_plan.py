@@ -189,6 +189,15 @@ def test_a_links_latency_grows_with_its_group_and_the_pricing_uses_it():
     assert steps["fixed"][(2, 2)] > steps["fixed"][(1, 4)]
 
 
+def test_tp_splits_a_blocks_activations_but_not_a_checkpointed_blocks_input():
+    """Without checkpointing TP splits the share of a block's bytes it does not keep whole
+    (``tp_keep``); with it a block saves its input alone, whole on every TP rank."""
+    mem = _memory()
+    one, four = mem.dynamic(4, False, False, 8, 1), mem.dynamic(4, False, False, 8, 4)
+    assert four == 1e6 + 8 * 5e5 * (0.5 + 0.5 / 4) < one
+    assert mem.dynamic(4, True, False, 8, 4) == mem.dynamic(4, True, False, 8, 1) == 1e6 + 8e5
+
+
 def test_a_memory_model_made_for_a_narrow_search_refuses_a_wider_one():
     ex = _example()
     model = ex.build_model(ex.parse_args(TINY))

@@ -37,7 +37,7 @@ import math
 from dataclasses import dataclass, field
 
 from spmdgt.train._comm_cost import CommunicationProfiler
-from spmdgt.train._plan._calibrate import MemoryModel
+from spmdgt.train._plan._calibrate import MemoryModel, tp_share
 from spmdgt.train._plan._device import DeviceSpec, Link
 from spmdgt.train._plan._fsdp_peaks import FsdpPeak
 from spmdgt.train._plan._model import ModelFacts
@@ -161,7 +161,7 @@ def _walk(
     half = 2 if c.amp and not peak.amp else 4
     scale = c.micro_batch / mem.rows * (mem.amp_ratio if c.amp and not peak.amp else 1.0)
     saved = peak.saved  # a block's saved activations, at the calibration's rows
-    per_block = saved * scale * (mem.tp_keep + (1 - mem.tp_keep) / t)
+    per_block = saved * scale * tp_share(mem, c.ac, t)
     block = facts.block_bytes - facts.tp_block_bytes * (1 - 1 / t)  # before FSDP's sharding
     units = peak.units * (facts.root_bytes + block) * half / 4
     # what the calibrated peak held besides its blocks' saved activations: the loss's
