@@ -11,9 +11,12 @@ callbacks, the lazy backward compile included), ``gt.Tensor`` behaves as the DTe
 
 ``__tensor_unflatten__`` rebuilds a ``gt.Tensor``, so the fake inputs, the compiled graph's
 input checks and its outputs all keep spmdgt's class: what comes out answers ``.numpy()``.
-A compiled region runs DTensor's propagation only: an op that would take an exact fallback in
-eager (no DTensor rule, data-dependent shape) raises at compile time on every rank, or graph
-breaks, rather than diverging.
+A compiled region runs DTensor's propagation and spmdgt's propagation hook: an op without a
+DTensor rule takes the exact fallback inside the graph where the graph can hold it (an
+out-of-place op over the whole world: DTensor's all-gather is a functional collective), and
+raises ``NotTraceable`` at compile time on every rank where it cannot (a write into a view the
+fallback made as a copy, a write-back into a sharded tensor, a sub-mesh's broadcast:
+``_fallback``), rather than diverging.
 
 Known limit: a plain tensor that needs a gradient (an ``nn.Linear`` weight) used with
 ``gt.Tensor``s inside a compiled region gets its gradient as a replicated ``gt.Tensor`` (the

@@ -32,6 +32,7 @@ from spmdgt.tensor._moves import gather, scatter, target_of
 __all__ = [
     "NotTraceable",
     "counts",
+    "refuse_traced_write",
     "run_global",
     "run_inplace",
     "tag_views",
@@ -67,26 +68,78 @@ def tracing(args, kwargs=None) -> bool:
 
 
 class NotTraceable(RuntimeError):
-    """An exact fallback reached while torch.compile traces.
+    """An exact fallback reached while torch.compile traces, where the graph cannot hold it.
 
-    A fallback gathers global values and writes each rank's part back into its shard with
-    plain tensor copies: traced, the gather of a sub-mesh (a point-to-point broadcast) and
-    every write-back are left out of the graph, which then runs on the shards alone (a
-    compiled ``kron(..., out=)`` on ``Shard(0)`` inputs left ``out`` all zeros). Raised from
-    global metadata, so at the same op on every rank: the compile fails there, spmdgt's hot
-    functions run the function eagerly, and a ``torch.compile`` of the user's says why."""
+    An out-of-place fallback over the whole world traces as it runs: DTensor's all-gather
+    (a functional collective) and each rank's slice of the result (an ``nn.Linear``'s view
+    of unevenly sharded rows, compiled, equals eager). Two parts do not: the broadcast a
+    sub-mesh's value takes to the ranks outside it (a c10d call on fake tensors: nothing in
+    the graph), and the write-back of a mutation into the written tensor's shards (a
+    compiled ``kron(..., out=)`` on ``Shard(0)`` inputs left ``out`` all zeros). Those raise
+    this, from global metadata, so at the same op on every rank: the compile fails there,
+    spmdgt's hot functions run the function eagerly, and a ``torch.compile`` of the user's
+    says why."""
 
-    def __init__(self, func, why: str) -> None:
+    def __init__(self, func, why: str, what: str = "") -> None:
+        what = what or f"spmdgt runs it exactly on gathered global values ({why})"
         super().__init__(
-            f"{op_name(func) or func}: spmdgt runs it exactly on gathered global values "
-            f"({why}), which a compiled graph cannot hold; call it outside torch.compile "
-            "(torch.compiler.disable), or lay its inputs out so that DTensor has a rule"
+            f"{op_name(func) or func}: {what}, which a compiled graph cannot hold; call it "
+            "outside torch.compile (torch.compiler.disable), or lay its inputs out so that "
+            "DTensor has a rule"
         )
 
 
-def _refuse_traced(func, args, kwargs, why: str) -> None:
-    if tracing(args, kwargs):
+def _refuse_traced(func, args, kwargs, why: str, mutates: bool) -> None:
+    """Raise ``NotTraceable`` while torch traces a fallback that writes into a sharded
+    tensor (``mutates``) or gathers a value held on a sub-mesh."""
+    if not tracing(args, kwargs):
+        return
+    if mutates or any(_on_sub_mesh(a) for a in (*args, *(kwargs or {}).values())):
         raise NotTraceable(func, why)
+
+
+_traced_copies = [0]  # views made as copies while torch traced (``_mark_copy``)
+
+
+def _mark_copy(func, out) -> None:
+    """Mark the outputs of a view op that a traced fallback made as copies: a write into one
+    would not reach the viewed tensor (``kron(..., out=out)`` writes ``out`` through an
+    ``_unsafe_view`` of it: out of a sharded ``out``, a copy), so ``refuse_traced_write``
+    raises at such a write. Eagerly, spmdgt writes through these views instead (``tag_views``)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return
+    # ``_unsafe_view`` is a view its schema does not annotate (kron's out= writes through it)
+    if schema.name != "aten::_unsafe_view" and all(r.alias_info is None for r in schema.returns):
+        return
+    for t in out if isinstance(out, (list, tuple)) else (out,):
+        if isinstance(t, DTensor):
+            t._gt_traced_copy = True
+            _traced_copies[0] += 1
+
+
+def refuse_traced_write(func, args, kwargs) -> None:
+    """Raise ``NotTraceable`` where a mutation traced by torch writes into a view a traced
+    fallback made as a copy (``_mark_copy``); ``gt.Tensor.__torch_dispatch__`` asks, once any
+    such copy was made."""
+    if not tracing(args, kwargs):
+        return
+    if any(getattr(t, "_gt_traced_copy", False) for t in written(func, args, kwargs)):
+        what = (
+            "it writes into a view of a sharded tensor that spmdgt made as a copy (no DTensor "
+            "rule for the view), so the write would not reach the tensor"
+        )
+        raise NotTraceable(func, "", what)
+
+
+def _on_sub_mesh(a) -> bool:
+    if isinstance(a, (list, tuple)):
+        return any(_on_sub_mesh(x) for x in a)
+    if not isinstance(a, DTensor):
+        return False
+    import torch.distributed as dist
+
+    return a.device_mesh.size() != dist.get_world_size()
 
 
 def _user_stacklevel() -> int:
@@ -200,7 +253,7 @@ def in_layout_of(full: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
 def run_global(func, args, kwargs, why: str, strided: bool = False):
     """``func`` on the global values of its arguments; outputs laid out again. ``strided``
     (random ops): each global value in its DTensor's memory layout (``in_layout_of``)."""
-    _refuse_traced(func, args, kwargs, why)
+    _refuse_traced(func, args, kwargs, why, mutates=False)
     like = _first_dtensor(args, kwargs)
     _note(func, why, args, kwargs)
 
@@ -220,7 +273,10 @@ def run_global(func, args, kwargs, why: str, strided: bool = False):
         outs[:host] = _layout_outputs(outs[:host], like)
         outs[host + 1 :] = _layout_outputs(outs[host + 1 :], like)
         return type(out)(outs)
-    return _layout_outputs(out, like)
+    laid = _layout_outputs(out, like)
+    if tracing(args, kwargs):
+        _mark_copy(func, laid)
+    return laid
 
 
 def _check_leaf(t: torch.Tensor, name: str) -> None:
@@ -304,7 +360,7 @@ def run_inplace(func, args, kwargs, why: str):
     that writes lists) computed on global values, then written back into each rank's shard
     of every sharded tensor it mutates (``written``). Plain tensors it mutates are written by
     the op itself, alike on every rank."""
-    _refuse_traced(func, args, kwargs, why)
+    _refuse_traced(func, args, kwargs, why, mutates=True)
     name = op_name(func)
     targets = written(func, args, kwargs)
     # A Python function (nn.init.kaiming_uniform_) decides itself: its body may run under
@@ -399,7 +455,7 @@ def write_through(func, args, kwargs, view: DTensor):
     view, as torch would, write the base back, and refresh the view. Returns NotImplemented
     when torch's own op would not be a view either (advanced indexing): then the op acts on
     the copy alone, as in torch."""
-    _refuse_traced(func, args, kwargs, "a write through a view that DTensor had to copy")
+    _refuse_traced(func, args, kwargs, "a write through a view DTensor had to copy", mutates=True)
     name = op_name(func)
     base, replay, _ = view._gt_view
     needs_grad = torch.is_grad_enabled() and (

@@ -26,6 +26,7 @@ from spmdgt.tensor import (
     _assign,
     _contract,
     _dynamo,
+    _fallback,
     _fastpath,
     _hook,
     _moves,
@@ -34,6 +35,7 @@ from spmdgt.tensor import (
     _registry,
     _transforms,
 )
+from spmdgt.tensor._fallback import _traced_copies
 from spmdgt.tensor._meshes import describe_mesh, mesh_ranks
 from spmdgt.tensor._moves import global_value, move, place, place_local
 
@@ -81,6 +83,8 @@ class Tensor(DTensor):
         # reached by ``Tensor.set_``, which offers no ``__torch_function__``.
         if not _compiling() and _soon:  # creations being agreed on: checked before data moves
             _agree.settle()
+        if _traced_copies[0] and func._schema.is_mutable:  # a write into a traced copy?
+            _fallback.refuse_traced_write(func, args, kwargs)
         swapped = _swap(args, kwargs)[0]
         kwargs = kwargs or {}
         implicit = _get_implicit()
