@@ -92,6 +92,12 @@ def _meta_llama(blocks: int, width: int, ffn: int, vocab: int, seq: int):
         return T.LlamaForCausalLM(cfg)
 
 
+def _llama_plan(model, batch, **kw):
+    """The planner's FSDP candidates for a meta Llama on its own loss, H100s, global batch 8."""
+    fixed = dict(device="h100", global_batch=8, loss_fn=None, strategies=("fsdp",), jobs=1)
+    return plan(model, batch, **fixed, **kw)
+
+
 def test_finished_checkpointed_blocks_leave_nothing_behind():
     """What the planner reads a finished block's leavings from (``_left_behind``): a world-2
     FSDP + checkpointing dry run of a 3-block Llama reports the activations and temporaries
@@ -132,19 +138,7 @@ def test_a_deep_checkpointed_llamas_fsdp_peak_is_its_dry_run():
     model = _meta_llama(10, 256, 896, 4096, seq)
     ids = torch.zeros(1, seq, dtype=torch.long)
     batch = {"input_ids": ids, "labels": ids}
-    got = plan(
-        model,
-        batch,
-        world=8,
-        device="h100",
-        global_batch=8,
-        loss_fn=None,
-        micro_batches=[1],
-        ac=(True,),
-        amp=(False,),
-        strategies=("fsdp",),
-        jobs=1,
-    )
+    got = _llama_plan(model, batch, world=8, micro_batches=[1], ac=(True,), amp=(False,))
     e = next(e for e in got.ranked + got.dropped if e.candidate.label().split()[1] == "1x8x1")
     peak = dry_run_peak(model, batch, e.candidate, loss_fn=None)
     assert abs(e.memory - peak) / peak <= TOLERANCE, (e.memory, peak)
@@ -161,18 +155,7 @@ def test_tp_under_checkpointing_keeps_each_blocks_input_whole():
     model = _meta_llama(24, 64, 128, 2048, seq)
     ids = torch.zeros(4, seq, dtype=torch.long)
     batch = {"input_ids": ids, "labels": ids}
-    got = plan(
-        model,
-        batch,
-        world=WORLD,
-        device="h100",
-        global_batch=8,
-        loss_fn=None,
-        micro_batches=[2],
-        amp=(True,),
-        strategies=("fsdp",),
-        jobs=1,
-    )
+    got = _llama_plan(model, batch, world=WORLD, micro_batches=[2], amp=(True,))
     errors = {}
     for e in got.ranked + got.dropped:
         c = e.candidate
