@@ -282,3 +282,42 @@ def test_global_value_of_a_sub_mesh_is_laid_out_alike_on_every_rank(tmp_path):
         assert r["transposed"] == ((m.t() + 1).tolist(), (3, 1))
         assert r["same"] == ((m + 1).tolist(), (4, 1))
         assert r["after"] == m.tolist()
+
+
+def _as_strided(rank, world):
+    from torch.distributed.tensor import Replicate, Shard
+
+    import spmdgt  # noqa: F401  (initialises the rank)
+    from spmdgt.tensor._meshes import mesh_for
+    from spmdgt.tensor._moves import global_value, place
+    from spmdgt.tensor._placement import Target
+
+    full = torch.arange(36.0).reshape(3, 6, 2)
+    sub = place(full, Target(mesh_for(list(range(1, world))), (Replicate(),)))
+    rows = place(full, Target(mesh_for(None), (Shard(0),)))
+    out = {
+        "sub": global_value(sub.as_strided((3, 2, 3, 2), (12, 6, 2, 1))).tolist(),
+        "rows": global_value(rows.as_strided((3, 6, 2), (12, 2, 1))).tolist(),
+    }
+    for name, call in (
+        ("reshape of a shard", lambda: rows.as_strided((3, 2, 3, 2), (12, 6, 2, 1))),
+        ("not a view", lambda: sub.as_strided((3, 3), (1, 3))),
+    ):
+        try:
+            call()
+            out[name] = "ran"
+        except Exception as e:
+            out[name] = type(e).__name__
+    return out
+
+
+def test_as_strided_that_is_a_local_view_runs_and_others_raise(tmp_path):
+    """``as_strided`` as AOTAutograd regenerates an output that aliases an input (a compiled
+    function returning ``x.unflatten``): a reshape of a replicated value, or the identity, is
+    ``view`` and equals torch; anything else raises, as DTensor does (found by the parity
+    sweep with both compile halves on: the holder of a sub-mesh value called it alone)."""
+    full = torch.arange(36.0).reshape(3, 6, 2)
+    for r in run_ranks(_as_strided, 3, tmp_path):
+        assert r["sub"] == full.as_strided((3, 2, 3, 2), (12, 6, 2, 1)).tolist()
+        assert r["rows"] == full.tolist()
+        assert r["reshape of a shard"] != "ran" and r["not a view"] != "ran"
