@@ -230,35 +230,40 @@ _AS_STRIDED = (torch.Tensor.as_strided, torch.as_strided)
 
 
 def _as_strided_view(args, kwargs):
-    """``as_strided`` that is a plain reshape of a contiguous tensor at its own storage
-    offset (the strides are ``size``'s contiguous ones, the elements as many; the identity,
-    or any shape of a replicated value): ``view(size)``, which DTensor runs. DTensor refuses
+    """``as_strided`` that is a reshape of a contiguous tensor at its own storage offset,
+    then a permutation of the result's dims (the strides are a permutation of a contiguous
+    shape's, the elements as many; the identity, ``x.permute``, or any reshape of a
+    replicated value): ``view(shape).permute(dims)``, which DTensor runs. DTensor refuses
     ``as_strided`` outright, and AOTAutograd regenerates an output that aliases an input
-    with it (a compiled function returning ``x.unflatten``) where the input's metadata
-    differ from the traced one's, which a DTensor's storage offset (its local tensor's) can
-    on some ranks only. Anything else: None (DTensor's error)."""
+    with it (a compiled function returning ``x.unflatten`` or ``x.permute``) where the
+    input's metadata differ from the traced one's, which a DTensor's storage offset (its
+    local tensor's) can on some ranks only. Anything else: None (DTensor's error)."""
     kwargs = kwargs or {}
     x, size, stride = [*args, kwargs.get("size"), kwargs.get("stride")][:3]
     offset = args[3] if len(args) > 3 else kwargs.get("storage_offset")
     if not isinstance(x, DTensor) or size is None or stride is None:
         return None
     size, stride = tuple(size), tuple(stride)
-    if offset is not None and offset != x.storage_offset():
-        return None
-    # a view DTensor runs locally on every rank whatever ranks call it: the identity, or any
-    # reshape of a replicated value (a sharded one's could need a collective, and a rank that
-    # regenerates an alias may be the only one calling)
-    if size != tuple(x.shape) and not all(p.is_replicate() for p in x.placements):
+    if len(size) != len(stride) or (offset is not None and offset != x.storage_offset()):
         return None
     if not x.is_contiguous() or math.prod(size) != x.numel():
         return None
-    want, step = [], 1
-    for n in reversed(size):
-        want.append(step)
-        step *= max(n, 1)
-    if any(n != 1 and st != w for n, st, w in zip(size, stride, reversed(want))):
+    # the dims from the outermost (largest stride) in; a size-1 dim's stride says nothing
+    order = sorted(range(len(size)), key=lambda d: (size[d] == 1, -stride[d]))
+    shape = tuple(size[d] for d in order)
+    step = 1
+    for d in reversed(order):
+        if size[d] != 1 and stride[d] != step:
+            return None
+        step *= size[d]
+    # a view DTensor runs locally on every rank whatever ranks call it: a permutation, or
+    # any reshape of a replicated value (a sharded one's could need a collective, and a
+    # rank that regenerates an alias may be the only one calling)
+    if shape != tuple(x.shape) and not all(p.is_replicate() for p in x.placements):
         return None
-    return x.view(size)
+    out = x.view(shape)
+    dims = [order.index(d) for d in range(len(size))]
+    return out if dims == sorted(dims) else out.permute(dims)
 
 
 # Python's in-place operators, named by the aten op they run (``is_pointwise_inplace``).

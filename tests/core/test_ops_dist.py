@@ -298,9 +298,12 @@ def _as_strided(rank, world):
     out = {
         "sub": global_value(sub.as_strided((3, 2, 3, 2), (12, 6, 2, 1))).tolist(),
         "rows": global_value(rows.as_strided((3, 6, 2), (12, 2, 1))).tolist(),
+        "sub permuted": global_value(sub.as_strided((6, 2, 3), (1, 6, 12))).tolist(),
+        "rows permuted": global_value(rows.as_strided((2, 3, 6), (1, 12, 2))).tolist(),
     }
     for name, call in (
         ("reshape of a shard", lambda: rows.as_strided((3, 2, 3, 2), (12, 6, 2, 1))),
+        ("permuted reshape of a shard", lambda: rows.as_strided((3, 6, 2), (12, 1, 6))),
         ("not a view", lambda: sub.as_strided((3, 3), (1, 3))),
     ):
         try:
@@ -313,11 +316,15 @@ def _as_strided(rank, world):
 
 def test_as_strided_that_is_a_local_view_runs_and_others_raise(tmp_path):
     """``as_strided`` as AOTAutograd regenerates an output that aliases an input (a compiled
-    function returning ``x.unflatten``): a reshape of a replicated value, or the identity, is
-    ``view`` and equals torch; anything else raises, as DTensor does (found by the parity
-    sweep with both compile halves on: the holder of a sub-mesh value called it alone)."""
+    function returning ``x.unflatten`` or ``x.permute``): a reshape of a replicated value
+    and a permutation of any, or the identity, is ``view`` then ``permute`` and equals
+    torch; anything else raises, as DTensor does (found by the parity sweep with both
+    compile halves on: the holder of a sub-mesh value called it alone)."""
     full = torch.arange(36.0).reshape(3, 6, 2)
     for r in run_ranks(_as_strided, 3, tmp_path):
         assert r["sub"] == full.as_strided((3, 2, 3, 2), (12, 6, 2, 1)).tolist()
         assert r["rows"] == full.tolist()
-        assert r["reshape of a shard"] != "ran" and r["not a view"] != "ran"
+        assert r["sub permuted"] == full.as_strided((6, 2, 3), (1, 6, 12)).tolist()
+        assert r["rows permuted"] == full.permute(2, 0, 1).tolist()
+        for refused in ("reshape of a shard", "permuted reshape of a shard", "not a view"):
+            assert r[refused] != "ran", refused
