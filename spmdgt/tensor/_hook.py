@@ -183,6 +183,52 @@ register_aten(
 )
 
 
+def _partial_self(args) -> bool:
+    """Is ``fill_``'s tensor a partial value (and its fill value a number, a plain 0-d tensor or
+    a replicated one)?"""
+    x, value = args[0], args[1]
+    if not isinstance(x, DTensor) or not any(p.is_partial() for p in x._spec.placements):
+        return False
+    if isinstance(value, DTensor):
+        return all(p.is_replicate() for p in value._spec.placements)
+    return not isinstance(value, torch.Tensor) or value.dim() == 0  # a plain one: replicated
+
+
+def _fill_partial(op_call, args, kwargs):
+    """``fill_`` of a partial value, exactly: the rank that is first on every ``sum`` (or
+    ``product``) mesh dim holds the value, the other ranks that reduction's identity (0, or 1);
+    under ``avg``, ``max`` and ``min`` every rank holds it. DTensor's rule fills every rank's
+    part with the value, which a ``sum`` reduces to the value times the ranks: torch's
+    ``Scalar - Tensor`` is ``empty_like(t).fill_(s).sub_(t)`` in C++, and ``empty_like`` keeps a
+    partial placement, so a composite traced by ``torch.compile`` (``cosine_embedding_loss``'s
+    ``1 - cos`` over a sharded feature dim) gave ``world - cos``. No data moves."""
+    x, value = args[0], args[1]
+    if isinstance(value, DTensor):
+        value = value._local_tensor
+    ops = {p.reduce_op for p in x._spec.placements if p.is_partial()}
+    if {"sum", "product"} <= ops:
+        raise NoRule(op_call, RuntimeError("a fill of a value partial as a sum and a product"))
+    coord = x.device_mesh.get_coordinate()
+    first = coord is not None and all(
+        coord[i] == 0
+        for i, p in enumerate(x._spec.placements)
+        if p.is_partial() and p.reduce_op in ("sum", "product")
+    )
+    if first or not ops & {"sum", "product"}:
+        x._local_tensor.fill_(value)
+    else:
+        x._local_tensor.fill_(0 if "sum" in ops else 1)
+    return x
+
+
+# ``fill_`` of a partial value (DTensor's rule keeps the placement and fills every part).
+register_aten(
+    (torch.ops.aten.fill_.Scalar, torch.ops.aten.fill_.Tensor),
+    "rewrite",
+    (_partial_self, _fill_partial),
+)
+
+
 def _sharded(spec_args) -> bool:
     """Does any DTensor argument hold other than a full replica on each rank?"""
     for spec in spec_args:
