@@ -10,8 +10,10 @@ targets, ``pos_weight``, ``log_target``, ``full``, ``swap``...) x reductions (``
 too) x layouts (Shard(0) over 7 rows, an empty shard, a sub-mesh, Shard(1) of the class dim,
 a sharded input with plain targets), forward and backward, on 2 and 3 ranks, and with every
 loss forced onto DTensor's path (``python -m tests.core.test_losses_uneven_dist``) all were
-exact but ``cosine_embedding_loss`` with its feature dim sharded (wrong values, on even
-shards too).
+exact. ``cosine_embedding_loss`` with its feature dim sharded was not (wrong values, on even
+shards too) until ``_hook._fill_partial`` made ``fill_`` of a partial value exact (its
+``1 - cos`` is ``empty_like(cos).fill_(1).sub_(cos)`` in C++, and ``cos`` is partial there); it
+kept the fallback until then.
 
 The guard lets an irregular call through only inside what that sweep covered, read from
 global metadata alone (so every rank decides alike): float32 tensors; every argument on the
@@ -84,18 +86,12 @@ def _sharded(a) -> bool:
 
 def why_not_dtensor(func, args, kwargs) -> str | None:
     """Why a loss call takes the exact fallback (None: DTensor's path). Even shards on the
-    whole mesh keep DTensor's path, as before, except a sharded cosine feature dim."""
+    whole mesh keep DTensor's path, as before."""
     name = op_name(func)
     tensors = list(_tensors(args, kwargs))
     dts = [t for t in tensors if isinstance(t, DTensor)]
     if not dts:
         return None
-    if name == "cosine_embedding_loss":
-        for t in args[:2]:  # the two inputs: their last dim is the one the cosine sums
-            if _sharded(t) and any(p.is_shard(t.dim() - 1) for p in t._spec.placements):
-                # its cosine sums the sharded feature dim; DTensor's path came out wrong
-                # (tests/core/test_losses_uneven_dist.py, even shards too)
-                return "cosine_embedding_loss over a sharded feature dim"
     if not any(is_irregular(t) for t in dts):
         return None
     x = args[0] if args else None

@@ -433,8 +433,7 @@ def _global_if(why: str | None, func, args, kwargs):
     "sharded over several mesh dims (DTensor's masked-partial rule shares one mask among "
     "them); the losses on uneven, empty or sub-mesh shards outside what their sweep proved "
     "exact (`_losses.py`: float32, one 1-D mesh, the input's Shard(0), Shard(1) or "
-    "Replicate for every sharded argument, replicated class weights), and `cosine_embedding_loss` "
-    "over a sharded feature dim (DTensor's value is wrong, even shards too)",
+    "Replicate for every sharded argument, replicated class weights)",
 )
 def _on_guarded(func, args, kwargs):
     return _global_if(guard(func, args, kwargs), func, args, kwargs)

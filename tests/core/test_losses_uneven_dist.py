@@ -17,7 +17,8 @@ against one-process torch (atol/rtol 1e-5), on 2 and 3 ranks with 7 rows (4/3, 3
 Each case records its forward and backward path (``_paths.watch``: an op inside a loss may
 still take the fallback at the aten level where DTensor has no rule, e.g.
 ``multilabel_margin_loss_forward``) and the losses' guard's answer; the guard must send every
-case to DTensor's path except ``cosine_embedding_loss`` over its sharded feature dim. The
+case to DTensor's path (``cosine_embedding_loss`` over its sharded feature dim too, since
+``fill_`` of a partial value is exact: ``_hook._fill_partial``). The
 probe (``python -m tests.core.test_losses_uneven_dist [worlds]``, by hand) runs the same
 cases with every loss forced onto DTensor's path: the evidence behind the guard.
 """
@@ -430,8 +431,8 @@ def _watch_guard(decisions: list) -> None:
 
 def _narrow(world: int) -> dict:
     """What the guard keeps on the fallback although the sweep's layouts pass (float64, a
-    sharded class weight), and the wrong value it now avoids: ``cosine_embedding_loss`` over
-    an evenly sharded feature dim (6 columns). name -> (path, exact)."""
+    sharded class weight), and a value DTensor's path once got wrong: ``cosine_embedding_loss``
+    over an evenly sharded feature dim (6 columns). name -> (path, exact)."""
     from spmdgt.tensor._paths import watch
     from tests.parity.layouts import rank_layout
 
@@ -498,14 +499,6 @@ def sweep(rank: int, world: int, force: bool = False, every_option: bool = True)
     return out
 
 
-def _expected_why(loss: str, layout: str) -> str | None:
-    """The guard's answer the probe backs: DTensor's path (None) everywhere but a cosine
-    over its sharded feature dim, whose DTensor value the probe found wrong."""
-    if loss == "cosine_embedding_loss" and layout == "shard1":
-        return "cosine_embedding_loss over a sharded feature dim"
-    return None
-
-
 @pytest.mark.parametrize(
     "world,every_option",
     [
@@ -523,14 +516,13 @@ def test_losses_uneven(tmp_path, world, every_option):
         narrow = out.pop("narrow")
         assert narrow["float64"] == ("fallback", True), (rank, narrow)
         assert narrow["sharded_weight"] == ("fallback", True), (rank, narrow)
-        assert narrow["cosine_even_shard1"] == ("fallback", True), (rank, narrow)
+        # DTensor's path, exact (the fill_ rewrite of its 1 - cos), no longer the fallback
+        assert narrow["cosine_even_shard1"] == ("rewrite", True), (rank, narrow)
         assert len(out) >= (500 if every_option else 200), len(out)  # every case ran
         for (loss, opts, reduction, layout), (fwd, bwd, exact, why) in out.items():
             where = f"{loss}[{opts}] reduction={reduction} {layout} rank {rank}/{world}"
             assert exact is True, (where, fwd, bwd, exact)
-            assert why == _expected_why(loss, layout), (where, why)
-            if why is not None:  # the guard's fallback: the whole loss on gathered values
-                assert fwd == "fallback", (where, fwd)
+            assert why is None, (where, why)  # the guard's answer the probe backs
 
 
 def _probe() -> None:  # pragma: no cover - by hand: the evidence behind the guard
