@@ -2,7 +2,8 @@
 op takes the exact fallback, ``NoRule``) where DTensor's rule would give other values than
 one process, read from the specs alone (alike on every rank). Before propagation, per op
 (registered on the op's record, ``_registry``): a reshape of a dim sharded unevenly over
-several mesh dims, a low-precision product or reduction over a sharded dim. After it, for
+several mesh dims, a low-precision product or reduction over a sharded dim, a partial
+value's bits read as another dtype. After it, for
 any op: a strategy DTensor derived that nests uneven shards (``check_nesting``), a masked
 partial on a mesh of 2+ dims (``check_mask_partial``)."""
 
@@ -161,3 +162,18 @@ def _check_low_precision_sum(op_call, args, specs, where) -> None:
 
 register_aten(_MATMULS, "check", _check_low_precision_sum)
 register_aten(_SUMS, "check", _check_low_precision_reduction)
+
+
+def _check_partial_bits(op_call, args, specs, _) -> None:
+    """Raise (so the op takes the exact fallback) for ``view(dtype)`` of a partial value into
+    another dtype: DTensor's rule keeps the placement, so the ranks' reinterpreted bits would
+    be reduced, which is not the reinterpreted bits of the reduced value (a float32 sum read
+    as int32 came out as other numbers)."""
+    spec = specs[0] if specs else None
+    placements = getattr(spec, "placements", ())
+    meta = getattr(spec, "tensor_meta", None)
+    if meta is not None and args[1] != meta.dtype and any(p.is_partial() for p in placements):
+        raise RuntimeError(f"{op_call} of a partial value (its bits would be reduced)")
+
+
+register_aten((aten.view.dtype,), "check", _check_partial_bits)

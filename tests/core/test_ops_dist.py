@@ -328,3 +328,26 @@ def test_as_strided_that_is_a_local_view_runs_and_others_raise(tmp_path):
         assert r["rows permuted"] == full.permute(2, 0, 1).tolist()
         for refused in ("reshape of a shard", "permuted reshape of a shard", "not a view"):
             assert r[refused] != "ran", refused
+
+
+def _partial_bits(rank, world):
+    from torch.distributed.tensor import Shard
+
+    import spmdgt  # noqa: F401  (initialises the rank)
+    from spmdgt.tensor._meshes import mesh_for
+    from spmdgt.tensor._moves import global_value, place
+    from spmdgt.tensor._placement import Target
+
+    columns = place(torch.arange(10.0).reshape(2, 5) / 7, Target(mesh_for(None), (Shard(1),)))
+    p = columns.sum(1)  # partial: each rank's sum of its columns
+    return global_value(p.view(torch.int32)), str(p.placements)
+
+
+def test_a_partial_values_bits_read_as_another_dtype_are_the_reduced_values_bits(tmp_path):
+    """``view(dtype)`` of a partial value: DTensor's rule keeps the placement, so the ranks'
+    reinterpreted bits were summed (a float32 sum read as int32 gave -1134858824 for
+    1068948334); now the exact fallback reads the reduced value's bits."""
+    want = (torch.arange(10.0).reshape(2, 5) / 7).sum(1)
+    for bits, placements in run_ranks(_partial_bits, 3, tmp_path):
+        assert "Partial" in placements  # the case it is about
+        torch.testing.assert_close(bits.view(torch.float32), want)
