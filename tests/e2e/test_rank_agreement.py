@@ -94,7 +94,12 @@ def test_real_processes_exit_nonzero_with_one_readable_message():
     assert "rank 1: the end of the program" in results["item"][1][2]
 
 
-@pytest.mark.parametrize("late", [None, "6"], ids=["together", "rank1-joins-6s-late"])
+# together: slow (the late run makes the same assertions, with rank 1 joining late as well)
+@pytest.mark.parametrize(
+    "late",
+    [pytest.param(None, marks=pytest.mark.slow), "6"],
+    ids=["together", "rank1-joins-6s-late"],
+)
 def test_gt_timeout_names_the_op_that_waited(late):
     # rank 0 gathers inside a matmul while rank 1 waits in a read: by default nothing pairs
     # them, and GT_TIMEOUT turns the wait into an error on both ranks. GT_TIMEOUT bounds a

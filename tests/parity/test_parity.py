@@ -19,7 +19,7 @@ import pytest
 # coverage (``python -m tests.parity --all`` runs every row in ~14 minutes). 2000 made the
 # suite's longest test after the compile-pass runs; the suite keeps under its time budget.
 SAMPLE_ROWS = 1000
-SAMPLE_ROWS_QUICK = 200  # the default run's share of them (a seeded split); ``slow`` the rest
+SAMPLE_ROWS_QUICK = 160  # the default run's share of them (a seeded split); ``slow`` the rest
 SEED = 0
 # Of the ~5200 2-D rows (4 layouts at world 4): 200 rows, ~370 cases, ~40 s here. The default
 # run takes SAMPLE_ROWS_2D_QUICK of them, the ``slow`` test the rest (``-m ""`` runs both).
