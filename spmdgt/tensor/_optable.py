@@ -255,7 +255,7 @@ def _as_strided_view(args, kwargs):
     for d in reversed(order):
         if size[d] != 1 and stride[d] != step:
             return None
-        step *= size[d]
+        step *= max(size[d], 1)  # torch's contiguous strides treat an empty dim as 1
     # a view DTensor runs locally on every rank whatever ranks call it: a permutation, or
     # any reshape of a replicated value (a sharded one's could need a collective, and a
     # rank that regenerates an alias may be the only one calling)
