@@ -52,8 +52,12 @@ def is_irregular(a) -> bool:
 
 def batch_sharded_evenly(a) -> bool:
     """True when DTensor ``a`` is replicated or sharded evenly on dim 0 only, over the world,
-    and over one mesh dim (DTensor's convolution rules raise on ``(Shard(0), Shard(0))``)."""
-    if is_irregular(a):
+    and over one mesh dim (DTensor's convolution rules raise on ``(Shard(0), Shard(0))``).
+
+    A partial value is not: DTensor's convolution handler runs the kernel on each rank's part
+    without the redistribution its own propagation asks for, and labels the result
+    replicated (each rank a different wrong value; the parity sweep's ``partial`` audit)."""
+    if is_irregular(a) or any(p.is_partial() for p in a._spec.placements):
         return False
     dims = [p.dim for p in a._spec.placements if isinstance(p, Shard)]
     # dim 0 over one mesh dim: DTensor's convolution rules refuse (Shard(0), Shard(0))

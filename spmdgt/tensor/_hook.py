@@ -24,7 +24,7 @@ the private entry moved.
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from spmdgt.tensor import _checks, _fallback
 from spmdgt.tensor._registry import plan, register, register_aten
@@ -229,6 +229,82 @@ register_aten(
 )
 
 
+_ROUNDING_REDUCES = ("sum", "avg", "product")
+
+
+def _partial_sum(args) -> bool:
+    """Is the op's tensor a value partial as a sum, a mean or a product?"""
+    x = args[0]
+    return isinstance(x, DTensor) and any(
+        p.is_partial() and p.reduce_op in _ROUNDING_REDUCES for p in x._spec.placements
+    )
+
+
+# casts that keep every value of the source exactly: a partial value's parts cast alone add up
+# to the cast of their sum (in the wider dtype, more closely than one process rounds it)
+_WIDER = {
+    torch.float16: (torch.float32, torch.float64, torch.complex64, torch.complex128),
+    torch.bfloat16: (torch.float32, torch.float64, torch.complex64, torch.complex128),
+    torch.float32: (torch.float64, torch.complex64, torch.complex128),
+    torch.float64: (torch.complex128,),
+    torch.complex64: (torch.complex128,),
+}
+
+
+def _cast_reduced(op_call, args, kwargs):
+    """``_to_copy`` (``.to``, ``.half()``, autocast's casts) of a partial value into a dtype
+    that rounds: the parts are reduced first, in the value's own dtype, then cast, as one
+    process casts its value. DTensor's rule keeps a ``sum`` partial through a cast between
+    float dtypes, so each rank rounds its part and the ranks add the rounded parts: parts
+    that cancel (a sum of values of both signs) lose every digit the cast keeps (the parity
+    sweep's ``partial`` audit: ``half`` 8e-3 off on a value of 2). A copy into the same or a
+    wider dtype is DTensor's (``NotImplemented``)."""
+    x = args[0]
+    dtype = kwargs.get("dtype")
+    if dtype is None or dtype == x.dtype or dtype in _WIDER.get(x.dtype, ()):
+        return NotImplemented
+    placements = [
+        Replicate() if p.is_partial() and p.reduce_op in _ROUNDING_REDUCES else p
+        for p in x._spec.placements
+    ]
+    return op_call(x.redistribute(x.device_mesh, placements), *args[1:], **kwargs)
+
+
+# a cast of a partial value (DTensor's rule casts each rank's part)
+register_aten((torch.ops.aten._to_copy.default,), "rewrite", (_partial_sum, _cast_reduced))
+
+
+def _norm_partial(args) -> bool:
+    """Is the op's tensor a partial p-norm with p other than 1 (``x.norm(dim=...)`` over a
+    sharded dim: each rank's norm of its part, reduced as the p-th root of the sum of p-th
+    powers)?"""
+    x = args[0]
+    return isinstance(x, DTensor) and any(_is_norm_partial(p) for p in x._spec.placements)
+
+
+def _is_norm_partial(p) -> bool:
+    return p.is_partial() and getattr(p, "norm_type", 1) != 1
+
+
+def _sum_of_norms(op_call, args, kwargs):
+    """A sum of a partial p-norm, reduced first. DTensor's ``_NormPartial`` calls its reduction
+    ``sum``, so DTensor's sum rule keeps it as if the sum were linear in it: each rank summed
+    its parts' norms and the ranks took the norm of those sums (``x.norm(dim=1).sum()`` of
+    column shards: 7.135 for torch's 7.395, the parity audit's cousin). With ``p = 1`` the
+    parts add, and DTensor's rule is right."""
+    x = args[0]
+    placements = [Replicate() if _is_norm_partial(p) else p for p in x._spec.placements]
+    return op_call(x.redistribute(x.device_mesh, placements), *args[1:], **kwargs)
+
+
+# a sum of a partial p-norm (DTensor's sum rule keeps the norm's placement)
+register_aten(
+    (torch.ops.aten.sum.default, torch.ops.aten.sum.dim_IntList, torch.ops.aten.nansum.default),
+    "rewrite",
+    (_norm_partial, _sum_of_norms),
+)
+
+
 def _sharded(spec_args) -> bool:
     """Does any DTensor argument hold other than a full replica on each rank?"""
     for spec in spec_args:
@@ -421,8 +497,10 @@ def install() -> None:
                     return run_global(op_call, args, kwargs, f"{op_call}'s decomposition: {e}")
             rewrite = p.rewrite
             if rewrite is not None and rewrite[0](args) and _sharded(op_info.schema.args_spec):
-                counts[op_call.__name__] = counts.get(op_call.__name__, 0) + 1  # _paths
-                return rewrite[1](op_call, args, kwargs)
+                out = rewrite[1](op_call, args, kwargs)  # NotImplemented: DTensor's rule holds
+                if out is not NotImplemented:
+                    counts[op_call.__name__] = counts.get(op_call.__name__, 0) + 1  # _paths
+                    return out
         try:
             if ours and p.check is not None:
                 p.check[0](op_call, args, op_info.schema.args_spec, p.check[1])

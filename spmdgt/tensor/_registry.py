@@ -82,7 +82,7 @@ class Plan(NamedTuple):
 
     intercept: Callable | None  # (op, args, kwargs) -> the result, or None to go on
     decomposition: Callable | None  # run on the DTensors instead of the op
-    rewrite: tuple | None  # (when(args) -> bool, fn(op, args, kwargs))
+    rewrite: tuple | None  # (when(args) -> bool, fn(op, args, kwargs) -> out | NotImplemented)
     check: tuple | None  # (fn(op, args, specs, data), data): raise before propagation
 
 

@@ -351,3 +351,96 @@ def test_a_partial_values_bits_read_as_another_dtype_are_the_reduced_values_bits
     for bits, placements in run_ranks(_partial_bits, 3, tmp_path):
         assert "Partial" in placements  # the case it is about
         torch.testing.assert_close(bits.view(torch.float32), want)
+
+
+# A row of column parts that cancel: 3 ranks hold 2 columns each; the row sums 0.55 (float32),
+# each rank's part rounds to half precision on its own (1000.3 -> 1000.5), torch rounds 0.55.
+_CANCELLING = [[1000.3, 0.0, -1000.0, 0.0, 0.25, 0.0], [0.1, -7.3, 2.0, 5.0, 0.0, 1.0]]
+
+
+def _casts_and_convs_of_partial_values(rank, world):
+    import torch.nn.functional as F
+
+    import spmdgt  # noqa: F401  (initialises the rank)
+    from spmdgt.tensor._meshes import mesh_for
+    from spmdgt.tensor._moves import global_value, place
+    from spmdgt.tensor._placement import Target
+
+    cols = Target(mesh_for(None), (Shard(1),))
+    out = {}
+    x = place(torch.tensor(_CANCELLING), cols).requires_grad_(True)
+    p = x.sum(1)  # partial: each rank's sum of its columns
+    out["placements"] = str(p.placements)
+    half, bf16 = p.half(), p.to(torch.bfloat16)
+    (half.float() * torch.tensor([1.0, 2.0])).sum().backward()
+    out["half"], out["bf16"] = global_value(half), global_value(bf16)
+    out["cast grad"] = global_value(x.grad)
+
+    g = torch.Generator().manual_seed(0)
+    signal = torch.randn(2, 2, 5, 6, generator=g)  # (N, C, L) summed over a sharded last dim
+    weight = torch.randn(3, 2, 3, generator=g)
+    xs = place(signal, Target(mesh_for(None), (Shard(3),))).requires_grad_(True)
+    y = F.conv1d(xs.sum(3), weight)
+    y.pow(2).sum().backward()
+    out["conv"], out["conv grad"] = global_value(y), global_value(xs.grad)
+    return out
+
+
+def test_a_cast_or_a_convolution_of_a_partial_value_reduces_it_first(tmp_path):
+    """A partial value (a sum over a sharded dim) cast to half precision, and fed to a
+    convolution, equals one process on every rank, forward and backward. DTensor's cast rule
+    keeps the partial placement and rounds each rank's part (parts that cancel came out 0.75
+    for torch's 0.55), and its convolution handler runs the kernel on each rank's part and
+    calls the result replicated (each rank a different wrong value); found by the parity
+    sweep's ``partial`` layout."""
+    x = torch.tensor(_CANCELLING, requires_grad=True)
+    p = x.sum(1)
+    (p.half().float() * torch.tensor([1.0, 2.0])).sum().backward()
+    g = torch.Generator().manual_seed(0)
+    signal = torch.randn(2, 2, 5, 6, generator=g).requires_grad_(True)
+    weight = torch.randn(3, 2, 3, generator=g)
+    y = torch.nn.functional.conv1d(signal.sum(3), weight)
+    y.pow(2).sum().backward()
+    for r in run_ranks(_casts_and_convs_of_partial_values, 3, tmp_path):
+        assert "Partial" in r["placements"]  # the case it is about
+        assert torch.equal(r["half"], p.half()) and torch.equal(r["bf16"], p.bfloat16())
+        torch.testing.assert_close(r["cast grad"], x.grad)
+        torch.testing.assert_close(r["conv"], y.detach())
+        torch.testing.assert_close(r["conv grad"], signal.grad)
+
+
+def _sums_of_norms(rank, world):
+    import spmdgt  # noqa: F401  (initialises the rank)
+    from spmdgt.tensor._meshes import mesh_for
+    from spmdgt.tensor._moves import global_value, place
+    from spmdgt.tensor._placement import Target
+
+    g = torch.Generator().manual_seed(0)
+    x = place(torch.randn(4, 7, generator=g), Target(mesh_for(None), (Shard(1),)))
+    x.requires_grad_(True)
+    norms = {p: torch.linalg.vector_norm(x, p, dim=1) for p in (1, 2, 3)}
+    out = {f"placement {p}": str(n.placements) for p, n in norms.items()}
+    out.update({f"sum {p}": global_value(n.sum()) for p, n in norms.items()})
+    out["sum(0) 2"] = global_value(norms[2].sum(0))
+    out["nansum 2"] = global_value(norms[2].nansum())
+    sum(n.sum() for n in norms.values()).backward()
+    out["grad"] = global_value(x.grad)
+    return out
+
+
+def test_a_sum_of_norms_over_a_sharded_dim_is_the_sum_of_the_norms(tmp_path):
+    """``x.norm(dim=1).sum()`` with ``x``'s columns sharded: DTensor holds the norms as a
+    ``_NormPartial`` (each rank the norm of its columns), which calls its reduction ``sum``,
+    so DTensor's sum rule kept it and the ranks took the norm of their sums of norms (7.135
+    for torch's 7.395 on 2 ranks, silently). A 1-norm's parts do add; 2- and 3-norms are
+    reduced before the sum, forward and backward."""
+    x = torch.randn(4, 7, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    norms = {p: torch.linalg.vector_norm(x, p, dim=1) for p in (1, 2, 3)}
+    sum(n.sum() for n in norms.values()).backward()
+    for r in run_ranks(_sums_of_norms, 3, tmp_path):
+        assert "NormPartial(2" in r["placement 2"]  # the case it is about
+        for p, n in norms.items():
+            torch.testing.assert_close(r[f"sum {p}"], n.sum().detach())
+        torch.testing.assert_close(r["sum(0) 2"], norms[2].sum(0).detach())
+        torch.testing.assert_close(r["nansum 2"], norms[2].nansum().detach())
+        torch.testing.assert_close(r["grad"], x.grad)

@@ -158,7 +158,14 @@ def _rank_main(rank, world, init_file, conn, cases, log_path, gloo_timeout) -> N
         from spmdgt.tensor._meshes import mesh_for
         from spmdgt.tensor._paths import watch, worst
         from spmdgt.tensor._tensor import global_value
-        from tests.parity.layouts import MESH_2D, PLACEMENTS, fits, rank_layout, sub_mesh_ranks
+        from tests.parity.layouts import (
+            MESH_2D,
+            PLACEMENTS,
+            PLACEMENTS_AUDIT,
+            fits,
+            rank_layout,
+            sub_mesh_ranks,
+        )
 
         warnings.simplefilter("ignore")
         torch.set_num_threads(1)
@@ -176,7 +183,8 @@ def _rank_main(rank, world, init_file, conn, cases, log_path, gloo_timeout) -> N
             from spmdgt.tensor._meshes import named_mesh
 
             named_mesh(MESH_2D)
-        layouts = {p: rank_layout(p, world) for p in PLACEMENTS if fits(p, world)}
+        every = PLACEMENTS + PLACEMENTS_AUDIT
+        layouts = {p: rank_layout(p, world) for p in every if fits(p, world)}
         channel = _RankChannel(conn)
 
         def fetch(t):

@@ -138,3 +138,33 @@ def test_2d_layouts_run_at_world_4_only_and_cut_softly():
         [RowKey("mm", "fn", "mesh_s0s1", 4)], sweep.sweep_ops(), sweep.METADATA_ONLY
     )
     assert cases and all(c.reference["forward"].error is None for c in cases)
+
+
+def test_partial_parts_add_up_exactly_in_any_order_with_mixed_signs():
+    """The ``partial`` layout's parts: their sum is the value bit for bit whatever the order
+    of addition (a right reduction gives one process's value), and a part has the other sign
+    than the value (a rule that keeps ``Partial`` through ``abs`` or ``relu`` is caught);
+    non-finite values stay whole on the first part."""
+    import itertools
+
+    from tests.parity.layouts import partial_parts
+
+    g = torch.Generator().manual_seed(0)
+    real = torch.randn(500, generator=g) * 10
+    real[:4] = torch.tensor([float("inf"), float("nan"), 0.0, 3e38])
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64):
+        v = real.to(dtype) if not dtype.is_complex else torch.complex(real, real * 0.5)
+        for world in (2, 3, 4):
+            parts = partial_parts(v, world)
+            for order in itertools.permutations(range(world)):
+                total = parts[order[0]]
+                for i in order[1:]:
+                    total = total + parts[i]
+                assert torch.equal(total[4:], v[4:]), (dtype, world, order)
+            if not dtype.is_complex:
+                assert (parts[0][4:] * v[4:] < 0).float().mean() > 0.9, (dtype, world)
+                assert torch.equal(parts[0][:2], v[:2]) or parts[0][1].isnan(), dtype
+    ints = torch.randint(-100, 100, (50,), generator=g)
+    for dtype in (torch.int64, torch.int8, torch.uint8):
+        parts = partial_parts(ints.to(dtype), 3)
+        assert torch.equal(parts[0] + parts[1] + parts[2], ints.to(dtype))
