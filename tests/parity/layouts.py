@@ -248,7 +248,9 @@ def _partial_layout(placement: str, world: int) -> Layout:
     def put(t: torch.Tensor) -> torch.Tensor:
         whole = partial_parts(t.detach(), mesh.size(pdim))[coord[pdim]].contiguous()
         shape, offset = compute_local_shape_and_global_offset(t.shape, mesh, held)
-        part = whole[tuple(slice(o, o + n) for o, n in zip(offset, shape))].contiguous()
+        # a fresh part at storage offset 0, as spmdgt's own layouts (a view of ``whole`` would
+        # keep a storage offset that differs by rank, which as_strided reads)
+        part = whole[tuple(slice(o, o + n) for o, n in zip(offset, shape))].clone()
         stride = whole.stride() if whole.dim() else ()
         with _DisableSubclass():
             out = DTensor.from_local(part, mesh, pls, run_check=False, shape=t.shape, stride=stride)
