@@ -14,19 +14,19 @@ kernels, which take the mask as a keyword argument DTensor never redistributes
 (``_attention.place_mask``); (5) runs an op that draws random numbers on global values, so a
 composite draws one process's numbers (``_random``). Which ops (1), (2) and (4) apply to, and
 the checks behind (3), are the ops' records (``_registry.plan``), registered here, in
-``_checks`` and in ``_attention``. ``install()`` also registers the
-attention strategies DTensor lacks (``_attention.install``) and bounds DTensor's
-decomposition-based strategy search inside spmdgt's calls (``MAX_DECOMP_CANDIDATES``);
-``uninstall()`` undoes all of it. ``check_torch()`` runs at import and names torch's version if
-the private entry moved.
+``_checks``, in ``_partials`` (the rewrites for partial values) and in ``_attention``.
+``install()`` also registers the attention strategies DTensor lacks (``_attention.install``)
+and bounds DTensor's decomposition-based strategy search inside spmdgt's calls
+(``MAX_DECOMP_CANDIDATES``); ``uninstall()`` undoes all of it. ``check_torch()`` runs at
+import and names torch's version if the private entry moved.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 
-from spmdgt.tensor import _checks, _fallback
+from spmdgt.tensor import _checks, _fallback, _partials  # noqa: F401 (_partials: registrations)
 from spmdgt.tensor._registry import plan, register, register_aten
 
 __all__ = [
@@ -180,128 +180,6 @@ def _mean_as_sum(op_call, args, kwargs):
 
 register_aten(
     (torch.ops.aten.mean.default, torch.ops.aten.mean.dim), "rewrite", (_uneven_mean, _mean_as_sum)
-)
-
-
-def _partial_self(args) -> bool:
-    """Is ``fill_``'s tensor a partial value (and its fill value a number, a plain 0-d tensor or
-    a replicated one)?"""
-    x, value = args[0], args[1]
-    if not isinstance(x, DTensor) or not any(p.is_partial() for p in x._spec.placements):
-        return False
-    if isinstance(value, DTensor):
-        return all(p.is_replicate() for p in value._spec.placements)
-    return not isinstance(value, torch.Tensor) or value.dim() == 0  # a plain one: replicated
-
-
-def _fill_partial(op_call, args, kwargs):
-    """``fill_`` of a partial value, exactly: the rank that is first on every ``sum`` (or
-    ``product``) mesh dim holds the value, the other ranks that reduction's identity (0, or 1);
-    under ``avg``, ``max`` and ``min`` every rank holds it. DTensor's rule fills every rank's
-    part with the value, which a ``sum`` reduces to the value times the ranks: torch's
-    ``Scalar - Tensor`` is ``empty_like(t).fill_(s).sub_(t)`` in C++, and ``empty_like`` keeps a
-    partial placement, so a composite traced by ``torch.compile`` (``cosine_embedding_loss``'s
-    ``1 - cos`` over a sharded feature dim) gave ``world - cos``. No data moves."""
-    x, value = args[0], args[1]
-    if isinstance(value, DTensor):
-        value = value._local_tensor
-    ops = {p.reduce_op for p in x._spec.placements if p.is_partial()}
-    if {"sum", "product"} <= ops:
-        raise NoRule(op_call, RuntimeError("a fill of a value partial as a sum and a product"))
-    coord = x.device_mesh.get_coordinate()
-    first = coord is not None and all(
-        coord[i] == 0
-        for i, p in enumerate(x._spec.placements)
-        if p.is_partial() and p.reduce_op in ("sum", "product")
-    )
-    if first or not ops & {"sum", "product"}:
-        x._local_tensor.fill_(value)
-    else:
-        x._local_tensor.fill_(0 if "sum" in ops else 1)
-    return x
-
-
-# ``fill_`` of a partial value (DTensor's rule keeps the placement and fills every part).
-register_aten(
-    (torch.ops.aten.fill_.Scalar, torch.ops.aten.fill_.Tensor),
-    "rewrite",
-    (_partial_self, _fill_partial),
-)
-
-
-_ROUNDING_REDUCES = ("sum", "avg", "product")
-
-
-def _partial_sum(args) -> bool:
-    """Is the op's tensor a value partial as a sum, a mean or a product?"""
-    x = args[0]
-    return isinstance(x, DTensor) and any(
-        p.is_partial() and p.reduce_op in _ROUNDING_REDUCES for p in x._spec.placements
-    )
-
-
-# casts that keep every value of the source exactly: a partial value's parts cast alone add up
-# to the cast of their sum (in the wider dtype, more closely than one process rounds it)
-_WIDER = {
-    torch.float16: (torch.float32, torch.float64, torch.complex64, torch.complex128),
-    torch.bfloat16: (torch.float32, torch.float64, torch.complex64, torch.complex128),
-    torch.float32: (torch.float64, torch.complex64, torch.complex128),
-    torch.float64: (torch.complex128,),
-    torch.complex64: (torch.complex128,),
-}
-
-
-def _cast_reduced(op_call, args, kwargs):
-    """``_to_copy`` (``.to``, ``.half()``, autocast's casts) of a partial value into a dtype
-    that rounds: the parts are reduced first, in the value's own dtype, then cast, as one
-    process casts its value. DTensor's rule keeps a ``sum`` partial through a cast between
-    float dtypes, so each rank rounds its part and the ranks add the rounded parts: parts
-    that cancel (a sum of values of both signs) lose every digit the cast keeps (the parity
-    sweep's ``partial`` audit: ``half`` 8e-3 off on a value of 2). A copy into the same or a
-    wider dtype is DTensor's (``NotImplemented``)."""
-    x = args[0]
-    dtype = kwargs.get("dtype")
-    if dtype is None or dtype == x.dtype or dtype in _WIDER.get(x.dtype, ()):
-        return NotImplemented
-    placements = [
-        Replicate() if p.is_partial() and p.reduce_op in _ROUNDING_REDUCES else p
-        for p in x._spec.placements
-    ]
-    return op_call(x.redistribute(x.device_mesh, placements), *args[1:], **kwargs)
-
-
-# a cast of a partial value (DTensor's rule casts each rank's part)
-register_aten((torch.ops.aten._to_copy.default,), "rewrite", (_partial_sum, _cast_reduced))
-
-
-def _norm_partial(args) -> bool:
-    """Is the op's tensor a partial p-norm with p other than 1 (``x.norm(dim=...)`` over a
-    sharded dim: each rank's norm of its part, reduced as the p-th root of the sum of p-th
-    powers)?"""
-    x = args[0]
-    return isinstance(x, DTensor) and any(_is_norm_partial(p) for p in x._spec.placements)
-
-
-def _is_norm_partial(p) -> bool:
-    return p.is_partial() and getattr(p, "norm_type", 1) != 1
-
-
-def _sum_of_norms(op_call, args, kwargs):
-    """A sum of a partial p-norm, reduced first. DTensor's ``_NormPartial`` calls its reduction
-    ``sum``, so DTensor's sum rule keeps it as if the sum were linear in it: each rank summed
-    its parts' norms and the ranks took the norm of those sums (``x.norm(dim=1).sum()`` of
-    column shards: 7.135 for torch's 7.395, the parity audit's cousin). With ``p = 1`` the
-    parts add, and DTensor's rule is right."""
-    x = args[0]
-    placements = [Replicate() if _is_norm_partial(p) else p for p in x._spec.placements]
-    return op_call(x.redistribute(x.device_mesh, placements), *args[1:], **kwargs)
-
-
-# a sum of a partial p-norm (DTensor's sum rule keeps the norm's placement)
-register_aten(
-    (torch.ops.aten.sum.default, torch.ops.aten.sum.dim_IntList, torch.ops.aten.nansum.default),
-    "rewrite",
-    (_norm_partial, _sum_of_norms),
 )
 
 

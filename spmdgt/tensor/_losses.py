@@ -11,7 +11,7 @@ too) x layouts (Shard(0) over 7 rows, an empty shard, a sub-mesh, Shard(1) of th
 a sharded input with plain targets), forward and backward, on 2 and 3 ranks, and with every
 loss forced onto DTensor's path (``python -m tests.core.test_losses_uneven_dist``) all were
 exact. ``cosine_embedding_loss`` with its feature dim sharded was not (wrong values, on even
-shards too) until ``_hook._fill_partial`` made ``fill_`` of a partial value exact (its
+shards too) until ``_partials._fill_partial`` made ``fill_`` of a partial value exact (its
 ``1 - cos`` is ``empty_like(cos).fill_(1).sub_(cos)`` in C++, and ``cos`` is partial there); it
 kept the fallback until then.
 

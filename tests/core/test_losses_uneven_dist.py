@@ -18,7 +18,7 @@ Each case records its forward and backward path (``_paths.watch``: an op inside 
 still take the fallback at the aten level where DTensor has no rule, e.g.
 ``multilabel_margin_loss_forward``) and the losses' guard's answer; the guard must send every
 case to DTensor's path (``cosine_embedding_loss`` over its sharded feature dim too, since
-``fill_`` of a partial value is exact: ``_hook._fill_partial``). The
+``fill_`` of a partial value is exact: ``_partials._fill_partial``). The
 probe (``python -m tests.core.test_losses_uneven_dist [worlds]``, by hand) runs the same
 cases with every loss forced onto DTensor's path: the evidence behind the guard.
 """

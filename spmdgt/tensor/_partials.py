@@ -1,0 +1,152 @@
+"""Exact rewrites for partial values: where DTensor's rule keeps a ``Partial`` placement
+through an op that is not linear in it.
+
+DTensor holds a value summed over a sharded dim (a sum of column shards, a row-parallel
+product, a loss) as ``Partial``: each rank a part, reduced when something needs the value.
+Its rules keep the placement through an op they take for linear, and where that is wrong the
+result is a wrong number with no error. Each rewrite here runs in the propagation hook
+(``_hook``), on the op's record, inside spmdgt's calls, eager and traced alike:
+
+- ``fill_`` of a partial value: the value on the first rank of each ``sum`` mesh dim, the
+  reduction's identity elsewhere (DTensor fills every part: ``1 - cos`` compiled gave
+  ``world - cos``);
+- ``_to_copy`` into a dtype that rounds: the parts reduced first (DTensor rounds each part);
+- ``sum`` of a partial p-norm: reduced first (DTensor's ``_NormPartial`` calls its reduction
+  ``sum``).
+
+Found by the parity sweep's ``partial`` audit layouts (``tests/parity/layouts.py``) and the
+both-halves compile sweep; ``docs/exactness.md``, "Partial values".
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate
+
+from spmdgt.tensor._registry import register_aten
+
+__all__: list[str] = []  # registrations only (on the ops' records)
+
+
+def _partial_self(args) -> bool:
+    """Is ``fill_``'s tensor a partial value (and its fill value a number, a plain 0-d tensor or
+    a replicated one)?"""
+    x, value = args[0], args[1]
+    if not isinstance(x, DTensor) or not any(p.is_partial() for p in x._spec.placements):
+        return False
+    if isinstance(value, DTensor):
+        return all(p.is_replicate() for p in value._spec.placements)
+    return not isinstance(value, torch.Tensor) or value.dim() == 0  # a plain one: replicated
+
+
+def _fill_partial(op_call, args, kwargs):
+    """``fill_`` of a partial value, exactly: the rank that is first on every ``sum`` (or
+    ``product``) mesh dim holds the value, the other ranks that reduction's identity (0, or 1);
+    under ``avg``, ``max`` and ``min`` every rank holds it. DTensor's rule fills every rank's
+    part with the value, which a ``sum`` reduces to the value times the ranks: torch's
+    ``Scalar - Tensor`` is ``empty_like(t).fill_(s).sub_(t)`` in C++, and ``empty_like`` keeps a
+    partial placement, so a composite traced by ``torch.compile`` (``cosine_embedding_loss``'s
+    ``1 - cos`` over a sharded feature dim) gave ``world - cos``. No data moves."""
+    x, value = args[0], args[1]
+    if isinstance(value, DTensor):
+        value = value._local_tensor
+    ops = {p.reduce_op for p in x._spec.placements if p.is_partial()}
+    if {"sum", "product"} <= ops:
+        from spmdgt.tensor._hook import NoRule  # (the hook imports this module)
+
+        raise NoRule(op_call, RuntimeError("a fill of a value partial as a sum and a product"))
+    coord = x.device_mesh.get_coordinate()
+    first = coord is not None and all(
+        coord[i] == 0
+        for i, p in enumerate(x._spec.placements)
+        if p.is_partial() and p.reduce_op in ("sum", "product")
+    )
+    if first or not ops & {"sum", "product"}:
+        x._local_tensor.fill_(value)
+    else:
+        x._local_tensor.fill_(0 if "sum" in ops else 1)
+    return x
+
+
+# ``fill_`` of a partial value (DTensor's rule keeps the placement and fills every part).
+register_aten(
+    (torch.ops.aten.fill_.Scalar, torch.ops.aten.fill_.Tensor),
+    "rewrite",
+    (_partial_self, _fill_partial),
+)
+
+
+_ROUNDING_REDUCES = ("sum", "avg", "product")
+
+
+def _partial_sum(args) -> bool:
+    """Is the op's tensor a value partial as a sum, a mean or a product?"""
+    x = args[0]
+    return isinstance(x, DTensor) and any(
+        p.is_partial() and p.reduce_op in _ROUNDING_REDUCES for p in x._spec.placements
+    )
+
+
+# casts that keep every value of the source exactly: a partial value's parts cast alone add up
+# to the cast of their sum (in the wider dtype, more closely than one process rounds it)
+_WIDER = {
+    torch.float16: (torch.float32, torch.float64, torch.complex64, torch.complex128),
+    torch.bfloat16: (torch.float32, torch.float64, torch.complex64, torch.complex128),
+    torch.float32: (torch.float64, torch.complex64, torch.complex128),
+    torch.float64: (torch.complex128,),
+    torch.complex64: (torch.complex128,),
+}
+
+
+def _cast_reduced(op_call, args, kwargs):
+    """``_to_copy`` (``.to``, ``.half()``, autocast's casts) of a partial value into a dtype
+    that rounds: the parts are reduced first, in the value's own dtype, then cast, as one
+    process casts its value. DTensor's rule keeps a ``sum`` partial through a cast between
+    float dtypes, so each rank rounds its part and the ranks add the rounded parts: parts
+    that cancel (a sum of values of both signs) lose every digit the cast keeps (the parity
+    sweep's ``partial`` audit: ``half`` 8e-3 off on a value of 2). A copy into the same or a
+    wider dtype is DTensor's (``NotImplemented``)."""
+    x = args[0]
+    dtype = kwargs.get("dtype")
+    if dtype is None or dtype == x.dtype or dtype in _WIDER.get(x.dtype, ()):
+        return NotImplemented
+    placements = [
+        Replicate() if p.is_partial() and p.reduce_op in _ROUNDING_REDUCES else p
+        for p in x._spec.placements
+    ]
+    return op_call(x.redistribute(x.device_mesh, placements), *args[1:], **kwargs)
+
+
+# a cast of a partial value (DTensor's rule casts each rank's part)
+register_aten((torch.ops.aten._to_copy.default,), "rewrite", (_partial_sum, _cast_reduced))
+
+
+def _norm_partial(args) -> bool:
+    """Is the op's tensor a partial p-norm with p other than 1 (``x.norm(dim=...)`` over a
+    sharded dim: each rank's norm of its part, reduced as the p-th root of the sum of p-th
+    powers)?"""
+    x = args[0]
+    return isinstance(x, DTensor) and any(_is_norm_partial(p) for p in x._spec.placements)
+
+
+def _is_norm_partial(p) -> bool:
+    return p.is_partial() and getattr(p, "norm_type", 1) != 1
+
+
+def _sum_of_norms(op_call, args, kwargs):
+    """A sum of a partial p-norm, reduced first. DTensor's ``_NormPartial`` calls its reduction
+    ``sum``, so DTensor's sum rule keeps it as if the sum were linear in it: each rank summed
+    its parts' norms and the ranks took the norm of those sums (``x.norm(dim=1).sum()`` of
+    column shards: 7.135 for torch's 7.395, the parity audit's cousin). With ``p = 1`` the
+    parts add, and DTensor's rule is right."""
+    x = args[0]
+    placements = [Replicate() if _is_norm_partial(p) else p for p in x._spec.placements]
+    return op_call(x.redistribute(x.device_mesh, placements), *args[1:], **kwargs)
+
+
+# a sum of a partial p-norm (DTensor's sum rule keeps the norm's placement)
+register_aten(
+    (torch.ops.aten.sum.default, torch.ops.aten.sum.dim_IntList, torch.ops.aten.nansum.default),
+    "rewrite",
+    (_norm_partial, _sum_of_norms),
+)
