@@ -30,6 +30,7 @@ from spmdgt._core import debuglog as _debuglog
 from spmdgt.tensor._moves import gather, scatter, target_of
 
 __all__ = [
+    "NoRule",
     "NotTraceable",
     "counts",
     "refuse_traced_write",
@@ -40,6 +41,23 @@ __all__ = [
     "write_through",
     "written",
 ]
+
+
+class NoRule(RuntimeError):
+    """DTensor's sharding propagation found no rule for an op on this layout.
+
+    Raised before any data moves, from global metadata alone, so every rank raises it at the
+    same op; spmdgt then runs the op exactly on global values instead."""
+
+    def __init__(self, op, cause: BaseException) -> None:
+        first = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+        super().__init__(f"{op}: no sharding rule for this layout ({first})")
+        self.op = op
+
+    def reason(self) -> str:
+        """Why the op took the exact fallback, for the fallback's counters and warning."""
+        return f"no DTensor rule for {self.op} on this layout"
+
 
 _DisableSubclass = torch._C.DisableTorchFunctionSubclass
 

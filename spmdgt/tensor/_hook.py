@@ -27,6 +27,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from spmdgt.tensor import _checks, _fallback, _partials  # noqa: F401 (_partials: registrations)
+from spmdgt.tensor._fallback import NoRule
 from spmdgt.tensor._registry import plan, register, register_aten
 
 __all__ = [
@@ -38,22 +39,6 @@ __all__ = [
     "running_backward",
     "uninstall",
 ]
-
-
-class NoRule(RuntimeError):
-    """DTensor's sharding propagation found no rule for an op on this layout.
-
-    Raised before any data moves, from global metadata alone, so every rank raises it at the
-    same op; spmdgt then runs the op exactly on global values instead."""
-
-    def __init__(self, op, cause: BaseException) -> None:
-        first = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
-        super().__init__(f"{op}: no sharding rule for this layout ({first})")
-        self.op = op
-
-    def reason(self) -> str:
-        """Why the op took the exact fallback, for the fallback's counters and warning."""
-        return f"no DTensor rule for {self.op} on this layout"
 
 
 # aten op name -> times spmdgt ran its exact rewrite or its decomposition on DTensors in

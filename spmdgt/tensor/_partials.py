@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
+from spmdgt.tensor._fallback import NoRule
 from spmdgt.tensor._registry import register_aten
 
 __all__: list[str] = []  # registrations only (on the ops' records)
@@ -52,8 +53,6 @@ def _fill_partial(op_call, args, kwargs):
         value = value._local_tensor
     ops = {p.reduce_op for p in x._spec.placements if p.is_partial()}
     if {"sum", "product"} <= ops:
-        from spmdgt.tensor._hook import NoRule  # (the hook imports this module)
-
         raise NoRule(op_call, RuntimeError("a fill of a value partial as a sum and a product"))
     coord = x.device_mesh.get_coordinate()
     first = coord is not None and all(
