@@ -78,12 +78,28 @@ register_aten(
 _ROUNDING_REDUCES = ("sum", "avg", "product")
 
 
+def _rounds(p) -> bool:
+    """Is placement ``p`` a partial whose reduction a cast of each part would not commute with?"""
+    return p.is_partial() and p.reduce_op in _ROUNDING_REDUCES
+
+
+def _first_holds(args, which) -> bool:
+    """Is the op's first argument a DTensor with a placement ``which`` picks?"""
+    x = args[0]
+    return isinstance(x, DTensor) and any(which(p) for p in x._spec.placements)
+
+
+def _on_reduced(op_call, args, kwargs, which):
+    """``op_call`` on its first argument with the partial placements ``which`` picks reduced
+    (to ``Replicate``) first; the other arguments as they are."""
+    x = args[0]
+    placements = [Replicate() if which(p) else p for p in x._spec.placements]
+    return op_call(x.redistribute(x.device_mesh, placements), *args[1:], **kwargs)
+
+
 def _partial_sum(args) -> bool:
     """Is the op's tensor a value partial as a sum, a mean or a product?"""
-    x = args[0]
-    return isinstance(x, DTensor) and any(
-        p.is_partial() and p.reduce_op in _ROUNDING_REDUCES for p in x._spec.placements
-    )
+    return _first_holds(args, _rounds)
 
 
 # casts that keep every value of the source exactly: a partial value's parts cast alone add up
@@ -109,11 +125,7 @@ def _cast_reduced(op_call, args, kwargs):
     dtype = kwargs.get("dtype")
     if dtype is None or dtype == x.dtype or dtype in _WIDER.get(x.dtype, ()):
         return NotImplemented
-    placements = [
-        Replicate() if p.is_partial() and p.reduce_op in _ROUNDING_REDUCES else p
-        for p in x._spec.placements
-    ]
-    return op_call(x.redistribute(x.device_mesh, placements), *args[1:], **kwargs)
+    return _on_reduced(op_call, args, kwargs, _rounds)
 
 
 # a cast of a partial value (DTensor's rule casts each rank's part)
@@ -124,8 +136,7 @@ def _norm_partial(args) -> bool:
     """Is the op's tensor a partial p-norm with p other than 1 (``x.norm(dim=...)`` over a
     sharded dim: each rank's norm of its part, reduced as the p-th root of the sum of p-th
     powers)?"""
-    x = args[0]
-    return isinstance(x, DTensor) and any(_is_norm_partial(p) for p in x._spec.placements)
+    return _first_holds(args, _is_norm_partial)
 
 
 def _is_norm_partial(p) -> bool:
@@ -138,9 +149,7 @@ def _sum_of_norms(op_call, args, kwargs):
     its parts' norms and the ranks took the norm of those sums (``x.norm(dim=1).sum()`` of
     column shards: 7.135 for torch's 7.395, the parity audit's cousin). With ``p = 1`` the
     parts add, and DTensor's rule is right."""
-    x = args[0]
-    placements = [Replicate() if _is_norm_partial(p) else p for p in x._spec.placements]
-    return op_call(x.redistribute(x.device_mesh, placements), *args[1:], **kwargs)
+    return _on_reduced(op_call, args, kwargs, _is_norm_partial)
 
 
 # a sum of a partial p-norm (DTensor's sum rule keeps the norm's placement)
