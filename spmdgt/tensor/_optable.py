@@ -158,7 +158,10 @@ def dtensor_path(func, args, kwargs, inplace: bool = False, call=None):
             return call(func, args, kwargs)
         return func(*args, **kwargs)
     except NoRule as e:
-        return fall_back(func, args, kwargs, e, inplace)
+        # an aten overload called by name (``torch.ops.aten.fill_.Scalar(x, v)``) is routed
+        # by its overload's name, which names no mutation: its schema does
+        mutable = isinstance(func, torch._ops.OpOverload) and func._schema.is_mutable
+        return fall_back(func, args, kwargs, e, inplace or mutable)
 
 
 @register_route(

@@ -20,6 +20,8 @@ both-halves compile sweep; ``docs/exactness.md``, "Partial values".
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
@@ -42,18 +44,23 @@ def _partial_self(args) -> bool:
 
 def _fill_partial(op_call, args, kwargs):
     """``fill_`` of a partial value, exactly: the rank that is first on every ``sum`` (or
-    ``product``) mesh dim holds the value, the other ranks that reduction's identity (0, or 1);
+    ``product``) mesh dim holds the value, the other ranks that reduction's identity (-0.0, or 1);
     under ``avg``, ``max`` and ``min`` every rank holds it. DTensor's rule fills every rank's
     part with the value, which a ``sum`` reduces to the value times the ranks: torch's
     ``Scalar - Tensor`` is ``empty_like(t).fill_(s).sub_(t)`` in C++, and ``empty_like`` keeps a
     partial placement, so a composite traced by ``torch.compile`` (``cosine_embedding_loss``'s
-    ``1 - cos`` over a sharded feature dim) gave ``world - cos``. No data moves."""
+    ``1 - cos`` over a sharded feature dim) gave ``world - cos``. No data moves. A partial
+    p-norm holds no negative value that way (its parts' p-th powers are summed and rooted:
+    ``-2.5`` came back as ``2.5``, or NaN for p = 3): the exact fallback (``NoRule``)."""
     x, value = args[0], args[1]
     if isinstance(value, DTensor):
         value = value._local_tensor
     ops = {p.reduce_op for p in x._spec.placements if p.is_partial()}
     if {"sum", "product"} <= ops:
         raise NoRule(op_call, RuntimeError("a fill of a value partial as a sum and a product"))
+    norm = any(_is_norm_partial(p) and p.reduce_op == "sum" for p in x._spec.placements)
+    if norm and not _norm_holds(value):
+        raise NoRule(op_call, RuntimeError(f"a fill of a partial p-norm with {value!r}"))
     coord = x.device_mesh.get_coordinate()
     first = coord is not None and all(
         coord[i] == 0
@@ -63,8 +70,19 @@ def _fill_partial(op_call, args, kwargs):
     if first or not ops & {"sum", "product"}:
         x._local_tensor.fill_(value)
     else:
-        x._local_tensor.fill_(0 if "sum" in ops else 1)
+        # -0.0, the sum's identity for every value (0.0 + -0.0 is 0.0, -0.0 + 0.0 too)
+        x._local_tensor.fill_(-0.0 if "sum" in ops else 1)
     return x
+
+
+def _norm_holds(value) -> bool:
+    """Can a partial p-norm (p other than 0 and 1: the parts' p-th powers summed, then the p-th
+    root) hold ``value`` as the value on one rank and 0 on the others? Only a number that is not
+    negative (-0.0 included): the root of a p-th power is its absolute value, or NaN. A tensor
+    value is not read (under ``torch.compile`` it has no data): the exact fallback takes it."""
+    if isinstance(value, (torch.Tensor, complex)):
+        return False
+    return math.isnan(value) or math.copysign(1.0, value) > 0
 
 
 # ``fill_`` of a partial value (DTensor's rule keeps the placement and fills every part).

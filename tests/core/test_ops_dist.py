@@ -444,3 +444,38 @@ def test_a_sum_of_norms_over_a_sharded_dim_is_the_sum_of_the_norms(tmp_path):
         torch.testing.assert_close(r["sum(0) 2"], norms[2].sum(0).detach())
         torch.testing.assert_close(r["nansum 2"], norms[2].nansum().detach())
         torch.testing.assert_close(r["grad"], x.grad)
+
+
+def _fills_by_name(rank, world):
+    import spmdgt  # noqa: F401  (initialises the rank)
+    from spmdgt.tensor._meshes import mesh_for
+    from spmdgt.tensor._moves import global_value, place
+    from spmdgt.tensor._placement import Target
+
+    g = torch.Generator().manual_seed(0)
+    x = place(torch.randn(4, 7, generator=g), Target(mesh_for(None), (Shard(1),)))
+    out = {}
+    for p in (1, 2, 3):
+        for v in (-2.5, -0.0, 3.0):
+            n = torch.linalg.vector_norm(x, p, dim=1)
+            torch.ops.aten.fill_.Scalar(n, v)  # the aten op the rewrite sees
+            out[f"fill {p} {v}"] = global_value(n)
+    y = place(torch.arange(7.0 * 3).reshape(7, 3), Target(mesh_for(None), (Shard(0),)))
+    torch.ops.aten.cumsum_.default(y, 0)  # no DTensor rule for it on Shard(0): the fallback
+    out["cumsum_"] = global_value(y)
+    return out
+
+
+def test_a_fill_of_a_partial_norm_and_an_aten_write_by_name_are_exact(tmp_path):
+    """A partial p-norm (p != 1) holds a filled value as the value on one rank and 0 on the
+    others, which its reduction (the root of the summed p-th powers) turns into the absolute
+    value: ``fill_(-2.5)`` read back 2.5 (p = 2) and NaN (p = 3). And an in-place aten overload
+    called by name (``torch.ops.aten.cumsum_.default``) with no DTensor rule took the
+    out-of-place fallback: the write was lost, silently. Both exact now, on 3 ranks."""
+    for r in run_ranks(_fills_by_name, 3, tmp_path):
+        for p in (1, 2, 3):
+            for v in (-2.5, -0.0, 3.0):
+                got = r[f"fill {p} {v}"]
+                torch.testing.assert_close(got, torch.full((4,), v))
+                assert torch.equal(got.signbit(), torch.full((4,), v).signbit()), (p, v)
+        torch.testing.assert_close(r["cumsum_"], torch.arange(7.0 * 3).reshape(7, 3).cumsum(0))
