@@ -195,6 +195,12 @@ def _import_seeding(rank, world):
     before = np.random.get_state()[1].copy()
     _seed.agree_at_import()
     out["drawn kept"] = np.array_equal(np.random.get_state()[1], before)
+    # another launch (torchrun gives each a fresh run id) draws anew, as torch's own
+    # per-process seeding does
+    fresh()
+    os.environ["TORCHELASTIC_RUN_ID"] = "run-8"
+    _seed.agree_at_import()
+    out["next launch"] = (np.random.randn(5), random.random(), torch.randn(3))
     return out
 
 
@@ -210,3 +216,6 @@ def test_import_under_a_launcher_seeds_numpy_and_random_alike(tmp_path):
         assert value == random.Random(3).random()
         assert torch.equal(drawn, torch.randn(3, generator=torch.Generator().manual_seed(3)))
         assert r["drawn kept"]
+    (a2, p2, t2), (a3, p3, t3) = r0["next launch"], r1["next launch"]
+    assert np.array_equal(a2, a3) and p2 == p3 and torch.equal(t2, t3)  # alike on its ranks
+    assert not np.array_equal(a0, a2) and p0 != p2 and not torch.equal(t0, t2)  # and anew

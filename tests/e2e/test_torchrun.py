@@ -71,6 +71,5 @@ def test_ranks_agree_on_replicated_values_with_no_seed_call():
     lines = sorted(ln for ln in out.splitlines() if ln.startswith("rank "))
     assert [ln.split(":")[0] for ln in lines] == ["rank 0", "rank 1"]
     assert lines[0].split(":")[1] == lines[1].split(":")[1], lines  # same weights, same draws
-    again = _torchrun(script)
-    # torchrun's fresh run id makes each launch draw anew, as torch's own per-process seeding
-    assert sorted(ln for ln in again.splitlines() if ln.startswith("rank ")) != lines
+    # that another launch (torchrun's fresh run id) draws anew, as torch's own per-process
+    # seeding does: test_gt_programs_dist's import-seeding test (a second torchrun, 7 s, here)
