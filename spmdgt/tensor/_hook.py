@@ -14,7 +14,8 @@ kernels, which take the mask as a keyword argument DTensor never redistributes
 (``_attention.place_mask``); (5) runs an op that draws random numbers on global values, so a
 composite draws one process's numbers (``_random``). Which ops (1), (2) and (4) apply to, and
 the checks behind (3), are the ops' records (``_registry.plan``), registered here, in
-``_checks``, in ``_partials`` (the rewrites for partial values) and in ``_attention``.
+``_checks``, in ``_partials`` (the rewrites for partial values, which act on every DTensor op
+of the process, spmdgt's or not) and in ``_attention``.
 ``install()`` also registers the attention strategies DTensor lacks (``_attention.install``)
 and bounds DTensor's decomposition-based strategy search inside spmdgt's calls
 (``MAX_DECOMP_CANDIDATES``); ``uninstall()`` undoes all of it. ``check_torch()`` runs at
@@ -328,9 +329,14 @@ def install() -> None:
       before propagation, and ``_checks``' after it, where DTensor's rule would be wrong;
     - a failure to find a rule raises ``NoRule``.
 
+    Outside them too, an op with a ``partial`` rewrite (``_partials``: where DTensor's rule keeps
+    a ``Partial`` through an op not linear in it) runs it: the trainer's FSDP/TP tensors are
+    raw DTensors, and a wrong number there is as wrong.
+
     "Inside spmdgt's calls" is read off DTensor's implicit-replication flag, which spmdgt sets
     for exactly the length of its calls (it is off by default, so DTensor used directly, the
-    trainer's FSDP/TP tensors, keeps DTensor's own behaviour): one flag, no second state.
+    trainer's FSDP/TP tensors, keeps DTensor's own behaviour but for the ``partial``
+    rewrites): one flag, no second state.
     ``uninstall()`` puts torch's entry back."""
     if _original:
         return
@@ -346,8 +352,14 @@ def install() -> None:
             if ours:  # one process's numbers and generator states (see _random)
                 return _random.run(op_call, args, kwargs)
             _random.note_outside()
+        p = plan(op_call)  # the op's record: see _registry
+        partial = p.partial  # every DTensor op's, ours or not: a Partial kept wrongly
+        if partial is not None and partial[0](args) and _sharded(op_info.schema.args_spec):
+            out = partial[1](op_call, args, kwargs)  # NotImplemented: DTensor's rule holds
+            if out is not NotImplemented:
+                counts[op_call.__name__] = counts.get(op_call.__name__, 0) + 1  # _paths
+                return out
         if ours:
-            p = plan(op_call)  # the op's record: see _registry
             if p.intercept is not None:  # a mask placed (_attention), a scalar read
                 out = p.intercept(op_call, args, kwargs)
                 if out is not None:

@@ -5,7 +5,10 @@ DTensor holds a value summed over a sharded dim (a sum of column shards, a row-p
 product, a loss) as ``Partial``: each rank a part, reduced when something needs the value.
 Its rules keep the placement through an op they take for linear, and where that is wrong the
 result is a wrong number with no error. Each rewrite here runs in the propagation hook
-(``_hook``), on the op's record, inside spmdgt's calls, eager and traced alike:
+(``_hook``), on the op's record (its ``partial`` field), eager and traced alike, on every
+DTensor op of the process: inside spmdgt's calls and outside them, where the trainer's
+models hold DTensors of their own (TP and FSDP parameters; a loss that sums the row norms of
+a row-parallel weight got DTensor's wrong number there):
 
 - ``fill_`` of a partial value: the value on the first rank of each ``sum`` mesh dim, the
   reduction's identity elsewhere (DTensor fills every part: ``1 - cos`` compiled gave
@@ -88,7 +91,7 @@ def _norm_holds(value) -> bool:
 # ``fill_`` of a partial value (DTensor's rule keeps the placement and fills every part).
 register_aten(
     (torch.ops.aten.fill_.Scalar, torch.ops.aten.fill_.Tensor),
-    "rewrite",
+    "partial",
     (_partial_self, _fill_partial),
 )
 
@@ -147,7 +150,7 @@ def _cast_reduced(op_call, args, kwargs):
 
 
 # a cast of a partial value (DTensor's rule casts each rank's part)
-register_aten((torch.ops.aten._to_copy.default,), "rewrite", (_partial_sum, _cast_reduced))
+register_aten((torch.ops.aten._to_copy.default,), "partial", (_partial_sum, _cast_reduced))
 
 
 def _norm_partial(args) -> bool:
@@ -173,6 +176,6 @@ def _sum_of_norms(op_call, args, kwargs):
 # a sum of a partial p-norm (DTensor's sum rule keeps the norm's placement)
 register_aten(
     (torch.ops.aten.sum.default, torch.ops.aten.sum.dim_IntList, torch.ops.aten.nansum.default),
-    "rewrite",
+    "partial",
     (_norm_partial, _sum_of_norms),
 )

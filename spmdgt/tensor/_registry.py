@@ -74,7 +74,7 @@ class Op:
     # a 2-D matrix product: ``rows @ rows`` gathers the second operand (``_contract``)
     rows_at_rows: bool = False
     decompose: bool = False  # aten: the decomposition reads a size; run it on the DTensors
-    aten: dict = field(default_factory=dict)  # OpOverload -> {intercept/rewrite/check: value}
+    aten: dict = field(default_factory=dict)  # OpOverload -> {intercept/rewrite/check/partial: v}
 
 
 class Plan(NamedTuple):
@@ -84,6 +84,9 @@ class Plan(NamedTuple):
     decomposition: Callable | None  # run on the DTensors instead of the op
     rewrite: tuple | None  # (when(args) -> bool, fn(op, args, kwargs) -> out | NotImplemented)
     check: tuple | None  # (fn(op, args, specs, data), data): raise before propagation
+    # (when, fn) as ``rewrite``, on every DTensor op of the process, inside spmdgt's calls or
+    # not: DTensor's rules that keep a ``Partial`` through an op not linear in it (``_partials``)
+    partial: tuple | None = None
 
 
 class Route(NamedTuple):
@@ -102,7 +105,7 @@ rows_at_rows_funcs: set[object] = set()
 _plans: dict[object, Plan] = {}  # aten overload -> Plan
 _DEFAULTS = {f.name: f.default for f in fields(Op) if f.name not in ("name", "aten")}
 _OP_FIELDS = frozenset(_DEFAULTS)
-_ATEN_FIELDS = frozenset({"intercept", "rewrite", "check"})
+_ATEN_FIELDS = frozenset({"intercept", "rewrite", "check", "partial"})
 
 
 def record(name: str) -> Op | None:
@@ -139,7 +142,7 @@ def register(names: Iterable[str], **values: Any) -> None:
 
 
 def register_aten(ops: Iterable[Any] | dict, key: str, value: Any = None) -> None:
-    """Set an overload-level field (``intercept``, ``rewrite``, ``check``) of each aten
+    """Set an overload-level field (``intercept``, ``rewrite``, ``check``, ``partial``) of each aten
     overload in ``ops``; for ``check``, ``ops`` may map each overload to the data its check
     reads, and the stored value is ``(fn, data)``."""
     if key not in _ATEN_FIELDS:
@@ -254,7 +257,13 @@ def plan(op: Any) -> Plan:
                 from torch._decomp import decomposition_table
 
                 decomp = decomposition_table.get(op)
-            p = Plan(own.get("intercept"), decomp, own.get("rewrite"), own.get("check"))
+            p = Plan(
+                own.get("intercept"),
+                decomp,
+                own.get("rewrite"),
+                own.get("check"),
+                own.get("partial"),
+            )
             if p == _NOTHING:
                 p = _NOTHING
         _plans[op] = p
@@ -270,6 +279,5 @@ def intervenes(op: Any, args: tuple | None = None) -> bool:
     p = plan(op)
     if p.intercept is not None or p.decomposition is not None:
         return True
-    if p.rewrite is None:
-        return False
-    return args is None or bool(p.rewrite[0](args))
+    rewrites = [r for r in (p.rewrite, p.partial) if r is not None]
+    return bool(rewrites) and (args is None or any(r[0](args) for r in rewrites))

@@ -75,14 +75,15 @@ def markdown() -> str:
 
 
 def aten_markdown() -> str:
-    """What the propagation hook (``_hook``) does per aten op, inside spmdgt's calls."""
+    """What the propagation hook (``_hook``) does per aten op, inside spmdgt's calls
+    (a ``partial`` rewrite: on every DTensor op of the process)."""
     decompose = R.names(decompose=True)
     per: dict[str, list[str]] = {}
     for name in sorted(R.names()):
         for op, fields in R.record(name).aten.items():
             for key, value in fields.items():
                 fn = value[0] if key == "check" else value
-                fn = fn[1] if key == "rewrite" else fn
+                fn = fn[1] if key in ("rewrite", "partial") else fn
                 per.setdefault(f"{key} `{fn.__name__}`", []).append(str(op).removeprefix("aten."))
     rows = [
         "| at the aten level | ops |",

@@ -479,3 +479,41 @@ def test_a_fill_of_a_partial_norm_and_an_aten_write_by_name_are_exact(tmp_path):
                 torch.testing.assert_close(got, torch.full((4,), v))
                 assert torch.equal(got.signbit(), torch.full((4,), v).signbit()), (p, v)
         torch.testing.assert_close(r["cumsum_"], torch.arange(7.0 * 3).reshape(7, 3).cumsum(0))
+
+
+def _raw_dtensor_partials(rank, world):
+    import spmdgt  # noqa: F401  (initialises the rank; installs the hook)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    # what a trainer's TP model holds: raw DTensor parameters, used outside spmdgt's calls
+    mesh = init_device_mesh("cpu", (world,))
+    w0 = torch.randn(5, 7, generator=torch.Generator().manual_seed(0)) * 100
+    w = distribute_tensor(w0, mesh, [Shard(1)]).requires_grad_(True)
+    norms = torch.linalg.vector_norm(w, 2, dim=1)  # a row-parallel weight's row norms
+    sums = w.sum(1)
+    loss = norms.sum() + sums.half().float().sum() + norms.nansum()
+    loss.backward()
+    out = {"placement": str(norms.placements), "loss": loss.full_tensor()}
+    out["grad"] = w.grad.full_tensor()
+    filled = torch.linalg.vector_norm(w.detach(), 2, dim=1)
+    torch.ops.aten.fill_.Scalar(filled, 1.5)
+    out["fill"] = filled.full_tensor()
+    return out
+
+
+def test_partial_rewrites_act_on_raw_dtensors_too(tmp_path):
+    """The trainer's TP and FSDP parameters are raw DTensors, outside spmdgt's calls: there
+    DTensor's own rules ran, and a loss that sums a row-parallel weight's row norms came out
+    8.243 for torch's 8.403 (2 ranks, silently), its half cast rounded each rank's part. The
+    ``_partials`` rewrites act on every DTensor op of the process now, forward and backward."""
+    w0 = torch.randn(5, 7, generator=torch.Generator().manual_seed(0)) * 100
+    w = w0.clone().requires_grad_(True)
+    norms = torch.linalg.vector_norm(w, 2, dim=1)
+    loss = norms.sum() + w.sum(1).half().float().sum() + norms.nansum()
+    loss.backward()
+    for r in run_ranks(_raw_dtensor_partials, 3, tmp_path):
+        assert "NormPartial(2" in r["placement"]  # the case it is about
+        torch.testing.assert_close(r["loss"], loss.detach())
+        torch.testing.assert_close(r["grad"], w.grad)
+        torch.testing.assert_close(r["fill"], torch.full((5,), 1.5))
