@@ -16,6 +16,8 @@ a row-parallel weight got DTensor's wrong number there):
 - ``_to_copy`` into a dtype that rounds: the parts reduced first (DTensor rounds each part);
 - ``sum`` of a partial p-norm: reduced first (DTensor's ``_NormPartial`` calls its reduction
   ``sum``).
+- ``convolution`` (and its backward) of a partial input: reduced first, in a wrap of
+  DTensor's own convolution handlers, which run before its propagation (``install``).
 
 Found by the parity sweep's ``partial`` audit layouts (``tests/parity/layouts.py``) and the
 both-halves compile sweep; ``docs/exactness.md``, "Partial values".
@@ -179,3 +181,51 @@ register_aten(
     "partial",
     (_norm_partial, _sum_of_norms),
 )
+
+
+# -- DTensor's convolution handlers, which run before its propagation ----------------------
+# DTensor runs ``convolution`` and ``convolution_backward`` through handlers of their own
+# (``OpDispatcher._custom_op_handlers``), before the propagation entry the hook wraps. Its
+# forward handler runs the kernel on each rank's part of a partial input, without the
+# redistribution its own propagation asks for, and calls the result replicated: a raw
+# DTensor ``conv1d`` of a ``Partial`` input came out 4.37 off on 2 ranks, silently (spmdgt's
+# own calls take the batch-only route, ``_guards.batch_sharded_evenly``, and never get here
+# with one). Its backward handler refuses a partial input ("Can not redistribute from R to
+# P(sum)"). The wrap reduces a partial input or weight first, exact in both; a partial
+# gradient (the backward's first argument) is linear there and DTensor's handler is right.
+_CONVOLUTIONS = (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default)
+_handlers: dict = {}  # DTensor's own handlers, while ours are in
+
+
+def _reduced(a):
+    """``a`` with its partial placements reduced (to ``Replicate``), else ``a`` itself."""
+    if not isinstance(a, DTensor) or not any(p.is_partial() for p in a._spec.placements):
+        return a
+    return a.redistribute(
+        a.device_mesh, [Replicate() if p.is_partial() else p for p in a.placements]
+    )
+
+
+def _convolution_reduced(op_call, args, kwargs):
+    """DTensor's convolution handler on the input and weight with partial placements reduced
+    (``convolution``: arguments 0 and 1; ``convolution_backward``: 1 and 2)."""
+    first = 1 if op_call is torch.ops.aten.convolution_backward.default else 0
+    args = tuple(_reduced(a) if first <= i < first + 2 else a for i, a in enumerate(args))
+    return _handlers[op_call](op_call, args, kwargs)
+
+
+def install() -> None:
+    """Wrap DTensor's convolution handlers (the hook's ``install``)."""
+    table = DTensor._op_dispatcher._custom_op_handlers
+    for op in _CONVOLUTIONS:
+        if op in table and op not in _handlers:
+            _handlers[op] = table[op]
+            table[op] = _convolution_reduced
+
+
+def uninstall() -> None:
+    """Put DTensor's convolution handlers back."""
+    table = DTensor._op_dispatcher._custom_op_handlers
+    for op, handler in _handlers.items():
+        table[op] = handler
+    _handlers.clear()

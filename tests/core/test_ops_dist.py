@@ -482,9 +482,10 @@ def test_a_fill_of_a_partial_norm_and_an_aten_write_by_name_are_exact(tmp_path):
 
 
 def _raw_dtensor_partials(rank, world):
-    import spmdgt  # noqa: F401  (initialises the rank; installs the hook)
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    import spmdgt  # noqa: F401  (initialises the rank; installs the hook)
 
     # what a trainer's TP model holds: raw DTensor parameters, used outside spmdgt's calls
     mesh = init_device_mesh("cpu", (world,))
@@ -499,21 +500,42 @@ def _raw_dtensor_partials(rank, world):
     filled = torch.linalg.vector_norm(w.detach(), 2, dim=1)
     torch.ops.aten.fill_.Scalar(filled, 1.5)
     out["fill"] = filled.full_tensor()
+    # a convolution of a partial input (DTensor's own handler, before its propagation)
+    x0, k0 = _conv_inputs()
+    parts = torch.zeros_like(x0) if rank else x0  # the value on rank 0, zeros elsewhere
+    x = DTensor.from_local(parts, mesh, [Partial()], run_check=False).requires_grad_(True)
+    k = distribute_tensor(k0, mesh, [Replicate()]).requires_grad_(True)
+    y = torch.nn.functional.conv1d(x, k)
+    (y * y).sum().backward()
+    out["conv"], out["conv grad"] = y.full_tensor(), k.grad.full_tensor()
     return out
+
+
+def _conv_inputs():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(2, 3, 8, generator=g), torch.randn(4, 3, 3, generator=g)
 
 
 def test_partial_rewrites_act_on_raw_dtensors_too(tmp_path):
     """The trainer's TP and FSDP parameters are raw DTensors, outside spmdgt's calls: there
     DTensor's own rules ran, and a loss that sums a row-parallel weight's row norms came out
     8.243 for torch's 8.403 (2 ranks, silently), its half cast rounded each rank's part. The
-    ``_partials`` rewrites act on every DTensor op of the process now, forward and backward."""
+    ``_partials`` rewrites act on every DTensor op of the process now, forward and backward;
+    and DTensor's convolution handler (which runs before its propagation) ran the kernel on
+    each rank's part of a partial input and called the result replicated (4.37 off)."""
     w0 = torch.randn(5, 7, generator=torch.Generator().manual_seed(0)) * 100
     w = w0.clone().requires_grad_(True)
     norms = torch.linalg.vector_norm(w, 2, dim=1)
     loss = norms.sum() + w.sum(1).half().float().sum() + norms.nansum()
     loss.backward()
+    x, k = _conv_inputs()
+    k.requires_grad_(True)
+    y = torch.nn.functional.conv1d(x, k)
+    (y * y).sum().backward()
     for r in run_ranks(_raw_dtensor_partials, 3, tmp_path):
         assert "NormPartial(2" in r["placement"]  # the case it is about
         torch.testing.assert_close(r["loss"], loss.detach())
         torch.testing.assert_close(r["grad"], w.grad)
         torch.testing.assert_close(r["fill"], torch.full((5,), 1.5))
+        torch.testing.assert_close(r["conv"], y.detach())
+        torch.testing.assert_close(r["conv grad"], k.grad)
