@@ -2,10 +2,12 @@
 sharding-propagation entry (``OpDispatcher._propagate_op_sharding_dispatch_slow_path``, called
 from DTensor's C++ dispatcher on a cache miss).
 
-Inside spmdgt's calls it (1) runs, on the DTensors, the decomposition of an op whose
-strategy DTensor derives from that decomposition when the decomposition reads a size (the
-losses' ``mean``, the statistics): DTensor traces it at the global shape but runs the op on
-local shards, so a ``2 / numel`` became ``2 / local numel``; (2) runs an exact rewrite of an op
+It (1) runs, on the DTensors, the decomposition of an op whose strategy DTensor derives
+from that decomposition when the decomposition reads a size (the losses' ``mean``, the
+statistics): DTensor traces it at the global shape but runs the op on local shards, so a
+``2 / numel`` became ``2 / local numel``; this, and the ``_partials`` rewrites, on every DTensor
+op of the process (the trainer's raw DTensors got those wrong numbers too). Inside spmdgt's
+calls it also (2) runs an exact rewrite of an op
 whose registered rule is wrong for some arguments (``nll_loss``'s weighted mean) or gathers
 where an all-reduce would do (``mean`` over unevenly sharded dims); (3) turns
 "no rule for this layout" into ``NoRule``, on which the op takes the exact fallback; (4) slices
@@ -319,7 +321,8 @@ def install() -> None:
     miss) so that, inside spmdgt's calls:
 
     - an op whose strategy DTensor would derive from its decomposition, on an input that is
-      not replicated, runs that decomposition on the DTensors (``_registry.plan``):
+      not replicated, runs that decomposition on the DTensors (``_registry.plan``; outside
+      spmdgt's calls too):
       the slow path may return the op's result instead of a sharding, as DTensor's own
       handling of composite ops there does. Where a step of the decomposition has no rule
       (``prims.where`` in ``log_sigmoid_backward``), the op runs on global values (the exact
@@ -329,14 +332,15 @@ def install() -> None:
       before propagation, and ``_checks``' after it, where DTensor's rule would be wrong;
     - a failure to find a rule raises ``NoRule``.
 
-    Outside them too, an op with a ``partial`` rewrite (``_partials``: where DTensor's rule keeps
-    a ``Partial`` through an op not linear in it) runs it: the trainer's FSDP/TP tensors are
-    raw DTensors, and a wrong number there is as wrong.
+    Outside them too, such a decomposition runs, and an op with a ``partial`` rewrite
+    (``_partials``: where DTensor's rule keeps a ``Partial`` through an op not linear in it)
+    runs it: the trainer's FSDP/TP tensors are raw DTensors, and a wrong number there is as
+    wrong.
 
     "Inside spmdgt's calls" is read off DTensor's implicit-replication flag, which spmdgt sets
     for exactly the length of its calls (it is off by default, so DTensor used directly, the
-    trainer's FSDP/TP tensors, keeps DTensor's own behaviour but for the ``partial``
-    rewrites): one flag, no second state.
+    trainer's FSDP/TP tensors, keeps DTensor's own behaviour but for the decompositions and
+    the ``partial`` rewrites): one flag, no second state.
     ``uninstall()`` puts torch's entry back."""
     if _original:
         return
@@ -359,17 +363,19 @@ def install() -> None:
             if out is not NotImplemented:
                 counts[op_call.__name__] = counts.get(op_call.__name__, 0) + 1  # _paths
                 return out
+        if ours and p.intercept is not None:  # a mask placed (_attention), a scalar read
+            out = p.intercept(op_call, args, kwargs)
+            if out is not None:
+                return out
+        # every DTensor op's too: DTensor's strategy from this decomposition is wrong on
+        # uneven shards (it reads a size), a raw DTensor's mse_loss as spmdgt's
+        if p.decomposition is not None and _sharded(op_info.schema.args_spec):
+            counts[op_call.__name__] = counts.get(op_call.__name__, 0) + 1  # _paths
+            try:
+                return p.decomposition(*args, **kwargs)
+            except NoRule as e:
+                return run_global(op_call, args, kwargs, f"{op_call}'s decomposition: {e}")
         if ours:
-            if p.intercept is not None:  # a mask placed (_attention), a scalar read
-                out = p.intercept(op_call, args, kwargs)
-                if out is not None:
-                    return out
-            if p.decomposition is not None and _sharded(op_info.schema.args_spec):
-                counts[op_call.__name__] = counts.get(op_call.__name__, 0) + 1  # _paths
-                try:
-                    return p.decomposition(*args, **kwargs)
-                except NoRule as e:
-                    return run_global(op_call, args, kwargs, f"{op_call}'s decomposition: {e}")
             rewrite = p.rewrite
             if rewrite is not None and rewrite[0](args) and _sharded(op_info.schema.args_spec):
                 out = rewrite[1](op_call, args, kwargs)  # NotImplemented: DTensor's rule holds

@@ -89,7 +89,7 @@ def aten_markdown() -> str:
         "| at the aten level | ops |",
         "|---|---|",
         f"| decomposition run on the DTensors (it reads a size; where DTensor has no "
-        f"strategy of its own) | {_names(decompose)} |",
+        f"strategy of its own; on every DTensor op, as `partial`) | {_names(decompose)} |",
     ]
     for what, ops in sorted(per.items()):
         rows.append(f"| {what} | {_names(ops)} |")

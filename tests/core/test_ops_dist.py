@@ -539,3 +539,52 @@ def test_partial_rewrites_act_on_raw_dtensors_too(tmp_path):
         torch.testing.assert_close(r["fill"], torch.full((5,), 1.5))
         torch.testing.assert_close(r["conv"], y.detach())
         torch.testing.assert_close(r["conv grad"], k.grad)
+
+
+def _raw_losses(rank, world):
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    import spmdgt  # noqa: F401  (initialises the rank; installs the hook)
+
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    for dim in (0, 1):
+        for name in _RAW_LOSSES:
+            x0, t0 = _loss_inputs()
+            x = distribute_tensor(x0, mesh, [Shard(dim)]).requires_grad_(True)
+            t = distribute_tensor(t0, mesh, [Shard(dim)])
+            loss = getattr(F, name)(x, t.sigmoid() if "cross" in name else t)
+            loss.backward()
+            out[(name, dim)] = (loss.full_tensor(), x.grad.full_tensor())
+    return out
+
+
+_RAW_LOSSES = ("mse_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy_with_logits")
+
+
+def _loss_inputs():
+    g = torch.Generator().manual_seed(2)
+    return torch.randn(M, N, generator=g), torch.randn(M, N, generator=g)
+
+
+def test_losses_on_raw_dtensors_with_uneven_shards_equal_one_process(tmp_path):
+    """DTensor derives these losses' sharding from their decompositions, which read a size
+    at the global shape while the op runs on local shards: raw DTensors (the trainer's, a
+    regularizer on TP parameters) got a wrong mean on uneven shards (``mse_loss`` on 7 x 9 rows
+    or columns over 2 and 3 ranks, with spmdgt imported). The hook now runs those
+    decompositions on every DTensor op of the process, forward and backward (3 ranks)."""
+    import torch.nn.functional as F
+
+    want = {}
+    for name in _RAW_LOSSES:
+        x0, t0 = _loss_inputs()
+        x = x0.clone().requires_grad_(True)
+        loss = getattr(F, name)(x, t0.sigmoid() if "cross" in name else t0)
+        loss.backward()
+        want[name] = (loss.detach(), x.grad)
+    for r in run_ranks(_raw_losses, 3, tmp_path):
+        for (name, dim), (loss, grad) in r.items():
+            torch.testing.assert_close(loss, want[name][0], msg=f"{name} Shard({dim})")
+            torch.testing.assert_close(grad, want[name][1], msg=f"{name} Shard({dim}) grad")
