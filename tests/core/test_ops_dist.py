@@ -446,6 +446,10 @@ def test_a_sum_of_norms_over_a_sharded_dim_is_the_sum_of_the_norms(tmp_path):
         torch.testing.assert_close(r["grad"], x.grad)
 
 
+# (p, value): a sum partial's -0.0, a negative fill of a 2- and a 3-norm, a positive one
+_NORM_FILLS = ((1, -0.0), (2, -2.5), (3, -2.5), (2, 3.0))
+
+
 def _fills_by_name(rank, world):
     import spmdgt  # noqa: F401  (initialises the rank)
     from spmdgt.tensor._meshes import mesh_for
@@ -455,11 +459,10 @@ def _fills_by_name(rank, world):
     g = torch.Generator().manual_seed(0)
     x = place(torch.randn(4, 7, generator=g), Target(mesh_for(None), (Shard(1),)))
     out = {}
-    for p in (1, 2, 3):
-        for v in (-2.5, -0.0, 3.0):
-            n = torch.linalg.vector_norm(x, p, dim=1)
-            torch.ops.aten.fill_.Scalar(n, v)  # the aten op the rewrite sees
-            out[f"fill {p} {v}"] = global_value(n)
+    for p, v in _NORM_FILLS:
+        n = torch.linalg.vector_norm(x, p, dim=1)
+        torch.ops.aten.fill_.Scalar(n, v)  # the aten op the rewrite sees
+        out[f"fill {p} {v}"] = global_value(n)
     y = place(torch.arange(7.0 * 3).reshape(7, 3), Target(mesh_for(None), (Shard(0),)))
     torch.ops.aten.cumsum_.default(y, 0)  # no DTensor rule for it on Shard(0): the fallback
     out["cumsum_"] = global_value(y)
@@ -473,11 +476,10 @@ def test_a_fill_of_a_partial_norm_and_an_aten_write_by_name_are_exact(tmp_path):
     called by name (``torch.ops.aten.cumsum_.default``) with no DTensor rule took the
     out-of-place fallback: the write was lost, silently. Both exact now, on 3 ranks."""
     for r in run_ranks(_fills_by_name, 3, tmp_path):
-        for p in (1, 2, 3):
-            for v in (-2.5, -0.0, 3.0):
-                got = r[f"fill {p} {v}"]
-                torch.testing.assert_close(got, torch.full((4,), v))
-                assert torch.equal(got.signbit(), torch.full((4,), v).signbit()), (p, v)
+        for p, v in _NORM_FILLS:
+            got = r[f"fill {p} {v}"]
+            torch.testing.assert_close(got, torch.full((4,), v))
+            assert torch.equal(got.signbit(), torch.full((4,), v).signbit()), (p, v)
         torch.testing.assert_close(r["cumsum_"], torch.arange(7.0 * 3).reshape(7, 3).cumsum(0))
 
 
