@@ -65,6 +65,9 @@ class FrameHook:
 
         self.hot: set[CodeType] = set()
         self.hot_keys: set[str] = set()  # agreed hot on another rank; found by name here
+        # whether a hot code is compiled (the pass's rule, the same on every rank), asked of
+        # a code found by ``hot_keys`` as of one that turned hot on this rank
+        self.admits: Callable[[CodeType], bool] = lambda code: True
         # Set once a model's forward is hot: every model forward (``model_forward(code)``)
         # reaching the hook is compiled too, as ``torch.compile(model)`` compiles the frames
         # its graph breaks leave (e.g. the layers below FSDP's hooks, which dynamo skips).
@@ -91,7 +94,7 @@ class FrameHook:
     # -- per frame ------------------------------------------------------------------------------
     def on_frame(self, frame: Any, cache_entry: Any, frame_state: Any) -> Any:
         code = frame.f_code
-        if self.hot_keys and self._hot_by_key(code):
+        if self.hot_keys and self._hot_by_key(code) and self.admits(code):
             self.hot.add(code)
         if code in self.hot or (code.co_name.startswith(_RESUME) and self.hot):
             if code in self.fallen:

@@ -70,6 +70,7 @@ class HotFunctionPass:
         self._decided: set[CodeType] = set()  # codes on_hot has ruled on (once each)
         self.backend = CountingBackend(backend, self.stats, self._runtime_fallback)
         self.hook = FrameHook(self._compile_frame, self._is_user, self.backend)
+        self.hook.admits = self._admits
         self.sampler = CodeSampler(every, hot_at, self.classify, self.on_hot)
         self._by_key: dict[str, CodeType] = {}  # codes this rank proposed (see on_hot)
         self._eager_keys: set[str] = set()  # fallen back on some rank at run time (agreed)
@@ -328,8 +329,6 @@ class HotFunctionPass:
         self._make_hot(codes)
 
     def _make_hot(self, codes: list[CodeType]) -> None:
-        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
-
         for code in codes:
             if code in self._decided:  # counts restart when the interceptor restarts
                 continue
@@ -342,18 +341,7 @@ class HotFunctionPass:
                 # no other rank reached (found by the parity sweep, both halves on)
                 continue
             where = _where(code)
-            if code.co_name == "<module>":
-                reason = "module-level code (lazy regions will serve it)"
-            elif code.co_flags & _NOT_FUNCTIONS:
-                reason = "a generator or coroutine"
-            elif _debug_get_cache_entry_list(code) and code not in self.stats.compiled_codes:
-                reason = "compiled by the user"
-            else:
-                reason = None
-            if reason is not None:
-                self.stats.skipped[reason] += 1
-                if _debuglog.COMPILE:
-                    _debuglog.debug("compile", f"hot {where}: not compiled ({reason})")
+            if not self._admits(code):
                 continue
             self.stats.hot += 1
             self.hook.hot.add(code)
@@ -367,6 +355,29 @@ class HotFunctionPass:
                     f"{self.every} ops): compiling at its next call with {self.backend_name}",
                 )
             self.hook.install()
+
+    def _admits(self, code: CodeType) -> bool:
+        """Is hot ``code`` compiled? Not module-level code, a generator or coroutine, or code
+        the user compiled: read off the code object and what every rank compiled alike, so
+        the answer is the same on every rank, whether the code turned hot here or came from
+        another rank's proposal (``FrameHook.admits``). A rank that took another's proposal
+        without asking once compiled a generator expression its finder had refused, and
+        waited in a compile agreement no other rank reached (the parity sweep's ``partial``
+        layout, both halves on: ``partial_parts``' ``<genexpr>``, a hang)."""
+        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+        if code.co_name == "<module>":
+            reason = "module-level code (lazy regions will serve it)"
+        elif code.co_flags & _NOT_FUNCTIONS:
+            reason = "a generator or coroutine"
+        elif _debug_get_cache_entry_list(code) and code not in self.stats.compiled_codes:
+            reason = "compiled by the user"
+        else:
+            return True
+        self.stats.skipped[reason] += 1
+        if _debuglog.COMPILE:
+            _debuglog.debug("compile", f"hot {_where(code)}: not compiled ({reason})")
+        return False
 
     # -- compile --------------------------------------------------------------------------------
     def _compile_frame(self, frame: Any, cache_entry: Any, frame_state: Any) -> Any:

@@ -50,6 +50,44 @@ def test_ranks_that_count_different_ops_compile_at_the_same_call(tmp_path):
     assert at0[0] == 0  # proposed during the first calls, compiled only after an agreement
 
 
+def _through_a_generator(a, b, extra):
+    parts = (a * b + a for _ in range(4 + extra))  # the ops run in the generator's frame
+    return list(parts)
+
+
+def _generator_hot_on_one_rank(rank, world):
+    import spmdgt as gt
+    import spmdgt.compile as gt_compile
+
+    extra = 12 if rank == 1 else 0  # rank 1 finds the generator hot first, and proposes it
+    a, b = torch.full((8, 8), 0.5), torch.full((8, 8), 0.25)
+    ref = _through_a_generator(a, b, extra)
+    gt_compile.enable(backend="aot_eager", every=2, hot_at=4)
+    try:
+        ok = True
+        for _ in range(6):
+            got = _through_a_generator(a, b, extra)
+            ok = ok and all(torch.equal(x, y) for x, y in zip(got, ref))
+            gt.zeros(2)  # an agreement point
+        st = gt_compile.stats()
+    finally:
+        gt_compile.disable()
+    return ok, dict(st["skipped"])
+
+
+def test_a_generator_hot_on_another_rank_is_refused_there_too(tmp_path):
+    """A generator is never compiled; the rank that finds it hot says so. A rank that learnt
+    of it through another rank's proposal compiled it without asking, and waited in a compile
+    agreement the finder never reached (the parity sweep's ``partial`` layout with both
+    halves on: ``partial_parts``' generator expression, a hang). Both refuse it now."""
+    (ok0, skipped0), (ok1, skipped1) = run_ranks(
+        _generator_hot_on_one_rank, 2, tmp_path, timeout=120
+    )
+    assert ok0 and ok1
+    assert skipped0.get("a generator or coroutine", 0) >= 1, skipped0
+    assert skipped1.get("a generator or coroutine", 0) >= 1, skipped1
+
+
 def _runtime_failure_on_one_rank(rank, world):
     import spmdgt as gt
     import spmdgt.compile as gt_compile

@@ -403,7 +403,11 @@ def run_cases(
     import tests._dist  # noqa: F401
 
     results: list[CaseRun | None] = []
-    tmp = Path(tempfile.mkdtemp(prefix="gt-parity-"))
+    # GT_PARITY_LOGS=DIR keeps every rank's log there (w<world>-g<group>-rank<r>.log; with
+    # GT_DEBUG_COMPILE=1 and the like, what each rank did before a hang), else they go
+    keep = os.environ.get("GT_PARITY_LOGS")
+    tmp = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="gt-parity-"))
+    tmp.mkdir(parents=True, exist_ok=True)
     # longer than a computing case may take: the parent, not gloo, calls the hang
     gloo_timeout = max((_SLOW_LIMIT + 2) * timeout, 60.0)
     group, serial, failed_starts, in_group = None, 0, 0, 0
@@ -430,7 +434,8 @@ def run_cases(
             try:
                 run = _drive(group, i, timeout)
             except _Lost as e:
-                run = CaseRun(e.status, [], e.note)
+                where = f" [logs: {tmp}/w{world}-g{serial}-rank*.log]" if keep else ""
+                run = CaseRun(e.status, [], e.note + where)
                 group.kill()
                 group = None
             results.append(run)
@@ -444,7 +449,8 @@ def run_cases(
     finally:
         if group is not None:
             group.close()
-        for f in tmp.iterdir():
-            f.unlink()
-        tmp.rmdir()
+        if not keep:
+            for f in tmp.iterdir():
+                f.unlink()
+            tmp.rmdir()
     return results
