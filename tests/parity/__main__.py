@@ -38,12 +38,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--update-ledger", action="store_true", help="write the rows run")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.add_argument("--list-excluded", action="store_true", help="print the ops left out")
+    p.add_argument(
+        "--keep-logs",
+        metavar="DIR",
+        help="keep every rank's log in DIR (a failing row names its files; with GT_DEBUG_*)",
+    )
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    if args.keep_logs:
+        os.environ["PARITY_LOGS"] = args.keep_logs  # the runner's (a harness setting)
     if args.list_excluded:
         for name, why in sweep.excluded():
             print(f"{name:45} {why}")

@@ -403,9 +403,9 @@ def run_cases(
     import tests._dist  # noqa: F401
 
     results: list[CaseRun | None] = []
-    # GT_PARITY_LOGS=DIR keeps every rank's log there (w<world>-g<group>-rank<r>.log; with
-    # GT_DEBUG_COMPILE=1 and the like, what each rank did before a hang), else they go
-    keep = os.environ.get("GT_PARITY_LOGS")
+    # PARITY_LOGS=DIR (``--keep-logs``) keeps every rank's log there (w<world>-g<group>-
+    # rank<r>.log; with GT_DEBUG_COMPILE=1 and the like, what each rank did before a hang)
+    keep = os.environ.get("PARITY_LOGS")
     tmp = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="gt-parity-"))
     tmp.mkdir(parents=True, exist_ok=True)
     # longer than a computing case may take: the parent, not gloo, calls the hang
