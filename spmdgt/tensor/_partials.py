@@ -115,9 +115,12 @@ def _first_holds(args, which) -> bool:
 def _on_reduced(op_call, args, kwargs, which):
     """``op_call`` on its first argument with the partial placements ``which`` picks reduced
     (to ``Replicate``) first; the other arguments as they are."""
-    x = args[0]
-    placements = [Replicate() if which(p) else p for p in x._spec.placements]
-    return op_call(x.redistribute(x.device_mesh, placements), *args[1:], **kwargs)
+    return op_call(_reduce(args[0], which), *args[1:], **kwargs)
+
+
+def _reduce(x: DTensor, which) -> DTensor:
+    """``x`` with the partial placements ``which`` picks reduced (to ``Replicate``)."""
+    return x.redistribute(x.device_mesh, [Replicate() if which(p) else p for p in x.placements])
 
 
 def _partial_sum(args) -> bool:
@@ -201,9 +204,7 @@ def _reduced(a):
     """``a`` with its partial placements reduced (to ``Replicate``), else ``a`` itself."""
     if not isinstance(a, DTensor) or not any(p.is_partial() for p in a._spec.placements):
         return a
-    return a.redistribute(
-        a.device_mesh, [Replicate() if p.is_partial() else p for p in a.placements]
-    )
+    return _reduce(a, lambda p: p.is_partial())
 
 
 def _convolution_reduced(op_call, args, kwargs):
