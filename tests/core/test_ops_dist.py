@@ -590,3 +590,65 @@ def test_losses_on_raw_dtensors_with_uneven_shards_equal_one_process(tmp_path):
         for (name, dim), (loss, grad) in r.items():
             torch.testing.assert_close(loss, want[name][0], msg=f"{name} Shard({dim})")
             torch.testing.assert_close(grad, want[name][1], msg=f"{name} Shard({dim}) grad")
+
+
+def _extreme_inputs():
+    """Ties across shards in every direction (few distinct values), NaN, ints, an empty shard."""
+    g = torch.Generator().manual_seed(3)
+    ties = torch.randint(0, 3, (M, N), generator=g).float()
+    nans = ties.clone()
+    nans[1, 6] = nans[5, 2] = float("nan")
+    return {
+        "ties": ties,
+        "nan": nans,
+        "int": torch.randint(-2, 2, (M, N), generator=g),
+        "empty shard": torch.randint(0, 2, (2, N), generator=g).double(),
+    }
+
+
+def _arg_extremes(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    import spmdgt as gt
+
+    mesh = init_device_mesh("cpu", (world,))
+    for name, spec in {"rows": (0, False), "cols": (1, False)}.items():
+        gt.register_config(name, gt.SignalConfig(shard=gt.ShardConfig(axis=spec[0])))
+    out = {}
+    for name, x0 in _extreme_inputs().items():
+        for signal, d in (("rows", 0), ("cols", 1)):
+            raw = distribute_tensor(x0, mesh, [Shard(d)])
+            with gt.signal.context(signal):
+                ours = gt.tensor(x0)
+            for op in ("argmax", "argmin"):
+                for dim, keepdim in (
+                    (None, False),
+                    (None, True),
+                    (0, False),
+                    (1, True),
+                    (-1, False),
+                ):
+                    for kind, x in (("raw", raw), ("gt", ours)):
+                        got = getattr(x, op)(dim=dim, keepdim=keepdim)
+                        out[name, d, op, dim, keepdim, kind] = got.full_tensor()
+    out["placement"] = str(ours.placements)
+    return out
+
+
+def test_argmax_and_argmin_take_torchs_first_index_across_shards(tmp_path):
+    """DTensor's handler let the first *rank* holding the extreme win: ``x.argmax()`` of
+    column shards picked a tie on a later row (torch takes the first flat index), a NaN
+    likewise, and a rank with an empty shard raised in its local reduction while the others
+    waited (a hang). ``_extremes`` picks torch's index for raw DTensors and spmdgt's own
+    (which no longer take the gather fallback for it), on uneven and empty shards (3 ranks)."""
+    results = run_ranks(_arg_extremes, 3, tmp_path)
+    for r in results:
+        assert r.pop("placement") == "(Shard(dim=1),)"
+        for (name, _, op, dim, keepdim, _), got in r.items():
+            want = getattr(_extreme_inputs()[name], op)(dim=dim, keepdim=keepdim)
+            assert torch.equal(got, want), (name, op, dim, keepdim)
+    # the case it is about: the first NaN (row 1, column 6: the last of 3 column shards) is
+    # not on the first rank holding one (row 5, column 2)
+    x = _extreme_inputs()["nan"]
+    assert x.argmax() == x.argmin() == 1 * N + 6
