@@ -3,7 +3,7 @@
 YAML (every section optional; unknown keys are errors naming file and key)::
 
     strategy: fsdp                 # ddp | fsdp | placements
-    fsdp: {use_mixed_precision: true, reshard_after_forward: true}
+    fsdp: {use_mixed_precision: true, reshard_after_forward: true, accumulate_sharded: false}
     ddp: {bucket_cap_mb: 25, find_unused_parameters: false}
     training:
       epochs: 3
@@ -82,6 +82,17 @@ class FSDPConfig:
     """bf16 parameters and compute, fp32 gradient reduction (``MixedPrecisionPolicy``)."""
     reshard_after_forward: bool = True
     """Free gathered parameters after forward (ZeRO-3); ``False`` keeps them (ZeRO-2-like)."""
+    accumulate_sharded: bool = False
+    """Under gradient accumulation, reduce-scatter every micro-step's gradients and add them
+    up sharded (torchtitan's way): a rank holds ``1/dp_shard`` of the gradients between
+    micro-steps, for one reduce-scatter per unit per micro-step (HSDP's all-reduce over
+    ``dp_replicate`` still runs once per step). ``False``: gradients are communicated once
+    per step, held unsharded between micro-steps (FSDP2's ``set_requires_gradient_sync``)."""
+
+    def __post_init__(self) -> None:
+        _bool(self.use_mixed_precision, "use_mixed_precision")
+        _bool(self.reshard_after_forward, "reshard_after_forward")
+        _bool(self.accumulate_sharded, "accumulate_sharded")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -142,7 +153,8 @@ class TrainingConfig:
     """Samples per rank per micro-step (the global batch is this x data-parallel ranks x
     ``gradient_accumulation_steps``)."""
     gradient_accumulation_steps: int = 1
-    """Micro-steps per optimizer step; gradients are synchronised only on the last one."""
+    """Micro-steps per optimizer step; gradients are synchronised only on the last one (FSDP's
+    ``accumulate_sharded`` reduce-scatters every micro-step's)."""
     max_grad_norm: float | None = None
     """Clip the global gradient norm (over all shards) to this; ``None`` disables clipping."""
     use_amp: bool = False

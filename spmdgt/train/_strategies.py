@@ -4,8 +4,10 @@
 * ``fsdp``: FSDP2 ``fully_shard`` on every transformer block (``_units``: HF's
   ``model.model.layers`` too; tied weights stay in one unit), then the root;
   ``MixedPrecisionPolicy(bf16 params, fp32 reduce)`` for mixed precision; accumulation via
-  ``set_requires_gradient_sync(False)``. On gloo, reductions are forced to SUM-then-divide
-  (``set_force_sum_reduction_for_comms``) rather than trusting an AVG reduce-scatter.
+  ``set_requires_gradient_sync(False)``, or with ``accumulate_sharded`` a reduce-scatter every
+  micro-step (``set_requires_all_reduce(False)``: HSDP's all-reduce once per step). On gloo,
+  reductions are forced to SUM-then-divide (``set_force_sum_reduction_for_comms``) rather
+  than trusting an AVG reduce-scatter.
 * ``placements``: tensor parallelism from a YAML table of module-name globs through
   ``parallelize_module`` with ``ColwiseParallel`` / ``RowwiseParallel`` (gathered and split
   variants too) and ``_tp_styles``' packed and experts styles on the world mesh; ``auto``
@@ -89,6 +91,9 @@ class Wrapped:
     partial_group: object = None
     placements: dict[str, str] | None = None
     """The table applied (``placements: auto``: the derived one), ``None`` without TP."""
+    accumulate_sharded: bool = False
+    """FSDP's ``accumulate_sharded``: ``no_sync`` keeps the reduce-scatters (and holds back
+    HSDP's all-reduce only)."""
 
     def sum_partial_grads(self) -> None:
         """Sum the ``partial_grads`` over the tensor-parallel group (collective on that group;
@@ -119,17 +124,25 @@ class Wrapped:
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally: no collective until the context exits."""
+        """Accumulate gradients locally: no collective until the context exits. Under FSDP's
+        ``accumulate_sharded`` each unit still reduce-scatters its gradients (added up in
+        the sharded ones) and only HSDP's all-reduce over ``dp_replicate`` waits for the
+        step's last micro-step (FSDP2's ``set_requires_all_reduce``)."""
         if self.strategy == "ddp" and isinstance(self.module, nn.parallel.DistributedDataParallel):
             with self.module.no_sync():
                 yield
         elif self.fsdp_modules:
             root = self.fsdp_modules[-1]
-            root.set_requires_gradient_sync(False)
+            hold = (
+                root.set_requires_all_reduce
+                if self.accumulate_sharded
+                else root.set_requires_gradient_sync
+            )
+            hold(False)
             try:
                 yield
             finally:
-                root.set_requires_gradient_sync(True)
+                hold(True)
         else:
             yield
 
@@ -222,6 +235,7 @@ def wrap_model(
             )
         mixed = fsdp.use_mixed_precision or use_amp
         wrapped.fsdp_modules = apply_fsdp(model, layout.dp_mesh, fsdp, amp_dtype if mixed else None)
+        wrapped.accumulate_sharded = fsdp.accumulate_sharded
         # their parameters are FSDP's sharded ones now: summed after the step's backward
         wrapped.partial_grads = [p for m in sharded_input for p in m.parameters()]
         sum_only = layout.backend != "nccl"

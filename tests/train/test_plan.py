@@ -7,6 +7,7 @@ the last runs the command line, with the real calibration (dry runs of the examp
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import sys
 from pathlib import Path
@@ -71,11 +72,50 @@ def test_every_candidate_is_a_config_the_trainer_takes_for_the_world(world):
         assert t in (1, 2, 4) and (t == 1 or cfg.placements == "auto")
         assert cfg.strategy != "ddp" or t == 1
         assert cfg.strategy != "placements" or t == world
+        # FSDP under accumulation is offered both ways; nothing else has the choice
+        assert cfg.fsdp.accumulate_sharded == c.sharded_accumulation
+        assert not c.sharded_accumulation or (c.strategy == "fsdp" and c.accumulation > 1)
+        if c.strategy == "fsdp" and c.accumulation > 1 and not c.sharded_accumulation:
+            twin = dataclasses.replace(c, sharded_accumulation=True)
+            assert twin in set(cands) and twin.label() != c.label()
     kinds = {(c.strategy, c.dp_replicate, c.dp_shard, c.tp) for c in cands}
     if world == 8:  # HSDP, 2-D and degree-1 dims are all there
         assert {("fsdp", 2, 4, 1), ("fsdp", 1, 4, 2), ("fsdp", 2, 2, 2), ("ddp", 1, 8, 1)} <= kinds
     if world == 12:  # 12 x 2 rows do not split over 8 or 12 data-parallel... 24 does; 5 not
         assert all(24 % (r * s) == 0 for _, r, s, _ in kinds)
+
+
+def test_sharded_accumulation_holds_a_shard_of_the_gradients_for_a_reduce_scatter_per_micro_step():
+    """FSDP's two ways to accumulate, priced: with ``accumulate_sharded`` a rank holds its
+    shard of the gradients between micro-steps (less memory, by the unsharded gradients
+    less their shard, where the peak sits late in the backward) for one reduce-scatter per
+    unit per micro-step (more communication, as many times more bytes as micro-steps)."""
+    ex = _example()
+    model = ex.build_model(ex.parse_args(TINY))
+    x = torch.zeros(4, 16, dtype=torch.long)
+    got = plan(
+        model,
+        (x, x),
+        world=4,
+        device="h100",
+        global_batch=32,
+        loss_fn=ex.lm_loss,
+        memory_model=_memory(),
+        micro_batches=[4],
+        strategies=("fsdp",),
+    )
+    by = {e.candidate: e for e in got.ranked + got.dropped}
+    pairs = [
+        (e, by[dataclasses.replace(c, sharded_accumulation=True)])
+        for c, e in by.items()
+        if c.accumulation > 1 and not c.sharded_accumulation
+    ]
+    assert pairs
+    for plain, sharded in pairs:
+        rs = "fsdp reduce-scatter"
+        assert sharded.comm_parts[rs] > plain.comm_parts[rs] > 0
+        assert sharded.memory <= plain.memory
+    assert any(sharded.memory < plain.memory for plain, sharded in pairs)
 
 
 def test_a_batch_that_does_not_split_is_noted():

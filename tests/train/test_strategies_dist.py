@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from spmdgt.train import (
     CommunicationProfiler,
     DistributedTrainer,
+    FSDPConfig,
     OptimizedDataLoader,
     TrainConfig,
 )
@@ -54,7 +55,15 @@ class CountC10d(TorchDispatchMode):
 
 
 def _train(
-    rank, world, strategy, accum, count_comms=False, profile_dir=None, logdir=None, log_every=10
+    rank,
+    world,
+    strategy,
+    accum,
+    count_comms=False,
+    profile_dir=None,
+    logdir=None,
+    log_every=10,
+    accumulate_sharded=False,
 ):
     hidden = TP_HIDDEN if strategy == "placements" else HIDDEN
     model = make_model(hidden=hidden)
@@ -63,6 +72,7 @@ def _train(
         placements=TP_PLAN if strategy == "placements" else {},
         profile=profile_dir is not None,
         logdir=profile_dir,
+        fsdp=FSDPConfig(accumulate_sharded=accumulate_sharded),
     )
     trainer = DistributedTrainer(
         model,
@@ -187,6 +197,21 @@ def test_fsdp_accumulation_skips_reduce_scatter(tmp_path):
     rs = "c10d._reduce_scatter_base_"
     assert one[3][rs] == four[3][rs] == 3 * STEPS
     assert four[3]["c10d._allgather_base_"] > one[3]["c10d._allgather_base_"]
+
+
+def _sharded_accumulation(rank, world):
+    return _train(rank, world, "fsdp", 4, count_comms=True, accumulate_sharded=True)
+
+
+def test_fsdp_sharded_accumulation_reduce_scatters_every_micro_step(tmp_path):
+    """``fsdp: {accumulate_sharded: true}`` (torchtitan's accumulation): every micro-step's
+    gradients are reduce-scattered and added up sharded, so a rank never holds them whole;
+    the step equals one process's all the same (uneven shards: HIDDEN 11 over 2 ranks)."""
+    out = run_ranks(_sharded_accumulation, 2, tmp_path)
+    _check(out, "fsdp", 4)
+    # 3 units x 4 micro-steps x 6 steps, where the default holds them to one per step
+    assert out[0][3]["c10d._reduce_scatter_base_"] == 3 * 4 * STEPS
+    assert out[0][2]["collectives_per_step"] == out[1][2]["collectives_per_step"]
 
 
 def _logging_on_rank0_only(rank, world, strategy, logdir):

@@ -4,7 +4,9 @@ A candidate is one ``TrainConfig`` the trainer runs as is: a strategy on a mesh
 ``(dp_replicate, dp_shard, tp)`` (degree-1 dims included), activation checkpointing on or off
 (the trainer's one setting: ``checkpoint_wrapper`` per block; it has no selective mode, so
 none is offered), AMP on or off, and the micro-batch with the accumulation steps that make
-the global batch. Only what the trainer accepts is listed:
+the global batch (under FSDP both ways to accumulate: gradients unsharded until the step's
+one reduce-scatter, or reduce-scattered every micro-step and held sharded). Only what the
+trainer accepts is listed:
 
 * ``ddp`` on the 1-D world mesh (DDP takes no DTensor parameters: no TP under it);
 * ``fsdp`` on ``(r, s, t)`` with ``s > 1`` (HSDP when ``r > 1``; FSDP over one rank is DDP's
@@ -39,6 +41,9 @@ class Candidate:
     accumulation: int
     ac: bool
     amp: bool
+    sharded_accumulation: bool = False
+    """FSDP's ``accumulate_sharded`` (micro-steps only): a reduce-scatter per micro-step, the
+    gradients held sharded between them."""
 
     @property
     def world(self) -> int:
@@ -51,7 +56,8 @@ class Candidate:
     def label(self) -> str:
         mesh = f"{self.dp_replicate}x{self.dp_shard}x{self.tp}"
         return (
-            f"{self.strategy:<10} {mesh:<9} mb {self.micro_batch:>3} x{self.accumulation:<3}"
+            f"{self.strategy:<10} {mesh:<9} mb {self.micro_batch:>3} "
+            f"{'x' + str(self.accumulation) + ('s' if self.sharded_accumulation else ''):<4}"
             f" {'AC' if self.ac else '--'} {'AMP' if self.amp else 'fp32'}"
         )
 
@@ -79,7 +85,9 @@ class Candidate:
             activation_checkpointing=self.ac,
             placements=placements if self.tp > 1 else {},
             fsdp=FSDPConfig(
-                use_mixed_precision=False, reshard_after_forward=base.fsdp.reshard_after_forward
+                use_mixed_precision=False,
+                reshard_after_forward=base.fsdp.reshard_after_forward,
+                accumulate_sharded=self.sharded_accumulation,
             ),
         )
         return TrainConfig(**fields)
@@ -134,7 +142,12 @@ def enumerate_space(
         per_rank = global_batch // dp
         sizes = [m for m in _divisors(per_rank) if micro_batches is None or m in micro_batches]
         for m in sizes:
+            k = per_rank // m
+            # FSDP's two ways to accumulate: unsharded gradients, one reduce-scatter per step,
+            # or sharded ones, a reduce-scatter per micro-step (``accumulate_sharded``)
+            ways = (False, True) if strategy == "fsdp" and k > 1 else (False,)
             for a in ac:
                 for p in amp:
-                    out.append(Candidate(strategy, r, s, t, m, per_rank // m, a, p))
+                    for w in ways:
+                        out.append(Candidate(strategy, r, s, t, m, k, a, p, w))
     return out, notes
