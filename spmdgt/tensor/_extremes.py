@@ -88,9 +88,7 @@ def _candidate(op_call, x: DTensor, dim: int | None) -> tuple[torch.Tensor, torc
     if dim is None:
         flat = local.reshape(-1)
         if flat.numel() == 0:
-            return flat.new_zeros(1, 1), torch.full(
-                (1, 1), -1, dtype=torch.long, device=local.device
-            )
+            return flat.new_zeros(1, 1), torch.full((1, 1), -1, dtype=torch.long)
         at = op_call(flat, 0, True)
         index = torch.zeros_like(at)
         rest = at
@@ -102,9 +100,7 @@ def _candidate(op_call, x: DTensor, dim: int | None) -> tuple[torch.Tensor, torc
     if local.shape[dim] == 0:
         size = list(local.shape)
         size[dim] = 1
-        return local.new_zeros([1, *size]), torch.full(
-            [1, *size], -1, dtype=torch.long, device=local.device
-        )
+        return local.new_zeros([1, *size]), torch.full([1, *size], -1, dtype=torch.long)
     at = op_call(local, dim, True)
     return local.gather(dim, at).unsqueeze(0), (at + offset[dim]).unsqueeze(0)
 
