@@ -140,18 +140,15 @@ def _complex_prod(func, args, kwargs) -> str | None:
 @_guards("argmax", "argmin")
 def _arg_extreme(func, args, kwargs) -> str | None:
     """A bool input (torch rejects it; DTensor's rule goes through ``max``, which accepts it),
-    a tensor on a sub-mesh (DTensor's handler on a rank outside it) or with an empty shard.
-    Ties across shards are exact in DTensor's handler as ``_extremes`` wraps it, and so are
-    raw DTensors' empty shards; spmdgt's own keep the exact fallback there (with both compile
-    halves on, one run of a 2,500-row sample saw a rank abort in that gather, not seen again
-    in seven runs: the fallback is the path proven there)."""
+    or a tensor on a sub-mesh (DTensor's handler on a rank outside it). Ties across shards and
+    empty shards are exact in DTensor's handler as ``_extremes`` wraps it."""
     a, _, _ = _input_and_dim(args, kwargs)
     if a is None:
         return None
     if a.dtype is torch.bool:
         return "bool input (torch rejects it; DTensor's rule goes through max, which accepts it)"
-    if has_empty_shard(a):  # a sub-mesh's outside ranks too
-        return "a tensor on a sub-mesh or with an empty shard"
+    if a._spec.mesh.size() != world_size():
+        return "a tensor on a sub-mesh (DTensor's handler on a rank outside it)"
     return None
 
 

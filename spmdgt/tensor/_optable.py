@@ -429,7 +429,7 @@ def _global_if(why: str | None, func, args, kwargs):
     "guarded",
     how="DTensor's path, except for inputs a per-op guard (`_guards.py`) tells apart by dtype, dim "
     "and layout: `argmax/argmin` of a bool tensor (torch raises; DTensor's rule goes through "
-    "`max` and answers) on a sub-mesh or with an empty shard (ties across shards are exact in "
+    "`max` and answers) or on a sub-mesh (ties across shards and empty shards are exact in "
     "DTensor's handler as `_extremes.py` wraps it); `prod` of complex values over a sharded dim"
     " (no collective multiplies complex numbers); `embedding` whose weight has one dim sharded "
     "over several mesh dims (DTensor's masked-partial rule shares one mask among them); the "
