@@ -5,6 +5,8 @@ predicate is registered on its ops' records (``_registry``) here, next to its co
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
@@ -139,16 +141,20 @@ def _complex_prod(func, args, kwargs) -> str | None:
 
 @_guards("argmax", "argmin")
 def _arg_extreme(func, args, kwargs) -> str | None:
-    """A bool input (torch rejects it; DTensor's rule goes through ``max``, which accepts it),
-    or a tensor on a sub-mesh (DTensor's handler on a rank outside it). Ties across shards and
-    empty shards are exact in DTensor's handler as ``_extremes`` wraps it."""
-    a, _, _ = _input_and_dim(args, kwargs)
+    """A bool input (torch rejects it; DTensor goes through ``max``), an empty shard, or no
+    dim where the shards are not in flat order (DTensor picks the first *rank* holding the
+    extreme, not the first flat index, so ties differ)."""
+    a, dim, shards = _input_and_dim(args, kwargs)
     if a is None:
         return None
     if a.dtype is torch.bool:
         return "bool input (torch rejects it; DTensor's rule goes through max, which accepts it)"
-    if a._spec.mesh.size() != world_size():
-        return "a tensor on a sub-mesh (DTensor's handler on a rank outside it)"
+    if has_empty_shard(a):
+        return "reduction over an empty shard"
+    # without a dim, DTensor takes the extreme of the first rank holding it: the first flat
+    # index only when the shards follow one another in flat order
+    if dim is None and (len(shards) > 1 or any(math.prod(a.shape[:d]) > 1 for d in shards)):
+        return "ties: the first flat index is not on the first rank holding the extreme"
     return None
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from spmdgt.tensor import _checks, _extremes, _fallback, _handlers, _partials  # noqa: F401
+from spmdgt.tensor import _checks, _fallback, _partials
 from spmdgt.tensor._fallback import NoRule
 from spmdgt.tensor._registry import plan, register, register_aten
 
@@ -410,7 +410,7 @@ def install() -> None:
     _original.append(original)
     _key_dtype(dispatcher.sharding_propagator.op_to_schema_info)
     _attention.install()
-    _handlers.install()  # the wraps of _partials and _extremes
+    _partials.install()
     search = getattr(dispatcher.sharding_propagator, "decomp_strategy", None)
     if search is not None:  # torch < 2.13 derives no strategy from decompositions
         _bound_decomp_search(search)
@@ -425,7 +425,7 @@ def uninstall() -> None:
         delattr(DTensor._op_dispatcher, _ENTRY)
         _original.clear()
         _attention.uninstall()
-        _handlers.uninstall()
+        _partials.uninstall()
         search = getattr(DTensor._op_dispatcher.sharding_propagator, "decomp_strategy", None)
         if search is not None:  # the class's method shows through again
             search.__dict__.pop("_get_candidate_placements", None)

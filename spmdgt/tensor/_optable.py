@@ -427,15 +427,16 @@ def _global_if(why: str | None, func, args, kwargs):
 @register_route(
     GUARDED,
     "guarded",
-    how="DTensor's path, except for inputs a per-op guard (`_guards.py`) tells apart by dtype, dim "
-    "and layout: `argmax/argmin` of a bool tensor (torch raises; DTensor's rule goes through "
-    "`max` and answers) or on a sub-mesh (ties across shards and empty shards are exact in "
-    "DTensor's handler as `_extremes.py` wraps it); `prod` of complex values over a sharded dim"
-    " (no collective multiplies complex numbers); `embedding` whose weight has one dim sharded "
-    "over several mesh dims (DTensor's masked-partial rule shares one mask among them); the "
-    "losses on uneven, empty or sub-mesh shards outside what their sweep proved exact "
-    "(`_losses.py`: float32, one 1-D mesh, the input's Shard(0), Shard(1) or Replicate for "
-    "every sharded argument, replicated class weights)",
+    how="DTensor's path, except for inputs a per-op guard (`_guards.py`) tells apart by "
+    "dtype, dim and layout: `argmax/argmin` of a bool tensor (torch raises; DTensor's rule "
+    "goes through `max` and answers), without a dim where the shards are not in flat order "
+    "(DTensor takes the first *rank* holding the extreme, which is not the first flat index "
+    "when ties span ranks), or with an empty shard; `prod` of complex values over a sharded "
+    "dim (no collective multiplies complex numbers); `embedding` whose weight has one dim "
+    "sharded over several mesh dims (DTensor's masked-partial rule shares one mask among "
+    "them); the losses on uneven, empty or sub-mesh shards outside what their sweep proved "
+    "exact (`_losses.py`: float32, one 1-D mesh, the input's Shard(0), Shard(1) or "
+    "Replicate for every sharded argument, replicated class weights)",
 )
 def _on_guarded(func, args, kwargs):
     return _global_if(guard(func, args, kwargs), func, args, kwargs)

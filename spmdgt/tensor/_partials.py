@@ -17,7 +17,7 @@ a row-parallel weight got DTensor's wrong number there):
 - ``sum`` of a partial p-norm: reduced first (DTensor's ``_NormPartial`` calls its reduction
   ``sum``).
 - ``convolution`` (and its backward) of a partial input: reduced first, in a wrap of
-  DTensor's own convolution handlers, which run before its propagation (``_handlers``).
+  DTensor's own convolution handlers, which run before its propagation (``install``).
 
 Found by the parity sweep's ``partial`` audit layouts (``tests/parity/layouts.py``) and the
 both-halves compile sweep; ``docs/exactness.md``, "Partial values".
@@ -30,7 +30,6 @@ import math
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
-from spmdgt.tensor import _handlers
 from spmdgt.tensor._fallback import NoRule
 from spmdgt.tensor._registry import register_aten
 
@@ -189,7 +188,7 @@ register_aten(
 
 # -- DTensor's convolution handlers, which run before its propagation ----------------------
 # DTensor runs ``convolution`` and ``convolution_backward`` through handlers of their own
-# (``_handlers``), before the propagation entry the hook wraps. Its
+# (``OpDispatcher._custom_op_handlers``), before the propagation entry the hook wraps. Its
 # forward handler runs the kernel on each rank's part of a partial input, without the
 # redistribution its own propagation asks for, and calls the result replicated: a raw
 # DTensor ``conv1d`` of a ``Partial`` input came out 4.37 off on 2 ranks, silently (spmdgt's
@@ -197,6 +196,8 @@ register_aten(
 # with one). Its backward handler refuses a partial input ("Can not redistribute from R to
 # P(sum)"). The wrap reduces a partial input or weight first, exact in both; a partial
 # gradient (the backward's first argument) is linear there and DTensor's handler is right.
+_CONVOLUTIONS = (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default)
+_handlers: dict = {}  # DTensor's own handlers, while ours are in
 
 
 def _reduced(a):
@@ -206,10 +207,26 @@ def _reduced(a):
     return _reduce(a, lambda p: p.is_partial())
 
 
-@_handlers.wrap(torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default)
-def _convolution_reduced(original, op_call, args, kwargs):
+def _convolution_reduced(op_call, args, kwargs):
     """DTensor's convolution handler on the input and weight with partial placements reduced
     (``convolution``: arguments 0 and 1; ``convolution_backward``: 1 and 2)."""
     first = 1 if op_call is torch.ops.aten.convolution_backward.default else 0
     args = tuple(_reduced(a) if first <= i < first + 2 else a for i, a in enumerate(args))
-    return original(op_call, args, kwargs)
+    return _handlers[op_call](op_call, args, kwargs)
+
+
+def install() -> None:
+    """Wrap DTensor's convolution handlers (the hook's ``install``)."""
+    table = DTensor._op_dispatcher._custom_op_handlers
+    for op in _CONVOLUTIONS:
+        if op in table and op not in _handlers:
+            _handlers[op] = table[op]
+            table[op] = _convolution_reduced
+
+
+def uninstall() -> None:
+    """Put DTensor's convolution handlers back."""
+    table = DTensor._op_dispatcher._custom_op_handlers
+    for op, handler in _handlers.items():
+        table[op] = handler
+    _handlers.clear()
