@@ -191,7 +191,8 @@ def _walk(
         rest = whole + (rest - whole) * (mem.tp_keep + (1 - mem.tp_keep) / t)
     gather = peak.gather * block * half / 4  # a block's all-gather buffer, in every block
     scatter = peak.scatter * block  # a reduce-scatter under way, in all blocks but the first
-    # the block's new gradients (counted in ``local`` under unsharded accumulation)
+    # the block's new gradients, beside those held (under accumulation too: FSDP2 adds them
+    # in only once they exist)
     unsharded = c.accumulation > 1 and not c.sharded_accumulation
     fresh = peak.fresh * block * half / 4
     best = 0.0
