@@ -14,7 +14,8 @@ YAML (every section optional; unknown keys are errors naming file and key)::
       max_steps: null              # stop after this many optimizer steps (null: all epochs)
       scheduler: {type: linear_warmup, warmup_steps: 100, total_steps: 1000}
     placements:        # module-name glob -> colwise | rowwise | replicate | sharded_input |
-      "layers.*.mlp.up": colwise   # colwise_gather | rowwise_split | packed_colwise | experts;
+      "layers.*.mlp.up": colwise   # colwise_gather | rowwise_split | packed_colwise | experts |
+                                   # loss_parallel (an LM head split over the vocabulary);
       "layers.*.mlp.down": rowwise # or `placements: auto` (derived from the model)
     checkpoint: {dir: ckpt, every_steps: 50}
     profile: false
@@ -60,6 +61,7 @@ PLACEMENT_STYLES = (
     "rowwise_split",
     "packed_colwise",
     "experts",
+    "loss_parallel",
 )
 
 

@@ -266,7 +266,7 @@ class TrainLoop:
         no division by the accumulation steps). The value returned is scaled by ``dp x
         group`` so that the flush's mean over micro-steps and ranks gives that sum."""
         sync = contextlib.nullcontext() if last else self.wrapped.no_sync()
-        with sync:
+        with sync, self.wrapped.loss_context():
             with self._autocast():
                 loss = self._loss(inputs, targets, num_items)
             if self._dry is not None:

@@ -40,6 +40,14 @@ class LossRule:
         self.checked_ce = False
         self._hf = type(model).__module__.startswith("transformers.")
 
+    @property
+    def splits_logits(self) -> bool:
+        """Whether the loss is the model's own shifted token cross-entropy of its logits
+        (HF's causal LMs, no ``loss_fn``): the one rule under which ``placements: auto`` may
+        split the output layer over the vocabulary (``loss_parallel``), since nothing else
+        reads the logits."""
+        return self.loss_fn is None and self.tokens == "shifted"
+
     def warn_mean_of_means(self, dp_size: int, accum: int, rank: int) -> None:
         """Say once, on every rank, that a Hugging Face model whose loss takes no
         ``num_items_in_batch`` and is not recomputed (``_hf_ce``; e.g.

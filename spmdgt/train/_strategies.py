@@ -53,7 +53,7 @@ from spmdgt.train._compile import (
 from spmdgt.train._config import STRATEGIES, DDPConfig, FSDPConfig, TrainConfig
 from spmdgt.train._layout import Layout
 from spmdgt.train._tp_plan import resolve_placements
-from spmdgt.train._tp_table import placement_plan, sharded_input_modules
+from spmdgt.train._tp_table import has_loss_parallel, placement_plan, sharded_input_modules
 from spmdgt.train._units import fsdp_blocks
 
 __all__ = [
@@ -94,6 +94,20 @@ class Wrapped:
     accumulate_sharded: bool = False
     """FSDP's ``accumulate_sharded``: ``no_sync`` keeps the reduce-scatters (and holds back
     HSDP's all-reduce only)."""
+    loss_parallel: bool = False
+    """The table splits the output layer over the vocabulary (``loss_parallel``): its logits
+    are split DTensors, so the loss and its backward run under torch's ``loss_parallel``
+    (``loss_context``)."""
+
+    def loss_context(self) -> contextlib.AbstractContextManager:
+        """Where a micro-step's forward, loss and backward run: torch's ``loss_parallel``
+        when the logits are split (cross-entropy on the vocabulary shards: two small
+        all-reduces per row set, no rank holds a row's whole logits), else nothing."""
+        if not self.loss_parallel:
+            return contextlib.nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
 
     def sum_partial_grads(self) -> None:
         """Sum the ``partial_grads`` over the tensor-parallel group (collective on that group;
@@ -175,6 +189,7 @@ def wrap_model(
     *,
     amp_dtype: torch.dtype = torch.bfloat16,
     compile: bool = False,
+    loss_parallel: bool = False,
 ) -> Wrapped:
     """Move ``model`` to the layout's device and wrap it as ``config`` says, over ``layout``'s
     meshes (no wrapping in a world of one).
@@ -184,7 +199,9 @@ def wrap_model(
     step is an ``apply_*`` function of its own. ``config`` comes validated (``TrainConfig``);
     ``layout`` (``_layout.build_layout``) says which mesh each engine spans: TP on
     ``tp_mesh`` (the 1-D world for ``placements``), FSDP2 over ``dp_mesh`` (HSDP when it is
-    2-D) or DDP over its group. ``compile`` must already be agreed by every rank."""
+    2-D) or DDP over its group. ``compile`` must already be agreed by every rank.
+    ``loss_parallel``: the loss is the model's own token cross-entropy of its logits, so
+    ``placements: auto`` may split the output layer over the vocabulary."""
     strategy = config.strategy
     assert strategy in STRATEGIES, strategy  # TrainConfig validated it
     use_amp, fsdp = config.training.use_amp, config.fsdp
@@ -194,8 +211,11 @@ def wrap_model(
     sharded_input: list[nn.Module] = []
     if layout.tensor_parallel:
         assert config.placements, "TrainConfig requires a placements table for tensor parallelism"
-        placements = resolve_placements(model, config.placements)
+        placements = resolve_placements(
+            model, config.placements, tp=layout.tp, loss_parallel=loss_parallel
+        )
         wrapped.placements = placements
+        wrapped.loss_parallel = layout.tp_mesh is not None and has_loss_parallel(placements)
         plan = placement_plan(model, placements, layout.tp)  # checked in a world of 1 too
         if layout.tp_mesh is not None:
             # the N-D mesh's tp group; None on the 1-D world: the default group, as before

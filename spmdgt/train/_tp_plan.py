@@ -16,6 +16,13 @@ Derivation (``derive_placements``), the same on every rank (it reads only the mo
   projections (``colwise_gather``/``rowwise_split``) and its other parameters (a per-head
   relative bias) stay whole (``replicate``).
 
+The output layer of a causal LM trained on its own loss (Llama's ``lm_head``; the trainer
+says so: no ``loss_fn``, HF's shifted token cross-entropy) is split over the vocabulary as
+``loss_parallel``: its logits stay split and the cross-entropy runs on the shards under torch's
+``loss_parallel`` (torchtitan's default), so no rank holds a row's whole logits. A head whose
+weight is the input embedding's (tied: Gemma, GPT-2) stays whole, and so does one whose
+vocabulary does not divide over the tensor-parallel ranks (``resolve_placements`` says so).
+
 Checks (``check_table``): a colwise layer that is packed (HF's plan gathers or packs it, or its
 name says ``gate_up``/``qkv``), an attention whose forward reads the global head count, and a
 module beside a split colwise layer whose parameter is as wide as that layer's whole output (a
@@ -33,7 +40,15 @@ from torch import nn
 
 from spmdgt.config import ConfigError
 
-__all__ = ["HF_LAYOUTS", "check_table", "derive_placements", "resolve_placements", "table_yaml"]
+__all__ = [
+    "HF_LAYOUTS",
+    "LOSS_PARALLEL",
+    "check_table",
+    "derive_placements",
+    "loss_head",
+    "resolve_placements",
+    "table_yaml",
+]
 
 HF_LAYOUTS = {
     "colwise": "colwise",
@@ -48,6 +63,7 @@ HF_LAYOUTS = {
 """HF's layout -> the table's style (``transformers.distributed.tensor_parallel``'s meaning)."""
 
 SPLIT_COLWISE = ("colwise", "packed_colwise")  # styles whose output is this rank's part
+LOSS_PARALLEL = "loss_parallel"  # the output layer split over the vocabulary, read by the loss
 _ATTN_COL = {"q", "k", "v", "q_proj", "k_proj", "v_proj", "query", "key", "value"}
 _ATTN_ROW = {"o", "o_proj", "out_proj"}
 _MLP_COL = {"gate_proj", "up_proj", "wi", "wi_0", "wi_1", "fc1", "dense_h_to_4h", "w1", "w3"}
@@ -95,8 +111,12 @@ def _reads_global_heads(module: nn.Module) -> str | None:
     return m.group(0) if m else None
 
 
-def derive_placements(model: nn.Module) -> tuple[dict[str, str], str]:
-    """The table for ``placements: auto`` and where it came from (for the log line)."""
+def derive_placements(
+    model: nn.Module, *, loss_parallel: bool = False
+) -> tuple[dict[str, str], str]:
+    """The table for ``placements: auto`` and where it came from (for the log line).
+    ``loss_parallel``: the loss is HF's own token cross-entropy of the output layer's logits
+    (the trainer's rule), so that layer may be split over the vocabulary (``loss_head``)."""
     plan, _ = _hf_plan(model)
     table = _from_hf_plan(model, plan) if plan else _from_tree(model)
     where = (
@@ -113,18 +133,55 @@ def derive_placements(model: nn.Module) -> tuple[dict[str, str], str]:
             key="placements",
             value="auto",
         )
+    head = loss_head(model) if loss_parallel and plan else None
+    if head is not None and _style_of(head, table) is None:
+        table[head] = LOSS_PARALLEL
     return table, where
 
 
-def resolve_placements(model: nn.Module, placements: dict[str, str] | str) -> dict[str, str]:
-    """``placements`` as a table: ``"auto"`` derived (``derive_placements``) and printed on
-    rank 0 as YAML to keep; a table as given."""
+def loss_head(model: nn.Module) -> str | None:
+    """The name of ``model``'s output layer when it can be split over the vocabulary: HF's
+    ``get_output_embeddings()``, an ``nn.Linear`` whose weight is not the input
+    embedding's (a tied weight is one parameter read whole by the embedding)."""
+    get_out = getattr(model, "get_output_embeddings", None)
+    get_in = getattr(model, "get_input_embeddings", None)
+    try:
+        out = get_out() if callable(get_out) else None
+        emb = get_in() if callable(get_in) else None
+    except (NotImplementedError, AttributeError):
+        return None
+    if not isinstance(out, nn.Linear):
+        return None
+    if emb is not None and getattr(emb, "weight", None) is out.weight:
+        return None
+    return next((n for n, m in model.named_modules() if m is out and n), None)
+
+
+def resolve_placements(
+    model: nn.Module,
+    placements: dict[str, str] | str,
+    *,
+    tp: int = 1,
+    loss_parallel: bool = False,
+) -> dict[str, str]:
+    """``placements`` as a table: ``"auto"`` derived (``derive_placements``, the output
+    layer split when ``loss_parallel`` and its vocabulary divides over ``tp`` ranks) and
+    printed on rank 0 as YAML to keep; a table as given."""
     if placements != "auto":
         return dict(placements)
     from spmdgt import runtime
 
-    table, where = derive_placements(model)
-    runtime.print0(f"spmdgt.train: placements: auto, from {where}:\n{table_yaml(table)}", end="")
+    table, where = derive_placements(model, loss_parallel=loss_parallel)
+    note = ""
+    head = next((p for p, s in table.items() if s == LOSS_PARALLEL), None)
+    if head is not None:
+        vocab = model.get_submodule(head).out_features
+        if vocab % tp:
+            del table[head]
+            note = f"  # {head} kept whole: its {vocab} outputs do not divide over {tp} ranks\n"
+    runtime.print0(
+        f"spmdgt.train: placements: auto, from {where}:\n{table_yaml(table)}{note}", end=""
+    )
     return table
 
 

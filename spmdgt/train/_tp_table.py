@@ -14,9 +14,9 @@ import fnmatch
 from torch import nn
 
 from spmdgt.config import ConfigError
-from spmdgt.train._tp_plan import SPLIT_COLWISE, _style_of, check_table
+from spmdgt.train._tp_plan import LOSS_PARALLEL, SPLIT_COLWISE, _style_of, check_table
 
-__all__ = ["placement_plan", "sharded_input_modules"]
+__all__ = ["has_loss_parallel", "placement_plan", "sharded_input_modules"]
 
 
 def placement_plan(
@@ -51,7 +51,7 @@ def placement_plan(
 
 def _style(module: nn.Module, name: str, pattern: str, style: str, world_size: int) -> object:
     """One module's DTensor ``ParallelStyle`` for the table's ``style`` (checked first)."""
-    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     from spmdgt.train._tp_styles import ExpertsParallel, PackedColwise
@@ -59,7 +59,7 @@ def _style(module: nn.Module, name: str, pattern: str, style: str, world_size: i
     if style == "experts":
         _check_experts(module, name, pattern, world_size)
         return ExpertsParallel()
-    linear_only = style in ("packed_colwise", "rowwise_split")
+    linear_only = style in ("packed_colwise", "rowwise_split", LOSS_PARALLEL)
     kinds = (nn.Linear,) if linear_only else (nn.Linear, nn.Embedding)
     if not isinstance(module, kinds):
         raise ConfigError(
@@ -73,6 +73,8 @@ def _style(module: nn.Module, name: str, pattern: str, style: str, world_size: i
         return ColwiseParallel()
     if style == "colwise_gather":
         return ColwiseParallel(output_layouts=Replicate())
+    if style == LOSS_PARALLEL:  # the logits stay split: the loss reads them under loss_parallel
+        return ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
     if style == "packed_colwise":
         return PackedColwise(parts=2)
     # rowwise: an embedding's token ids are whole on every rank (vocab-parallel lookup);
@@ -154,6 +156,7 @@ _SHARDED_DIM = {
     (True, "rowwise"): ("num_embeddings", 1),
     (False, "colwise"): ("out_features", 1),
     (False, "colwise_gather"): ("out_features", 1),
+    (False, LOSS_PARALLEL): ("out_features", 1),
     (False, "packed_colwise"): ("out_features", 2),
     (False, "rowwise"): ("in_features", 1),
     (False, "rowwise_split"): ("in_features", 1),
@@ -184,3 +187,10 @@ def sharded_input_modules(model: nn.Module, table: dict[str, str]) -> list[nn.Mo
         if name and style == "sharded_input":
             found.append(module)
     return found
+
+
+def has_loss_parallel(table: dict[str, str]) -> bool:
+    """Whether the table splits an output layer for the loss (``loss_parallel``): its
+    logits are then split, and the trainer runs forward and backward under torch's
+    ``loss_parallel``."""
+    return LOSS_PARALLEL in table.values()

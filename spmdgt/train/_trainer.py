@@ -246,7 +246,12 @@ class DistributedTrainer(TrainLoop, CheckpointMixin):
         wrapping = self._dry.wrapping(model) if self._dry else contextlib.nullcontext()
         with wrapping:
             wrapped = wrap_model(
-                model, cfg, self.layout, amp_dtype=self.amp_dtype, compile=self.compile
+                model,
+                cfg,
+                self.layout,
+                amp_dtype=self.amp_dtype,
+                compile=self.compile,
+                loss_parallel=self.loss_rule.splits_logits,
             )
         self._rebind_optimizer(old_params, list(model.parameters()))
         if wrapped.placements is not None and cfg.placements == "auto":

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from spmdgt.train._config import TrainConfig
+from spmdgt.train._loss import LossRule
 from spmdgt.train._plan._calibrate import MemoryModel, calibrate, guess_loss_fn
 from spmdgt.train._plan._cost import Estimate, price
 from spmdgt.train._plan._device import DeviceSpec, budget_bytes, device_spec
@@ -97,10 +98,12 @@ def _device(
     )
 
 
-def _read(model: nn.Module, inputs: object, dev: DeviceSpec, world: int, say) -> ModelFacts:
+def _read(
+    model: nn.Module, inputs: object, dev: DeviceSpec, world: int, loss_fn: Callable | None, say
+) -> ModelFacts:
     """The model's facts, and a progress line on what it allows."""
     say(f"plan: reading {type(model).__name__} (meta copy)")
-    facts = read_model(model, inputs)
+    facts = read_model(model, inputs, loss_parallel=LossRule(model, loss_fn).splits_logits)
     tp = (
         f"degrees {facts.tp_degrees(min(dev.per_node, world))[1:] or 'none'} ({facts.tp_why})"
         if facts.tp_table
@@ -228,7 +231,7 @@ def plan(
         loss_fn = guess_loss_fn(batch)
     optimizer = optimizer or (lambda params: torch.optim.AdamW(params))
     inputs = _inputs(batch, loss_fn)
-    facts = _read(model, inputs, dev, world, say)
+    facts = _read(model, inputs, dev, world, loss_fn, say)
     ac = tuple(ac) if facts.blocks else (False,)
     mem = memory_model or calibrate(
         model,

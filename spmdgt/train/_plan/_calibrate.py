@@ -89,6 +89,10 @@ class MemoryModel:
     """Dynamic bytes per block, by (activation checkpointing, AMP)."""
     tp_keep: float = 1.0
     """Share of a block's dynamic bytes that tensor parallelism leaves whole on every rank."""
+    rest_keep: float = 1.0
+    """Share of the bytes outside the blocks that tensor parallelism leaves whole (1: the
+    loss's logits whole on every rank; less under ``loss_parallel``, fitted from two TP runs
+    at 1 and 2 blocks)."""
     fsdp: dict[bool, FsdpPeak] = field(default_factory=dict)
     """FSDP's peak by activation checkpointing (empty, or without ``True``, where FSDP, or
     FSDP with checkpointing, was not calibrated)."""
@@ -121,7 +125,15 @@ class MemoryModel:
                 "calibrated for the whole search)"
             )
         block = self.block[(ac, amp)] * tp_share(self, ac, tp)
-        return (self.rest[(ac, amp)] + blocks * block) * rows / self.rows
+        rest = self.rest[(ac, amp)] * rest_share(self, tp)
+        return (rest + blocks * block) * rows / self.rows
+
+
+def rest_share(mem: MemoryModel, tp: int) -> float:
+    """The share of the bytes outside the blocks a rank holds under TP of degree ``tp``: all
+    of them unless the output layer is split for the loss (``loss_parallel``), whose logits,
+    log-probabilities and their gradients are then ``1/tp`` of a row's."""
+    return 1.0 if tp == 1 else mem.rest_keep + (1 - mem.rest_keep) / tp
 
 
 def tp_share(mem: MemoryModel, ac: bool, tp: int) -> float:
@@ -256,6 +268,8 @@ def _plan_runs(facts: ModelFacts, needs: tuple[bool, bool, bool]) -> list[_Run]:
     if cut and 2 in facts.tp_degrees(2):
         tp_cfg = TrainConfig(strategy="placements", placements="auto")
         runs.append(_Run("tp", "placements: auto, world 2", two, 2, tp_cfg))
+        if facts.loss_parallel:  # the split loss's bytes: a line in the blocks, as world 1's
+            runs.append(_Run("tp1", "placements: auto, world 2, 1 block", 1, 2, tp_cfg))
     runs.append(_Run("base2", "world 1, 2 blocks" if cut else "world 1", two, 1, plain))
     on = TrainingConfig(use_amp=True)
     if amp:
@@ -492,7 +506,11 @@ def _fit(
                 (mem.fsdp_second_amp if amp_on else mem.fsdp_second)[ac_on] = second
             (mem.fsdp_amp if amp_on else mem.fsdp)[ac_on] = peak
     if "tp" in got and blk:
-        per_block = (got["tp"].dynamic - rest) / 2
+        rest_tp, per_block = rest, (got["tp"].dynamic - rest) / 2
+        if "tp1" in got:  # loss_parallel: the bytes outside the blocks split too
+            rest_tp, per_block = _line(got["tp"].dynamic, got["tp1"].dynamic)
+            if rest:
+                mem.rest_keep = min(1.0, max(0.0, 2 * rest_tp / rest - 1))
         mem.tp_keep = min(1.0, max(0.0, 2 * per_block / blk - 1))
     return mem
 

@@ -40,7 +40,7 @@ import math
 from dataclasses import dataclass, field
 
 from spmdgt.train._comm_cost import CommunicationProfiler
-from spmdgt.train._plan._calibrate import MemoryModel, tp_share
+from spmdgt.train._plan._calibrate import MemoryModel, rest_share, tp_share
 from spmdgt.train._plan._device import DeviceSpec, Link
 from spmdgt.train._plan._fsdp_peaks import FsdpPeak
 from spmdgt.train._plan._model import ModelFacts
@@ -179,6 +179,9 @@ def _walk(
     # checkpointing each finished block's backward leaves tensors alive to the backward's end)
     finished = max(0, peak.blocks - 1 - peak.block)
     rest = (peak.rows - kept * saved - finished * peak.left) * scale
+    share = rest_share(mem, t)  # the loss's bytes: split under loss_parallel, else whole
+    if t > 1 and not c.ac:
+        rest *= share
     if c.ac and t > 1:
         # a checkpointed step peaks at its largest transient: a recomputed block (TP splits
         # it) or, where the calibration's peak came before any gradient was reduced and the
@@ -188,7 +191,7 @@ def _walk(
         outside = mem.rest[(False, c.amp)]
         at_loss = peak.block == peak.blocks - 1 and outside > mem.block[(False, c.amp)]
         whole = min(rest, outside * c.micro_batch / mem.rows) if at_loss else 0.0
-        rest = whole + (rest - whole) * (mem.tp_keep + (1 - mem.tp_keep) / t)
+        rest = whole * share + (rest - whole) * (mem.tp_keep + (1 - mem.tp_keep) / t)
     gather = peak.gather * block * half / 4  # a block's all-gather buffer, in every block
     scatter = peak.scatter * block  # a reduce-scatter under way, in all blocks but the first
     # the block's new gradients, beside those held (under accumulation too: FSDP2 adds them

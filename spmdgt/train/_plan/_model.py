@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from spmdgt.config import ConfigError
 from spmdgt.train._throughput import FlopModel, flop_model
-from spmdgt.train._tp_plan import derive_placements
+from spmdgt.train._tp_plan import LOSS_PARALLEL, derive_placements
 from spmdgt.train._units import find_blocks, fsdp_blocks
 
 __all__ = ["ModelFacts", "meta_copy", "read_model"]
@@ -31,6 +31,7 @@ SPLIT_STYLES = (
     "colwise_gather",
     "rowwise_split",
     "experts",
+    LOSS_PARALLEL,
 )
 _HEADS = ("n_heads", "num_attention_heads", "n_head", "num_heads")
 _KV_HEADS = ("n_kv_heads", "num_key_value_heads")
@@ -116,6 +117,9 @@ class ModelFacts:
     """Share of the model's ``6N`` multiplying parameters that TP splits."""
     ops_forward: int = 0
     """aten ops one forward issues (counted on meta tensors)."""
+    loss_parallel: bool = False
+    """``placements: auto`` splits the output layer over the vocabulary (``loss_parallel``):
+    the loss's logits and temporaries are split too."""
 
     def tp_degrees(self, limit: int) -> list[int]:
         """Tensor-parallel sizes up to ``limit`` this model can be split over (1 always)."""
@@ -179,9 +183,9 @@ def _ops_forward(model: nn.Module, inputs: object, blocks: int) -> int:
     return count_forward_ops(model, inputs)
 
 
-def _tp_facts(model: nn.Module) -> dict:
+def _tp_facts(model: nn.Module, loss_parallel: bool) -> dict:
     try:
-        table, where = derive_placements(model)
+        table, where = derive_placements(model, loss_parallel=loss_parallel)
     except ConfigError as e:
         return {"tp_table": None, "tp_why": str(e).splitlines()[0]}
     split, row_b, col_b, row_n, col_n, shin = set(), 0, 0, 0, 0, 0
@@ -196,7 +200,8 @@ def _tp_facts(model: nn.Module) -> dict:
                 row_b, row_n = row_b + 4 * out, row_n + 1
                 dims.add(inp) if inp else None
             elif out:
-                dims.add(out)
+                if style != LOSS_PARALLEL:  # a vocabulary that does not divide stays whole
+                    dims.add(out)
                 if isinstance(mod, nn.Linear):
                     col_b, col_n = col_b + 4 * mod.in_features, col_n + 1
         elif style == "sharded_input":
@@ -215,19 +220,22 @@ def _tp_facts(model: nn.Module) -> dict:
         "tp_row_calls": row_n,
         "tp_col_calls": col_n,
         "tp_sharded_input": shin,
+        "loss_parallel": LOSS_PARALLEL in table.values(),
         "split_dims": sorted(dims),
         "_split": split,
     }
 
 
-def read_model(model: nn.Module, inputs: object) -> ModelFacts:
+def read_model(model: nn.Module, inputs: object, *, loss_parallel: bool = False) -> ModelFacts:
     """The facts of ``model`` (any device: read from its meta copy) for one micro-batch's
-    ``inputs`` (what the model's forward takes)."""
+    ``inputs`` (what the model's forward takes). ``loss_parallel``: the loss is the model's
+    own token cross-entropy, so ``placements: auto`` splits its output layer
+    (``LossRule.splits_logits``)."""
     m = meta_copy(model)
     params = list(dict.fromkeys(m.parameters()))
     blocks = fsdp_blocks(m)
     inside = {id(p) for b in blocks for p in b.parameters()}
-    tp = _tp_facts(m)
+    tp = _tp_facts(m, loss_parallel)
     split = tp.pop("_split", set())
     fm = flop_model(m)
     share = 0.0
