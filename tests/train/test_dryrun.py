@@ -40,9 +40,11 @@ MICRO_BATCH = 4
 STEPS = 3  # the last is compared: DDP rebuilds its buckets (two broadcasts) in the second
 
 
-def _config(strategy: str, accum: int) -> TrainConfig:
+def _config(strategy: str, accum: int, name: str = "") -> TrainConfig:
     training = TrainingConfig(gradient_accumulation_steps=accum, max_grad_norm=1.0)
     placements = _example_plan() if strategy == "placements" else {}
+    if strategy == "placements" and name == "hf":
+        placements = "auto"  # Llama's plan, its LM head split for the loss (loss_parallel)
     ddp = DDPConfig(bucket_cap_mb=0.04)  # 40 KiB: the example's 137 KiB of gradients in 3 buckets
     return TrainConfig(
         strategy=strategy, log_every=100, training=training, placements=placements, ddp=ddp
@@ -124,7 +126,9 @@ def _real(rank: int, world: int, strategy: str, accum: int, name: str) -> dict:
 
     model, loss_fn = _model(name)
     optimizer = make_optimizer(model)
-    trainer = DistributedTrainer(model, optimizer, loss_fn=loss_fn, config=_config(strategy, accum))
+    trainer = DistributedTrainer(
+        model, optimizer, loss_fn=loss_fn, config=_config(strategy, accum, name)
+    )
 
     class PerStep(CollectiveCounter):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -185,12 +189,14 @@ def _builder(name: str):
         # HF's label-token count: one world all-reduce per step (before: 10 predicted, 11 real)
         ("fsdp", 2, 1, "hf"),
         ("ddp", 3, 2, "hf"),
+        # TP with the LM head split: loss_parallel's all-reduces and the split logits
+        ("placements", 2, 2, "hf"),
     ],
 )
 def test_dry_run_equals_a_real_run(strategy, world, accum, name, tmp_path):
     real = run_ranks(_real, world, tmp_path, strategy, accum, name)
     loss_fn = _model(name)[1]
-    report = dry_run(_builder(name), world, _config(strategy, accum), loss_fn=loss_fn)
+    report = dry_run(_builder(name), world, _config(strategy, accum, name), loss_fn=loss_fn)
     assert report.params == [r["params"] for r in real]
     assert report.grads == [r["grads"] for r in real]
     assert report.optimizer == [r["optimizer"] for r in real]
