@@ -229,6 +229,20 @@ def test_a_links_latency_grows_with_its_group_and_the_pricing_uses_it():
     assert steps["fixed"][(2, 2)] > steps["fixed"][(1, 4)]
 
 
+def test_loss_parallel_splits_the_bytes_outside_the_blocks_by_the_degree():
+    """Under ``loss_parallel`` a rank holds the TP-2 share of the loss's bytes measured by the
+    calibration, halved at each doubling of the degree; without it (``None``) all of them."""
+    from spmdgt.train._plan._calibrate import rest_share
+
+    mem = _memory()
+    assert [rest_share(mem, t) for t in (1, 2, 8)] == [1.0, 1.0, 1.0]
+    mem.rest_tp2 = 0.6
+    assert [rest_share(mem, t) for t in (1, 2, 4, 8)] == pytest.approx([1.0, 0.6, 0.3, 0.15])
+    whole = mem.dynamic(4, False, False, 8, 1)
+    assert mem.dynamic(4, False, False, 8, 4) == pytest.approx(1e6 * 0.3 + 8 * 5e5 * 0.625)
+    assert mem.dynamic(4, False, False, 8, 4) < whole
+
+
 def test_tp_splits_a_blocks_activations_but_not_a_checkpointed_blocks_input():
     """Without checkpointing TP splits the share of a block's bytes it does not keep whole
     (``tp_keep``); with it a block saves its input alone, whole on every TP rank."""

@@ -89,10 +89,10 @@ class MemoryModel:
     """Dynamic bytes per block, by (activation checkpointing, AMP)."""
     tp_keep: float = 1.0
     """Share of a block's dynamic bytes that tensor parallelism leaves whole on every rank."""
-    rest_keep: float = 1.0
-    """Share of the bytes outside the blocks that tensor parallelism leaves whole (1: the
-    loss's logits whole on every rank; less under ``loss_parallel``, fitted from two TP runs
-    at 1 and 2 blocks)."""
+    rest_tp2: float | None = None
+    """The bytes outside the blocks a rank holds at TP 2 over world 1's (``rest_share``),
+    under ``loss_parallel`` (from two TP runs at 1 and 2 blocks); ``None``: the loss's
+    logits whole on every rank, nothing outside the blocks split."""
     fsdp: dict[bool, FsdpPeak] = field(default_factory=dict)
     """FSDP's peak by activation checkpointing (empty, or without ``True``, where FSDP, or
     FSDP with checkpointing, was not calibrated)."""
@@ -132,8 +132,13 @@ class MemoryModel:
 def rest_share(mem: MemoryModel, tp: int) -> float:
     """The share of the bytes outside the blocks a rank holds under TP of degree ``tp``: all
     of them unless the output layer is split for the loss (``loss_parallel``), whose logits,
-    log-probabilities and their gradients are then ``1/tp`` of a row's."""
-    return 1.0 if tp == 1 else mem.rest_keep + (1 - mem.rest_keep) / tp
+    log-probabilities and their gradients are then ``1/tp`` of a row's: the share measured
+    at TP 2 (``rest_tp2``), halved again each time the degree doubles. (A line through the
+    world-1 run and TP 2 read TP 4 20-30% over its dry runs: world 1 computes the loss
+    unsplit, by other temporaries than ``loss_parallel``'s.)"""
+    if tp == 1 or mem.rest_tp2 is None:
+        return 1.0
+    return min(1.0, mem.rest_tp2 * 2 / tp)
 
 
 def tp_share(mem: MemoryModel, ac: bool, tp: int) -> float:
@@ -510,7 +515,7 @@ def _fit(
         if "tp1" in got:  # loss_parallel: the bytes outside the blocks split too
             rest_tp, per_block = _line(got["tp"].dynamic, got["tp1"].dynamic)
             if rest:
-                mem.rest_keep = min(1.0, max(0.0, 2 * rest_tp / rest - 1))
+                mem.rest_tp2 = min(1.0, max(0.0, rest_tp / rest))
         mem.tp_keep = min(1.0, max(0.0, 2 * per_block / blk - 1))
     return mem
 
