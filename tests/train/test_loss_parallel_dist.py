@@ -22,7 +22,7 @@ from spmdgt.train import TrainConfig, derive_placements, dry_run
 from spmdgt.train._loss import LossRule
 from spmdgt.train._tp_plan import LOSS_PARALLEL, resolve_placements
 from tests._dist import run_ranks
-from tests._hf import tiny_hf
+from tests._hf import plain_sgd, tiny_hf
 
 STEPS, ACCUM, ROWS, SEQ, LR = 3, 2, 6, 8, 0.2
 
@@ -42,16 +42,7 @@ def _batches() -> list[dict]:
 
 def _reference() -> tuple[list[float], dict[str, torch.Tensor]]:
     """One plain HF process on each global batch: its loss is the global token mean."""
-    model = tiny_hf("llama")
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for batch in _batches():
-        loss = model(**batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return plain_sgd(tiny_hf("llama"), _batches(), LR)
 
 
 def _train(rank: int, world: int) -> dict:
