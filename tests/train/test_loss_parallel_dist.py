@@ -141,3 +141,17 @@ def test_the_dry_run_holds_half_the_logits(vocab):
     kept = dry_run(build, 2, TrainConfig(strategy="placements", placements=whole))
     logits = 8 * 32 * vocab * 4
     assert split.peak < kept.peak - logits / 3, (split.peak, kept.peak, logits)
+
+
+def test_the_plan_says_the_head_is_split():
+    from spmdgt.train._plan import _space, device_spec
+    from spmdgt.train._plan._model import read_model
+
+    llama = tiny_hf("llama")
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    facts = read_model(llama, {"input_ids": ids, "labels": ids}, loss_parallel=True)
+    assert facts.loss_parallel and facts.tp_table["lm_head"] == LOSS_PARALLEL
+    _, notes = _space(facts, device_spec("h100"), 2, 4, None, (False,), (False,), ("fsdp",))
+    assert any("LM head split over the vocabulary (loss_parallel)" in n for n in notes)
+    # the head's weight is split with the layers': TP's bytes count its 128 x 64 floats
+    assert facts.tp_bytes - read_model(llama, {"input_ids": ids}).tp_bytes == 128 * 64 * 4

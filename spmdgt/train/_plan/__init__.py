@@ -171,6 +171,11 @@ def _space(
     )
     if facts.tp_table is None:
         notes.append(f"no tensor parallelism: {facts.tp_why}")
+    elif facts.loss_parallel:
+        notes.append(
+            "tensor parallelism: the LM head split over the vocabulary (loss_parallel), the "
+            "residual stream whole on every rank (no sequence parallelism)"
+        )
     notes.append("activation checkpointing: none or per block (the trainer has no selective mode)")
     return cands, notes
 

@@ -514,8 +514,10 @@ def _fit(
         rest_tp, per_block = rest, (got["tp"].dynamic - rest) / 2
         if "tp1" in got:  # loss_parallel: the bytes outside the blocks split too
             rest_tp, per_block = _line(got["tp"].dynamic, got["tp1"].dynamic)
-            if rest:
-                mem.rest_tp2 = min(1.0, max(0.0, rest_tp / rest))
+            ratio = rest_tp / rest if rest else 1.0
+            # none of it split at TP 2 (the loss's temporaries a small share): whole at any
+            # degree, the safe side
+            mem.rest_tp2 = max(0.0, ratio) if ratio < 1 else None
         mem.tp_keep = min(1.0, max(0.0, 2 * per_block / blk - 1))
     return mem
 
