@@ -200,7 +200,7 @@ def _tp_facts(model: nn.Module, loss_parallel: bool) -> dict:
                 row_b, row_n = row_b + 4 * out, row_n + 1
                 dims.add(inp) if inp else None
             elif out:
-                if style != LOSS_PARALLEL:  # a vocabulary that does not divide stays whole
+                if style != LOSS_PARALLEL:  # no limit on tp: such a head stays whole (priced split)
                     dims.add(out)
                 if isinstance(mod, nn.Linear):
                     col_b, col_n = col_b + 4 * mod.in_features, col_n + 1
