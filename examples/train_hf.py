@@ -109,6 +109,7 @@ def _train_config(args: argparse.Namespace):
         tp=args.tp,
         dp_shard=args.dp_shard,
         dp_replicate=args.dp_replicate,
+        sequence_parallel=args.sequence_parallel,
         max_grad_norm=args.max_grad_norm,
         use_amp=args.amp or None,
         compile=args.compile or None,
@@ -201,7 +202,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", choices=MODELS, default="qwen3", help="transformers family")
     p.add_argument("--config", help="training YAML; None: train_hf.yaml beside this script")
     p.add_argument("--strategy", choices=["ddp", "fsdp", "placements"], help="None: the config's")
-    add_parallelism_args(p)  # --tp, --dp-shard, --dp-replicate
+    add_parallelism_args(p)  # --tp, --dp-shard, --dp-replicate, --sequence-parallel
     p.add_argument("--tie", action="store_true", help="tie input embedding and LM head")
     p.add_argument("--dim", type=int, default=64, help="hidden size")
     p.add_argument("--layers", type=int, default=2, help="decoder layers")

@@ -281,6 +281,7 @@ def _train_config(args: argparse.Namespace):
         tp=args.tp,
         dp_shard=args.dp_shard,
         dp_replicate=args.dp_replicate,
+        sequence_parallel=args.sequence_parallel,
         compile=args.compile or None,  # a flag given wins; absent, the config's value stays
         compile_backend=args.compile_backend,
         activation_checkpointing=args.activation_checkpointing or None,
@@ -436,7 +437,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="None: the config's strategy, else ddp; placements without --config takes the "
         "plan of train_transformer.yaml beside this script",
     )
-    add_parallelism_args(p)  # --tp, --dp-shard, --dp-replicate
+    add_parallelism_args(p)  # --tp, --dp-shard, --dp-replicate, --sequence-parallel
     p.add_argument("--text", help="train on the bytes of this file; None: synthetic tokens")
     p.add_argument("--dim", type=int, default=128, help="model width")
     p.add_argument("--layers", type=int, default=2, help="decoder blocks")

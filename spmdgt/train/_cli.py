@@ -15,9 +15,10 @@ __all__ = ["add_dry_run_args", "add_parallelism_args"]
 
 
 def add_parallelism_args(parser: argparse.ArgumentParser) -> None:
-    """Add ``--tp``, ``--dp-shard`` and ``--dp-replicate`` (all default ``None``: the config's
-    value) to ``parser``; pass them on as ``override(cfg, tp=args.tp, dp_shard=args.dp_shard,
-    dp_replicate=args.dp_replicate)``."""
+    """Add ``--tp``, ``--dp-shard``, ``--dp-replicate`` and ``--sequence-parallel`` (all
+    default ``None``: the config's value) to ``parser``; pass them on as ``override(cfg,
+    tp=args.tp, dp_shard=args.dp_shard, dp_replicate=args.dp_replicate,
+    sequence_parallel=args.sequence_parallel)``."""
     parser.add_argument(
         "--tp",
         type=int,
@@ -37,6 +38,15 @@ def add_parallelism_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="HSDP's replicate dim (parallelism.dp_replicate); None: the config's, else 1",
+    )
+    parser.add_argument(
+        "--sequence-parallel",
+        action="store_const",
+        const=True,
+        default=None,
+        help="split the residual stream between the tensor-parallel layers over the sequence "
+        "(parallelism.sequence_parallel, with placements: auto): the same numbers, 1/tp of "
+        "the stream's bytes",
     )
 
 

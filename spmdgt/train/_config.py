@@ -15,7 +15,8 @@ YAML (every section optional; unknown keys are errors naming file and key)::
       scheduler: {type: linear_warmup, warmup_steps: 100, total_steps: 1000}
     placements:        # module-name glob -> colwise | rowwise | replicate | sharded_input |
       "layers.*.mlp.up": colwise   # colwise_gather | rowwise_split | packed_colwise | experts |
-                                   # loss_parallel (an LM head split over the vocabulary);
+                                   # loss_parallel (an LM head split over the vocabulary) |
+                                   # sequence styles (_tp_sequence);
       "layers.*.mlp.down": rowwise # or `placements: auto` (derived from the model)
     checkpoint: {dir: ckpt, every_steps: 50}
     profile: false
@@ -25,6 +26,7 @@ YAML (every section optional; unknown keys are errors naming file and key)::
     compile_backend: inductor      # any torch.compile backend name (aot_eager: no codegen)
     activation_checkpointing: false  # recompute each block's activations in backward
     parallelism: {dp_replicate: 1, dp_shard: -1, tp: 1}  # 2-D/3-D mesh (torchtitan's names)
+                                   # sequence_parallel: true (with placements: auto)
 
 Load with ``load_train_config(path)``; pass the result as ``DistributedTrainer(config=...)``.
 The config is the one place for these settings: the trainer's keyword arguments of the same
@@ -62,6 +64,11 @@ PLACEMENT_STYLES = (
     "packed_colwise",
     "experts",
     "loss_parallel",
+    "sequence_split",
+    "sequence_parallel",
+    "sequence_gather",
+    "rowwise_scatter",
+    "sequence_parallel_gather",
 )
 
 
@@ -218,6 +225,11 @@ class ParallelismConfig:
     """FSDP's shard dim (-1: the rest of the world)."""
     tp: int = 1
     """Tensor-parallel ranks: the ``placements`` table is applied within this dim."""
+    sequence_parallel: bool = False
+    """``placements: auto`` also splits the residual stream between the tensor-parallel
+    layers over the sequence (``_tp_sequence``: norms on each rank's tokens, the sub-blocks'
+    inputs all-gathered and outputs reduce-scattered): the same numbers, the stream's and
+    checkpointed blocks' bytes over ``tp``. A hand table names those rows itself."""
 
     def __post_init__(self) -> None:
         for key in ("dp_replicate", "dp_shard", "tp"):
@@ -228,6 +240,7 @@ class ParallelismConfig:
                     key=f"parallelism.{key}",
                     value=value,
                 )
+        _bool(self.sequence_parallel, "parallelism.sequence_parallel")
         rest = [k for k in ("dp_replicate", "dp_shard", "tp") if getattr(self, k) == -1]
         if len(rest) > 1:
             raise ConfigError(
@@ -365,6 +378,14 @@ class TrainConfig:
                 key="parallelism.tp",
                 value=self.parallelism.tp,
             )
+        if self.parallelism.sequence_parallel and self.placements != "auto":
+            raise ConfigError(
+                "sequence_parallel derives its rows for 'placements: auto'; a hand table names "
+                "them itself (sequence_split, sequence_parallel, sequence_gather, "
+                "rowwise_scatter, sequence_parallel_gather)",
+                key="parallelism.sequence_parallel",
+                value=True,
+            )
         if self.strategy == "placements" and not self.placements:
             raise ConfigError(
                 "strategy 'placements' needs a non-empty 'placements' table "
@@ -399,6 +420,7 @@ _SECTION_OF = {
     "dp_replicate": "parallelism",
     "dp_shard": "parallelism",
     "tp": "parallelism",
+    "sequence_parallel": "parallelism",
 }
 
 

@@ -212,7 +212,11 @@ def wrap_model(
     if layout.tensor_parallel:
         assert config.placements, "TrainConfig requires a placements table for tensor parallelism"
         placements = resolve_placements(
-            model, config.placements, tp=layout.tp, loss_parallel=loss_parallel
+            model,
+            config.placements,
+            tp=layout.tp,
+            loss_parallel=loss_parallel,
+            sequence_parallel=config.parallelism.sequence_parallel,
         )
         wrapped.placements = placements
         wrapped.loss_parallel = layout.tp_mesh is not None and has_loss_parallel(placements)

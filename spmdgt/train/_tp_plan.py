@@ -112,11 +112,13 @@ def _reads_global_heads(module: nn.Module) -> str | None:
 
 
 def derive_placements(
-    model: nn.Module, *, loss_parallel: bool = False
+    model: nn.Module, *, loss_parallel: bool = False, sequence_parallel: bool = False
 ) -> tuple[dict[str, str], str]:
     """The table for ``placements: auto`` and where it came from (for the log line).
     ``loss_parallel``: the loss is HF's own token cross-entropy of the output layer's logits
-    (the trainer's rule), so that layer may be split over the vocabulary (``loss_head``)."""
+    (the trainer's rule), so that layer may be split over the vocabulary (``loss_head``).
+    ``sequence_parallel``: the residual stream split over the sequence too (``_tp_sequence``;
+    a ``ConfigError`` saying why when the model's blocks do not allow it)."""
     plan, _ = _hf_plan(model)
     table = _from_hf_plan(model, plan) if plan else _from_tree(model)
     where = (
@@ -136,6 +138,10 @@ def derive_placements(
     head = loss_head(model) if loss_parallel and plan else None
     if head is not None and _style_of(head, table) is None:
         table[head] = LOSS_PARALLEL
+    if sequence_parallel:
+        from spmdgt.train._tp_sequence import with_sequence_parallel
+
+        table = with_sequence_parallel(model, table)
     return table, where
 
 
@@ -163,15 +169,19 @@ def resolve_placements(
     *,
     tp: int = 1,
     loss_parallel: bool = False,
+    sequence_parallel: bool = False,
 ) -> dict[str, str]:
     """``placements`` as a table: ``"auto"`` derived (``derive_placements``, the output
-    layer split when ``loss_parallel`` and its vocabulary divides over ``tp`` ranks) and
-    printed on rank 0 as YAML to keep; a table as given."""
+    layer split when ``loss_parallel`` and its vocabulary divides over ``tp`` ranks, the
+    residual stream over the sequence when ``sequence_parallel``) and printed on rank 0 as
+    YAML to keep; a table as given."""
     if placements != "auto":
         return dict(placements)
     from spmdgt import runtime
 
-    table, where = derive_placements(model, loss_parallel=loss_parallel)
+    table, where = derive_placements(
+        model, loss_parallel=loss_parallel, sequence_parallel=sequence_parallel
+    )
     note = ""
     head = next((p for p, s in table.items() if s == LOSS_PARALLEL), None)
     if head is not None:

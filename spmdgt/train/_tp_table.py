@@ -54,12 +54,15 @@ def _style(module: nn.Module, name: str, pattern: str, style: str, world_size: i
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+    from spmdgt.train._tp_sequence import SEQUENCE_STYLES, sequence_style
     from spmdgt.train._tp_styles import ExpertsParallel, PackedColwise
 
+    if style in SEQUENCE_STYLES and style != "rowwise_scatter":
+        return sequence_style(style)  # any module: its hidden states' layout
     if style == "experts":
         _check_experts(module, name, pattern, world_size)
         return ExpertsParallel()
-    linear_only = style in ("packed_colwise", "rowwise_split", LOSS_PARALLEL)
+    linear_only = style in ("packed_colwise", "rowwise_split", "rowwise_scatter", LOSS_PARALLEL)
     kinds = (nn.Linear,) if linear_only else (nn.Linear, nn.Embedding)
     if not isinstance(module, kinds):
         raise ConfigError(
@@ -77,6 +80,8 @@ def _style(module: nn.Module, name: str, pattern: str, style: str, world_size: i
         return ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
     if style == "packed_colwise":
         return PackedColwise(parts=2)
+    if style == "rowwise_scatter":
+        return sequence_style(style)
     # rowwise: an embedding's token ids are whole on every rank (vocab-parallel lookup);
     # rowwise_split: a whole input, each rank takes its slice
     whole = style == "rowwise_split" or isinstance(module, nn.Embedding)
@@ -160,6 +165,7 @@ _SHARDED_DIM = {
     (False, "packed_colwise"): ("out_features", 2),
     (False, "rowwise"): ("in_features", 1),
     (False, "rowwise_split"): ("in_features", 1),
+    (False, "rowwise_scatter"): ("in_features", 1),
 }
 
 

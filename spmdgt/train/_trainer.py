@@ -255,8 +255,11 @@ class DistributedTrainer(TrainLoop, CheckpointMixin):
             )
         self._rebind_optimizer(old_params, list(model.parameters()))
         if wrapped.placements is not None and cfg.placements == "auto":
-            # the derived table from here on (the same on every rank: read from the model)
-            self.config = override(self.config, placements=wrapped.placements)
+            # the derived table from here on (the same on every rank: read from the model);
+            # its sequence-parallel rows, if any, are in it now
+            self.config = override(
+                self.config, placements=wrapped.placements, sequence_parallel=False
+            )
         return wrapped
 
     def _build_layout(self) -> Layout:

@@ -27,6 +27,8 @@ HSDP = ["--strategy", "fsdp", "--dp-replicate", "2", "--dp-shard", "2", "--globa
 CASES = {
     "qwen3": [*SMALL, *MESH2D, "--model", "qwen3"],
     "llama": [*SMALL, *MESH2D, "--model", "llama"],
+    # the residual stream split over the sequence inside each tp pair, FSDP across
+    "llama-sp": [*SMALL, *MESH2D, "--model", "llama", "--sequence-parallel"],
     "qwen3-hsdp": [*SMALL, *HSDP, "--model", "qwen3"],  # 2 x 2 data ranks, 3 rows each
 }
 

@@ -1,0 +1,185 @@
+"""Sequence parallelism: ``placements: auto`` with ``parallelism.sequence_parallel`` splits the
+residual stream between the tensor-parallel layers over the sequence, and the numbers are one
+process's.
+
+Tiny HF decoders, 3 steps of 2 micro-steps with ``-100`` labels spread unevenly, a sequence
+of 9 tokens (5 + 4 on 2 ranks, 3 + 3 + 3 on 3: uneven and even splits), clipping on;
+losses and final weights within 1e-5 of one plain HF process on the global batch. Llama
+with its head split for the loss (``loss_parallel``), Gemma3 with its tied head whole and
+four norms a block, Qwen3 with its per-head norms inside the split attention, and Llama
+under activation checkpointing (each block saves its split input). What it refuses, and why.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed.tensor.parallel  # imported before fork: children inherit it
+
+from spmdgt.config import ConfigError
+from spmdgt.train import TrainConfig, derive_placements, dry_run
+from spmdgt.train._config import ParallelismConfig
+from tests._dist import run_ranks
+from tests._hf import tiny_hf
+
+STEPS, ACCUM, ROWS, SEQ, LR, CLIP = 3, 2, 6, 9, 0.2, 0.5
+
+
+def _batches() -> list[dict]:
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for step in range(STEPS):
+        ids = torch.randint(3, 128, (ROWS, SEQ), generator=g)
+        labels = ids.clone()
+        labels[step % ROWS, 2:] = -100
+        labels[(step + 3) % ROWS, :4] = -100
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+def _reference(family: str, sizes: dict) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One plain HF process, SGD with the gradient norm clipped as the trainer does."""
+    model = tiny_hf(family, **sizes)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for batch in _batches():
+        loss = model(**batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _train(rank: int, world: int, family: str, sizes: dict, ac: bool) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    from spmdgt.train import DistributedTrainer, OptimizedDataLoader, TrainingConfig
+
+    torch.set_num_threads(1)
+    model = tiny_hf(family, **sizes)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    cfg = TrainConfig(
+        strategy="placements",
+        placements="auto",
+        activation_checkpointing=ac,
+        parallelism=ParallelismConfig(sequence_parallel=True),
+        training=TrainingConfig(gradient_accumulation_steps=ACCUM, max_grad_norm=CLIP),
+    )
+    trainer = DistributedTrainer(model, opt, config=cfg, log_every=2)
+    seen = []  # the local stream each block's first norm reads
+    layer = trainer.model.model.layers[1]
+    layer.input_layernorm.register_forward_hook(
+        lambda m, args, out: seen.append((type(args[0]).__name__, tuple(args[0].to_local().shape)))
+    )
+    rows = [{k: v[i] for k, v in b.items()} for b in _batches() for i in range(ROWS)]
+    loader = OptimizedDataLoader.create(rows, ROWS // ACCUM, shuffle=False)
+    losses = trainer.train(loader, epochs=1)["losses"]
+    weights = {  # named as in the plain model (activation checkpointing wraps each block)
+        n.replace("._checkpoint_wrapped_module", ""): (
+            p.full_tensor() if isinstance(p, DTensor) else p
+        )
+        .detach()
+        .clone()
+        for n, p in trainer.model.named_parameters()
+    }
+    return {"losses": losses, "weights": weights, "table": trainer.config.placements, "seen": seen}
+
+
+CASES = {
+    "llama": ("llama", {}, False, 2),
+    "llama-3-ranks": ("llama", {"hidden_size": 48, "num_attention_heads": 6,
+                                "num_key_value_heads": 3, "intermediate_size": 96,
+                                "vocab_size": 129}, False, 3),
+    "gemma3": ("gemma3", {}, False, 2),
+    "qwen3": ("qwen3", {}, False, 2),
+    "llama-ac": ("llama", {}, True, 2),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_stream_is_split_and_the_numbers_are_one_process(case, tmp_path):
+    family, sizes, ac, world = CASES[case]
+    want_losses, want_weights = _reference(family, sizes)
+    results = run_ranks(_train, world, tmp_path, family, sizes, ac, timeout=300)
+    tokens = [len(c) for c in torch.arange(SEQ).tensor_split(world)]
+    for rank, r in enumerate(results):
+        table = r["table"]
+        assert table[next(p for p in table if p.endswith("layers.0"))] == "sequence_split"
+        # the norm reads this rank's tokens alone: 9 split 5 + 4 or 3 + 3 + 3
+        assert set(r["seen"]) == {("DTensor", (ROWS // ACCUM, tokens[rank], sizes.get(
+            "hidden_size", 64)))}, (rank, r["seen"][:2])  # fmt: skip
+        torch.testing.assert_close(
+            torch.tensor(r["losses"]), torch.tensor(want_losses), atol=1e-5, rtol=0
+        )
+        for n, w in r["weights"].items():
+            torch.testing.assert_close(w, want_weights[n], atol=1e-5, rtol=0, msg=f"{n} r{rank}")
+    start = dict(tiny_hf(family, **sizes).named_parameters())
+    moved = max((want_weights[n] - p).abs().max().item() for n, p in start.items())
+    assert moved > 1e-3
+
+
+def test_the_rows_it_derives():
+    llama = tiny_hf("llama")
+    table, _ = derive_placements(llama, loss_parallel=True, sequence_parallel=True)
+    assert table["model.layers.0"] == "sequence_split"
+    for name in ("self_attn", "mlp"):
+        assert table[f"model.layers.*.{name}"] == "sequence_gather"
+    for name in ("input_layernorm", "post_attention_layernorm"):
+        assert table[f"model.layers.*.{name}"] == "sequence_parallel"
+    assert table["model.layers.*.self_attn.o_proj"] == "rowwise_scatter"
+    assert table["model.layers.*.mlp.down_proj"] == "rowwise_scatter"
+    assert table["model.norm"] == "sequence_parallel_gather"
+    assert "rowwise" not in table.values()
+    # without the flag the table is plain tensor parallelism's
+    assert "sequence_split" not in derive_placements(llama)[0].values()
+    gemma = derive_placements(tiny_hf("gemma3"), sequence_parallel=True)[0]
+    norms = [p for p, s in gemma.items() if s == "sequence_parallel"]
+    assert len(norms) == 4, norms  # Gemma3's pre and post norms around both sub-blocks
+
+
+@pytest.mark.parametrize(
+    "family, why",
+    [
+        ("mixtral", "holds experts layers"),  # a router reads the stream inside the MoE block
+        ("olmo2", "holds colwise_gather layers"),  # q/k norms over all heads: gathered heads
+    ],
+)
+def test_what_it_refuses_and_why(family, why):
+    with pytest.raises(ConfigError, match=why) as err:
+        derive_placements(tiny_hf(family), sequence_parallel=True)
+    assert err.value.key == "parallelism.sequence_parallel"
+    assert "turn sequence_parallel off" in str(err.value)
+
+
+def test_a_hand_table_names_its_rows_itself():
+    with pytest.raises(ConfigError, match="a hand table names them itself"):
+        TrainConfig(
+            strategy="placements",
+            placements={"layers.*.up": "colwise"},
+            parallelism=ParallelismConfig(sequence_parallel=True),
+        )
+
+
+def test_the_dry_run_holds_the_checkpointed_stream_split():
+    """TP 2 under activation checkpointing, a long sequence: each block saves its input, the
+    residual stream, whole on every rank without sequence parallelism and half with it."""
+
+    def build():
+        model = tiny_hf("llama", num_hidden_layers=4)
+        ids = torch.randint(3, 128, (8, 64))
+        return model, torch.optim.SGD(model.parameters(), lr=0.1), {"input_ids": ids, "labels": ids}
+
+    def run(sp: bool):
+        cfg = TrainConfig(
+            strategy="placements",
+            placements="auto",
+            activation_checkpointing=True,
+            parallelism=ParallelismConfig(sequence_parallel=sp),
+        )
+        return dry_run(build, 2, cfg)
+
+    split, whole = run(True), run(False)
+    saved = 4 * 8 * 64 * 64 * 4  # 4 blocks' inputs, 8 x 64 tokens x 64 floats
+    assert split.peak < whole.peak - saved / 3, (split.peak, whole.peak, saved)
