@@ -183,3 +183,29 @@ def test_the_dry_run_holds_the_checkpointed_stream_split():
     split, whole = run(True), run(False)
     saved = 4 * 8 * 64 * 64 * 4  # 4 blocks' inputs, 8 x 64 tokens x 64 floats
     assert split.peak < whole.peak - saved / 3, (split.peak, whole.peak, saved)
+
+
+def _example_losses(rank: int, world: int, argv: list[str]) -> list[float]:
+    from tests.train.test_plan import _example
+
+    torch.set_num_threads(1)
+    ex = _example()
+    return ex.run_trainer(ex.parse_args(argv))["losses"]
+
+
+def test_a_model_of_its_own_trains_split_as_one_process(tmp_path):
+    """Not only HF: the example's decoder (its table from the module tree: ``attn_norm``,
+    ``attn`` with per-head ``q_norm``/``k_norm``, ``mlp_norm``, ``mlp``, a final ``norm``)
+    under ``placements: auto`` with the stream split, 2 ranks against one process."""
+    from tests.train.test_plan import TINY, _example
+
+    path = tmp_path / "sp.yaml"
+    path.write_text(
+        "strategy: placements\nplacements: auto\nparallelism: {sequence_parallel: true}\n"
+    )
+    argv = [*TINY, "--steps", "3", "--workers", "0", "--lr", "0.05", "--batch-size", "4"]
+    got = run_ranks(_example_losses, 2, tmp_path, [*argv, "--config", str(path)])
+    ex = _example()
+    ref = ex.run_trainer(ex.parse_args([*argv, "--strategy", "ddp"]))["losses"]
+    assert got[0] == got[1] and len(ref) == 3
+    assert got[0] == pytest.approx(ref, rel=1e-5)

@@ -168,14 +168,19 @@ def _space(
         ac=ac,
         amp=tuple(amp),
         strategies=tuple(strategies),
+        sequence_parallel=facts.sequence_parallel,
     )
     if facts.tp_table is None:
         notes.append(f"no tensor parallelism: {facts.tp_why}")
-    elif facts.loss_parallel:
-        notes.append(
-            "tensor parallelism: the LM head split over the vocabulary (loss_parallel), the "
-            "residual stream whole on every rank (no sequence parallelism)"
+    else:
+        head = "the LM head split over the vocabulary (loss_parallel), " * facts.loss_parallel
+        stream = (
+            "the residual stream split over the sequence (sequence_parallel)"
+            if facts.sequence_parallel
+            else "the residual stream whole on every rank (no sequence parallelism: "
+            f"{facts.sp_why})"
         )
+        notes.append(f"tensor parallelism: {head}{stream}")
     notes.append("activation checkpointing: none or per block (the trainer has no selective mode)")
     return cands, notes
 

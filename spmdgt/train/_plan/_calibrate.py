@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spmdgt.train._config import TrainConfig, TrainingConfig
+from spmdgt.train._config import ParallelismConfig, TrainConfig, TrainingConfig
 from spmdgt.train._dryrun import DryRunError, DryRunReport, dry_run
 from spmdgt.train._plan._fsdp_peaks import (
     FsdpPeak,
@@ -89,6 +89,9 @@ class MemoryModel:
     """Dynamic bytes per block, by (activation checkpointing, AMP)."""
     tp_keep: float = 1.0
     """Share of a block's dynamic bytes that tensor parallelism leaves whole on every rank."""
+    sequence_parallel: bool = False
+    """The TP runs split the residual stream over the sequence (``tp_keep`` is theirs): a
+    checkpointed block's saved input, the stream, is then ``1/tp`` a rank too."""
     rest_tp2: float | None = None
     """The bytes outside the blocks a rank holds at TP 2 over world 1's (``rest_share``),
     under ``loss_parallel`` (from two TP runs at 1 and 2 blocks); ``None``: the loss's
@@ -144,11 +147,13 @@ def rest_share(mem: MemoryModel, tp: int) -> float:
 def tp_share(mem: MemoryModel, ac: bool, tp: int) -> float:
     """The share of a block's saved bytes a rank holds under TP of degree ``tp``. Under
     activation checkpointing a block saves its input alone: the residual stream, which TP
-    without sequence parallelism (``placements: auto``) holds whole on every rank. Splitting
-    it as the whole block's activations read a Llama-3-70B shape's 80 inputs at TP 2 as 13.1
-    GiB where its dry run held 20."""
-    if ac or tp == 1:
+    without sequence parallelism holds whole on every rank (splitting it as the whole
+    block's activations read a Llama-3-70B shape's 80 inputs at TP 2 as 13.1 GiB where its
+    dry run held 20) and sequence parallelism splits over the ranks."""
+    if tp == 1:
         return 1.0
+    if ac:
+        return 1 / tp if mem.sequence_parallel else 1.0
     return mem.tp_keep + (1 - mem.tp_keep) / tp
 
 
@@ -271,10 +276,13 @@ def _plan_runs(facts: ModelFacts, needs: tuple[bool, bool, bool]) -> list[_Run]:
     ac_cfg = TrainConfig(activation_checkpointing=True)
     runs = []
     if cut and 2 in facts.tp_degrees(2):
-        tp_cfg = TrainConfig(strategy="placements", placements="auto")
-        runs.append(_Run("tp", "placements: auto, world 2", two, 2, tp_cfg))
+        # the TP runs as the candidates run: with the stream split where the model allows it
+        sp = ParallelismConfig(sequence_parallel=facts.sequence_parallel)
+        tp_cfg = TrainConfig(strategy="placements", placements="auto", parallelism=sp)
+        label = "placements: auto" + " + sequence_parallel" * facts.sequence_parallel
+        runs.append(_Run("tp", f"{label}, world 2", two, 2, tp_cfg))
         if facts.loss_parallel:  # the split loss's bytes: a line in the blocks, as world 1's
-            runs.append(_Run("tp1", "placements: auto, world 2, 1 block", 1, 2, tp_cfg))
+            runs.append(_Run("tp1", f"{label}, world 2, 1 block", 1, 2, tp_cfg))
     runs.append(_Run("base2", "world 1, 2 blocks" if cut else "world 1", two, 1, plain))
     on = TrainingConfig(use_amp=True)
     if amp:
@@ -461,6 +469,7 @@ def _fit(
         rest={(False, False): rest},
         block={(False, False): blk},
         runs=runs,
+        sequence_parallel=facts.sequence_parallel,
         optimizer_step=max(m.optimizer_step for k, m in got.items() if k in ("base1", "base2")),
     )
     if "ac2" in got:

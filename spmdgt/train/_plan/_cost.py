@@ -297,9 +297,20 @@ def _communication(
             1 if facts.tp_sharded_input else 0
         )
         nbytes = k * act * (fwd * facts.tp_row_bytes + facts.tp_col_bytes)
-        comm["tp all-reduce"] = _comm(
-            _link(dev, t, 1), t, {"all_reduce": {"count": calls, "bytes": nbytes}}
-        )
+        totals = {"all_reduce": {"count": calls, "bytes": nbytes}}
+        if c.sequence_parallel:
+            # each split sub-block all-gathers its input and reduce-scatters its output, in
+            # every forward and once each in the backward: a rowwise layer's bytes twice
+            # (together one all-reduce's ring bytes), the colwise inputs' gradients met once
+            n = k * (fwd + 1) * facts.tp_row_calls
+            moved = k * act * (fwd + 1) * facts.tp_row_bytes
+            totals = {
+                "all_gather": {"count": n, "bytes": moved},
+                "reduce_scatter": {"count": n, "bytes": moved},
+            }
+            if facts.tp_sharded_input:
+                totals["all_reduce"] = {"count": 1, "bytes": 0}
+        comm["tp all-reduce"] = _comm(_link(dev, t, 1), t, totals)
     if clip and c.world > 1:
         comm["clip norm"] = _comm(
             _link(dev, c.world, 1), c.world, {"all_reduce": {"count": 1, "bytes": 4}}

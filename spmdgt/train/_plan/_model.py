@@ -120,6 +120,11 @@ class ModelFacts:
     loss_parallel: bool = False
     """``placements: auto`` splits the output layer over the vocabulary (``loss_parallel``):
     the loss's logits and temporaries are split too."""
+    sequence_parallel: bool = False
+    """``placements: auto`` can split the residual stream over the sequence too
+    (``parallelism.sequence_parallel``): the plan's TP candidates do."""
+    sp_why: str = ""
+    """Why it cannot (the trainer's refusal), where it cannot."""
 
     def tp_degrees(self, limit: int) -> list[int]:
         """Tensor-parallel sizes up to ``limit`` this model can be split over (1 always)."""
@@ -206,6 +211,11 @@ def _tp_facts(model: nn.Module, loss_parallel: bool) -> dict:
                     col_b, col_n = col_b + 4 * mod.in_features, col_n + 1
         elif style == "sharded_input":
             shin += sum(1 for _ in mod.parameters())
+    try:  # sequence parallelism: the trainer's own derivation, or its reason why not
+        derive_placements(model, loss_parallel=loss_parallel, sequence_parallel=True)
+        sp, sp_why = True, ""
+    except ConfigError as e:
+        sp, sp_why = False, str(e).split(": ", 2)[-1].split("; turn")[0]
     blocks = fsdp_blocks(model)
     tp_block = max(
         (_nbytes(p for p in b.parameters() if id(p) in split) for b in blocks), default=0
@@ -221,6 +231,8 @@ def _tp_facts(model: nn.Module, loss_parallel: bool) -> dict:
         "tp_col_calls": col_n,
         "tp_sharded_input": shin,
         "loss_parallel": LOSS_PARALLEL in table.values(),
+        "sequence_parallel": sp,
+        "sp_why": sp_why,
         "split_dims": sorted(dims),
         "_split": split,
     }

@@ -44,6 +44,8 @@ class Candidate:
     sharded_accumulation: bool = False
     """FSDP's ``accumulate_sharded`` (micro-steps only): a reduce-scatter per micro-step, the
     gradients held sharded between them."""
+    sequence_parallel: bool = False
+    """TP with the residual stream split over the sequence (``tp > 1`` only)."""
 
     @property
     def world(self) -> int:
@@ -59,16 +61,20 @@ class Candidate:
             f"{self.strategy:<10} {mesh:<9} mb {self.micro_batch:>3} "
             f"{'x' + str(self.accumulation) + ('s' if self.sharded_accumulation else ''):<4}"
             f" {'AC' if self.ac else '--'} {'AMP' if self.amp else 'fp32'}"
+            f"{' SP' if self.sequence_parallel else ''}"
         )
 
     def config(self, base: TrainConfig | None = None, placements: object = "auto") -> TrainConfig:
         """This candidate as the trainer's config (``base``'s other settings kept)."""
         base = base or TrainConfig()
-        par = ParallelismConfig(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp)
+        sp = self.sequence_parallel and self.tp > 1
+        par = ParallelismConfig(
+            dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp, sequence_parallel=sp
+        )
         if self.strategy != "fsdp" and self.tp == 1:
             par = ParallelismConfig()  # the 1-D world mesh
         if self.strategy == "placements":
-            par = ParallelismConfig(dp_replicate=1, dp_shard=1, tp=self.tp)
+            par = ParallelismConfig(dp_replicate=1, dp_shard=1, tp=self.tp, sequence_parallel=sp)
         training = TrainingConfig(
             **{
                 **{f: getattr(base.training, f) for f in base.training.__slots__},
@@ -122,11 +128,14 @@ def enumerate_space(
     ac: tuple[bool, ...] = (False, True),
     amp: tuple[bool, ...] = (False, True),
     strategies: tuple[str, ...] = ("ddp", "fsdp", "placements"),
+    sequence_parallel: bool = False,
 ) -> tuple[list[Candidate], list[str]]:
     """Every candidate for ``world`` ranks and ``global_batch`` rows per optimizer step, and
     the notes on what was left out (a mesh whose data-parallel size does not divide the
     batch). ``micro_batches`` limits the micro-batch sizes tried (default: every divisor of
-    the rows per data-parallel rank)."""
+    the rows per data-parallel rank). ``sequence_parallel``: TP candidates split the
+    residual stream over the sequence (torchtitan's default with TP: the same numbers and
+    bytes moved, the stream's memory over ``tp``)."""
     out: list[Candidate] = []
     notes: list[str] = []
     for strategy, r, s, t in _meshes(world, tp_degrees, per_node):
@@ -149,5 +158,6 @@ def enumerate_space(
             for a in ac:
                 for p in amp:
                     for w in ways:
-                        out.append(Candidate(strategy, r, s, t, m, k, a, p, w))
+                        sp = sequence_parallel and t > 1
+                        out.append(Candidate(strategy, r, s, t, m, k, a, p, w, sp))
     return out, notes
