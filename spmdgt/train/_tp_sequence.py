@@ -212,7 +212,9 @@ def _child_rows(
     if split:
         other = sorted({s for s in split.values()} - {"colwise", "rowwise", "sharded_input"})
         if other:
-            raise _refuse(model, f"{full!r} holds {other[0]} layers (only colwise, rowwise)")
+            raise _refuse(
+                model, f"{full!r} holds {other[0]} layers (it splits colwise and rowwise ones)"
+            )
         rowwise = [n for n, s in split.items() if s == "rowwise"]
         if len(rowwise) != 1 or "colwise" not in split.values():
             raise _refuse(model, f"{full!r} is not colwise layers read by one rowwise output")

@@ -247,6 +247,8 @@ def _overhead(c: Candidate, facts: ModelFacts, dev: DeviceSpec) -> float:
     units = facts.blocks + (1 if facts.root_bytes else 0)
     fsdp = units * dev.unit_seconds if c.strategy == "fsdp" else 0.0
     tp_modules = facts.tp_row_calls + facts.tp_col_calls if c.tp > 1 else 0
+    if c.sequence_parallel:  # the norms on split tokens, the sub-blocks' gathers
+        tp_modules += facts.sp_modules
     tp = tp_modules * dev.tp_module_seconds * (4 / 3 if c.ac else 1)
     ac = facts.blocks * dev.ac_block_seconds if c.ac else 0.0
     return c.accumulation * (ops + fsdp + tp + ac)

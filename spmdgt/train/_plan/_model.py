@@ -19,7 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from spmdgt.config import ConfigError
 from spmdgt.train._throughput import FlopModel, flop_model
-from spmdgt.train._tp_plan import LOSS_PARALLEL, derive_placements
+from spmdgt.train._tp_plan import LOSS_PARALLEL, _style_of, derive_placements
+from spmdgt.train._tp_sequence import SEQUENCE_STYLES
 from spmdgt.train._units import find_blocks, fsdp_blocks
 
 __all__ = ["ModelFacts", "meta_copy", "read_model"]
@@ -125,6 +126,8 @@ class ModelFacts:
     (``parallelism.sequence_parallel``): the plan's TP candidates do."""
     sp_why: str = ""
     """Why it cannot (the trainer's refusal), where it cannot."""
+    sp_modules: int = 0
+    """Modules sequence parallelism adds DTensor calls to (norms, gathers, the split)."""
 
     def tp_degrees(self, limit: int) -> list[int]:
         """Tensor-parallel sizes up to ``limit`` this model can be split over (1 always)."""
@@ -211,11 +214,18 @@ def _tp_facts(model: nn.Module, loss_parallel: bool) -> dict:
                     col_b, col_n = col_b + 4 * mod.in_features, col_n + 1
         elif style == "sharded_input":
             shin += sum(1 for _ in mod.parameters())
+    sp, sp_why, sp_modules = False, "", 0
     try:  # sequence parallelism: the trainer's own derivation, or its reason why not
-        derive_placements(model, loss_parallel=loss_parallel, sequence_parallel=True)
-        sp, sp_why = True, ""
+        sp_table, _ = derive_placements(model, loss_parallel=loss_parallel, sequence_parallel=True)
+        sp = True
+        sp_modules = sum(
+            1
+            for name, _ in model.named_modules()
+            # rowwise_scatter's layers are counted as TP's own
+            if name and _style_of(name, sp_table) in set(SEQUENCE_STYLES) - {"rowwise_scatter"}
+        )
     except ConfigError as e:
-        sp, sp_why = False, str(e).split(": ", 2)[-1].split("; turn")[0]
+        sp_why = str(e).split(": ", 2)[-1].split("; turn")[0]
     blocks = fsdp_blocks(model)
     tp_block = max(
         (_nbytes(p for p in b.parameters() if id(p) in split) for b in blocks), default=0
@@ -233,6 +243,7 @@ def _tp_facts(model: nn.Module, loss_parallel: bool) -> dict:
         "loss_parallel": LOSS_PARALLEL in table.values(),
         "sequence_parallel": sp,
         "sp_why": sp_why,
+        "sp_modules": sp_modules,
         "split_dims": sorted(dims),
         "_split": split,
     }

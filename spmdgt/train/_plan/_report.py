@@ -85,7 +85,7 @@ class Plan:
 
     def table(self, limit: int | None = 20, dropped: int | None = 10) -> str:
         head = (
-            f"{'#':>3}  {'strategy':<10} {'mesh r x s x t':<9} {'micro-batch':<10} AC AMP"
+            f"{'#':>3}  {'strategy':<10} {'mesh r x s x t':<9} {'micro-batch':<10} AC AMP  SP"
             f"  {'GiB':>7} {'ms/step':>9} {'tokens/s':>11} {'MFU':>6}  why it loses"
         )
         lines = [head]

@@ -60,8 +60,8 @@ class Candidate:
         return (
             f"{self.strategy:<10} {mesh:<9} mb {self.micro_batch:>3} "
             f"{'x' + str(self.accumulation) + ('s' if self.sharded_accumulation else ''):<4}"
-            f" {'AC' if self.ac else '--'} {'AMP' if self.amp else 'fp32'}"
-            f"{' SP' if self.sequence_parallel else ''}"
+            f" {'AC' if self.ac else '--'} {'AMP' if self.amp else 'fp32':<4}"
+            f" {'SP' if self.sequence_parallel else '  '}"
         )
 
     def config(self, base: TrainConfig | None = None, placements: object = "auto") -> TrainConfig:
