@@ -40,6 +40,8 @@ blocks and take the largest.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
@@ -324,7 +326,9 @@ def _measure(model: nn.Module, batch: object, optimizer: Callable, loss_fn, run:
     t0 = time.perf_counter()
     m = truncated(model, run.blocks) if run.blocks else model
     try:
-        r = dry_run(_builder(m, batch, optimizer), run.world, run.config, loss_fn=loss_fn)
+        # the trainer's own lines (a derived table printed per run) are not the plan's output
+        with contextlib.redirect_stdout(io.StringIO()):
+            r = dry_run(_builder(m, batch, optimizer), run.world, run.config, loss_fn=loss_fn)
     finally:
         _forget_runtime()
     parts = _step_parts(r)
