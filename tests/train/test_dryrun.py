@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spmdgt.train import DDPConfig, TrainConfig, TrainingConfig
+from spmdgt.train import DDPConfig, ParallelismConfig, TrainConfig, TrainingConfig
 from spmdgt.train._dryrun import (
     CollectiveCounter,
     DryRunError,
@@ -43,11 +43,18 @@ STEPS = 3  # the last is compared: DDP rebuilds its buckets (two broadcasts) in 
 def _config(strategy: str, accum: int, name: str = "") -> TrainConfig:
     training = TrainingConfig(gradient_accumulation_steps=accum, max_grad_norm=1.0)
     placements = _example_plan() if strategy == "placements" else {}
-    if strategy == "placements" and name == "hf":
+    if strategy == "placements" and name.startswith("hf"):
         placements = "auto"  # Llama's plan, its LM head split for the loss (loss_parallel)
     ddp = DDPConfig(bucket_cap_mb=0.04)  # 40 KiB: the example's 137 KiB of gradients in 3 buckets
+    # hf-sp: the residual stream split over the sequence too
+    parallelism = ParallelismConfig(sequence_parallel=name == "hf-sp")
     return TrainConfig(
-        strategy=strategy, log_every=100, training=training, placements=placements, ddp=ddp
+        strategy=strategy,
+        log_every=100,
+        training=training,
+        placements=placements,
+        ddp=ddp,
+        parallelism=parallelism,
     )
 
 
@@ -79,7 +86,7 @@ def _model(name: str) -> tuple[nn.Module, object]:
     or the example's decoder, small (its rotary tables are buffers: DDP broadcasts them)."""
     if name == "stack":
         return make_stack(), F.mse_loss
-    if name == "hf":  # its own loss over the step's label tokens (one world all-reduce)
+    if name.startswith("hf"):  # its own loss over the step's label tokens (a world all-reduce)
         from tests._hf import tiny_llama
 
         return tiny_llama(), None
@@ -106,7 +113,7 @@ def _hf_rows(n: int) -> list[dict[str, torch.Tensor]]:
 def _dataset(name: str, n: int):
     if name == "stack":
         return make_dataset(n=n)
-    if name == "hf":
+    if name.startswith("hf"):
         return _hf_rows(n)
     ex = _example()
     return ex.TokenDataset(ex.load_tokens(None, n * SEQ + 1, 256, 0), SEQ)
@@ -164,7 +171,7 @@ def _builder(name: str):
         model, _ = _model(name)
         if name == "stack":
             batch = (torch.randn(MICRO_BATCH, IN), torch.randn(MICRO_BATCH, OUT))
-        elif name == "hf":
+        elif name.startswith("hf"):
             rows = _hf_rows(MICRO_BATCH)
             batch = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
         else:
@@ -191,6 +198,8 @@ def _builder(name: str):
         ("ddp", 3, 2, "hf"),
         # TP with the LM head split: loss_parallel's all-reduces and the split logits
         ("placements", 2, 2, "hf"),
+        # and the residual stream split over the sequence: gathers and scatters per sub-block
+        ("placements", 2, 2, "hf-sp"),
     ],
 )
 def test_dry_run_equals_a_real_run(strategy, world, accum, name, tmp_path):
@@ -208,10 +217,12 @@ def test_dry_run_equals_a_real_run(strategy, world, accum, name, tmp_path):
         "ddp": {"all_reduce", "broadcast"} if name != "stack" else {"all_reduce"},
         "placements": {"all_reduce"},
     }[strategy]
+    if name == "hf-sp":
+        kinds = {"all_reduce", "all_gather", "reduce_scatter"}
     assert set(dry) == kinds
     if (strategy, name) == ("fsdp", "stack"):  # 11 rows over the ranks: uneven shards
         assert len(set(report.params)) == 2
-    if name == "hf":  # the label-token count's all-reduce is in the step, as in the real one
+    if name.startswith("hf"):  # the label-token count's all-reduce is in the step, as in a real one
         assert report.collectives_by_dim()["world"]["all_reduce"]["count"] >= 1
 
 
