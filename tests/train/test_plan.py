@@ -278,8 +278,8 @@ def test_sequence_parallelism_splits_a_checkpointed_blocks_input_and_is_in_the_y
 
     dev = device_spec("h100")
     plain = dataclasses.replace(tp, sequence_parallel=False)
-    split = _cost._communication(tp, facts, dev, 8192, clip=False, reshard=True)["tp all-reduce"]
-    whole = _cost._communication(plain, facts, dev, 8192, clip=False, reshard=True)["tp all-reduce"]
+    split = _cost._communication(tp, facts, dev, 8192, clip=False, reshard=True)[_cost.TP_SP]
+    whole = _cost._communication(plain, facts, dev, 8192, clip=False, reshard=True)[_cost.TP]
     # at 8192 tokens, bytes over latency: the forward's alike (a gather and a scatter: one
     # all-reduce's ring bytes), the backward's fewer (a gather and a scatter a sub-block, not
     # an all-reduce per colwise layer); more calls, so at a few tokens the latency says more

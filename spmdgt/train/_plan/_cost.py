@@ -75,6 +75,9 @@ class Estimate:
     """Why it loses to the winner (or was dropped)."""
 
 
+TP, TP_SP = "tp all-reduce", "tp all-gather/reduce-scatter"  # the step's TP collectives
+
+
 def _link(dev: DeviceSpec, group: int, stride: int) -> Link:
     """The link a mesh dim's group runs on: inside a node when its ranks (``group`` of them,
     ``stride`` apart, row-major) all sit on one."""
@@ -312,7 +315,7 @@ def _communication(
             }
             if facts.tp_sharded_input:
                 totals["all_reduce"] = {"count": 1, "bytes": 0}
-        comm["tp all-reduce"] = _comm(_link(dev, t, 1), t, totals)
+        comm[TP_SP if c.sequence_parallel else TP] = _comm(_link(dev, t, 1), t, totals)
     if clip and c.world > 1:
         comm["clip norm"] = _comm(
             _link(dev, c.world, 1), c.world, {"all_reduce": {"count": 1, "bytes": 4}}
@@ -327,7 +330,7 @@ def _exposed(comm: dict[str, float], compute: float, facts: ModelFacts, dev: Dev
     total = sum(comm.values())
     if not dev.overlap:
         return total
-    tp_part = comm.get("tp all-reduce", 0.0) + comm.get("clip norm", 0.0)
+    tp_part = comm.get(TP, 0.0) + comm.get(TP_SP, 0.0) + comm.get("clip norm", 0.0)
     hidden = total - tp_part
     first = hidden / max(facts.blocks + 1, 1)  # the first unit's gather overlaps nothing
     return tp_part + first + max(0.0, hidden - first - compute)
