@@ -300,8 +300,12 @@ def apply_tp(
 def apply_ac(model: nn.Module) -> None:
     """Activation checkpointing per block (``checkpoint_wrapper``, non-reentrant): after tensor
     parallelism, so recomputation replays the sharded forward, and before compile, so each
-    compiled graph holds the recomputation."""
+    compiled graph holds the recomputation. A sequence split on the first block moves onto
+    its wrapper (``_tp_sequence.split_outside_checkpoint``: the checkpoint saves the split)."""
+    from spmdgt.train._tp_sequence import split_outside_checkpoint
+
     apply_activation_checkpointing(model)
+    split_outside_checkpoint(model)
 
 
 def apply_compile(

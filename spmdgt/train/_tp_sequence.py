@@ -50,6 +50,7 @@ __all__ = [
     "SequenceSplit",
     "sequence_rows",
     "sequence_style",
+    "split_outside_checkpoint",
     "with_sequence_parallel",
 ]
 
@@ -87,10 +88,31 @@ class SequenceSplit(ParallelStyle):
                 x = DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
             return x.redistribute(device_mesh, [_SEQ])
 
-        module.register_forward_pre_hook(
-            lambda m, args, kwargs: _with_hidden(m, args, kwargs, split), with_kwargs=True
-        )
+        def hook(m: nn.Module, args: tuple, kwargs: dict) -> tuple:
+            return _with_hidden(m, args, kwargs, split)
+
+        handle = module.register_forward_pre_hook(hook, with_kwargs=True)
+        setattr(module, _SPLIT_HOOK, (handle, hook))
         return module
+
+
+_SPLIT_HOOK = "_spmdgt_sequence_split"
+
+
+def split_outside_checkpoint(model: nn.Module) -> None:
+    """Move the first block's ``sequence_split`` onto its activation-checkpointing wrapper.
+
+    Registered on the block, the split runs inside the checkpointed region, which then saves
+    the block's input whole (a block's saved input on every rank; the other blocks save a
+    split one): on the wrapper it runs first, and the checkpoint saves this rank's tokens."""
+    for wrapper in model.modules():
+        block = getattr(wrapper, "_checkpoint_wrapped_module", None)
+        found = getattr(block, _SPLIT_HOOK, None) if block is not None else None
+        if found is not None:
+            handle, hook = found
+            handle.remove()
+            moved = wrapper.register_forward_pre_hook(hook, with_kwargs=True)
+            setattr(block, _SPLIT_HOOK, (moved, hook))
 
 
 class SequenceGather(ParallelStyle):
