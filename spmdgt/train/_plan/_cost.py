@@ -152,6 +152,14 @@ def _fsdp_step(c: Candidate, facts: ModelFacts, mem: MemoryModel, local: float) 
     return max(_walk(c, facts, mem, local, peak, start), _walk(c, facts, mem, local, second))
 
 
+def _kept(mem: MemoryModel, ac: bool, t: int) -> float:
+    """The share of a step's TP-split bytes a rank holds at degree ``t``: what TP leaves
+    whole plus the rest over ``t``, as measured at TP 2 (under checkpointing from its own
+    run where there is one: its recomputed block reads the split stream's gathers too)."""
+    keep = mem.tp_keep_ac if ac and mem.tp_keep_ac is not None else mem.tp_keep
+    return keep + (1 - keep) / t
+
+
 def _walk(
     c: Candidate,
     facts: ModelFacts,
@@ -194,7 +202,7 @@ def _walk(
         outside = mem.rest[(False, c.amp)]
         at_loss = peak.block == peak.blocks - 1 and outside > mem.block[(False, c.amp)]
         whole = min(rest, outside * c.micro_batch / mem.rows) if at_loss else 0.0
-        rest = whole * share + (rest - whole) * (mem.tp_keep + (1 - mem.tp_keep) / t)
+        rest = whole * share + (rest - whole) * _kept(mem, True, t)
     gather = peak.gather * block * half / 4  # a block's all-gather buffer, in every block
     scatter = peak.scatter * block  # a reduce-scatter under way, in all blocks but the first
     # the block's new gradients, beside those held (under accumulation too: FSDP2 adds them
@@ -202,7 +210,7 @@ def _walk(
     unsharded = c.accumulation > 1 and not c.sharded_accumulation
     fresh = peak.fresh * block * half / 4
     best = 0.0
-    left = peak.left * scale * (mem.tp_keep + (1 - mem.tp_keep) / t)
+    left = peak.left * scale * _kept(mem, c.ac, t)
     for j in [max(n - 1, 0)] if start_only else range(max(n, 1)):
         acts = rest + (n if c.ac else j + 1) * per_block if n else peak.rows * scale
         acts += max(0, n - 1 - j) * left
