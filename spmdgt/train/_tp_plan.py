@@ -39,6 +39,9 @@ import re
 from torch import nn
 
 from spmdgt.config import ConfigError
+from spmdgt.train._tp_names import style_of as _style_of
+from spmdgt.train._tp_names import wild as _wild
+from spmdgt.train._tp_sequence import with_sequence_parallel
 
 __all__ = [
     "HF_LAYOUTS",
@@ -74,15 +77,6 @@ _GLOBAL_HEADS = re.compile(
     r"self\.(n_heads|num_heads|num_attention_heads|inner_dim|all_head_size)\b"
     r"|config\.(num_attention_heads|num_heads|n_head)\b"
 )
-
-
-def _wild(name: str) -> str:
-    """``model.layers.3.mlp.up_proj`` -> ``model.layers.*.mlp.up_proj`` (every layer)."""
-    return re.sub(r"(?<=\.)\d+(?=\.|$)", "*", name)
-
-
-def _style_of(name: str, table: dict[str, str]) -> str | None:
-    return next((s for p, s in table.items() if fnmatch.fnmatchcase(name, p)), None)
 
 
 def _hf_plan(model: nn.Module) -> tuple[dict[str, str], str]:
@@ -139,8 +133,6 @@ def derive_placements(
     if head is not None and _style_of(head, table) is None:
         table[head] = LOSS_PARALLEL
     if sequence_parallel:
-        from spmdgt.train._tp_sequence import with_sequence_parallel
-
         table = with_sequence_parallel(model, table)
     return table, where
 

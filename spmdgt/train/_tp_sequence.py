@@ -41,7 +41,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
 from spmdgt.config import ConfigError
-from spmdgt.train._tp_plan import _style_of, _wild
+from spmdgt.train._tp_names import style_of as _style_of
+from spmdgt.train._tp_names import wild as _wild
 
 __all__ = [
     "SEQUENCE_STYLES",

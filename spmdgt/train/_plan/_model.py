@@ -19,7 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from spmdgt.config import ConfigError
 from spmdgt.train._throughput import FlopModel, flop_model
-from spmdgt.train._tp_plan import LOSS_PARALLEL, _style_of, derive_placements
+from spmdgt.train._tp_names import style_of
+from spmdgt.train._tp_plan import LOSS_PARALLEL, derive_placements
 from spmdgt.train._tp_sequence import SEQUENCE_STYLES
 from spmdgt.train._units import find_blocks, fsdp_blocks
 
@@ -222,7 +223,7 @@ def _tp_facts(model: nn.Module, loss_parallel: bool) -> dict:
             1
             for name, _ in model.named_modules()
             # rowwise_scatter's layers are counted as TP's own
-            if name and _style_of(name, sp_table) in set(SEQUENCE_STYLES) - {"rowwise_scatter"}
+            if name and style_of(name, sp_table) in set(SEQUENCE_STYLES) - {"rowwise_scatter"}
         )
     except ConfigError as e:
         sp_why = str(e).split(": ", 2)[-1].split("; turn")[0]
