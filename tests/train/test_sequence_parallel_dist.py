@@ -203,7 +203,7 @@ def test_the_dry_run_holds_the_checkpointed_stream_split():
     residual stream, whole on every rank without sequence parallelism and half with it."""
 
     def build():
-        model = tiny_hf("llama", num_hidden_layers=4)
+        model = tiny_hf("llama", num_hidden_layers=2)
         ids = torch.randint(3, 128, (8, 64))
         return model, torch.optim.SGD(model.parameters(), lr=0.1), {"input_ids": ids, "labels": ids}
 
@@ -217,8 +217,9 @@ def test_the_dry_run_holds_the_checkpointed_stream_split():
         return dry_run(build, 2, cfg)
 
     split, whole = run(True), run(False)
-    saved = 4 * 8 * 64 * 64 * 4  # 4 blocks' inputs, 8 x 64 tokens x 64 floats
-    assert split.peak < whole.peak - saved / 3, (split.peak, whole.peak, saved)
+    saved = 2 * 8 * 64 * 64 * 4  # 2 blocks' inputs, 8 x 64 tokens x 64 floats
+    # at least half of them (2.06 MiB against 2.45: the norms' and the loss's bytes split too)
+    assert split.peak < whole.peak - saved / 2, (split.peak, whole.peak, saved)
 
 
 def _example_losses(rank: int, world: int, argv: list[str]) -> list[float]:
@@ -250,7 +251,7 @@ def test_a_model_of_its_own_trains_split_as_one_process(tmp_path):
 def test_the_split_runs_outside_the_first_blocks_checkpoint():
     """Inside the checkpoint the first block would save its input whole on every rank; on
     its wrapper the split comes first and the checkpoint saves this rank's tokens (the dry
-    run above: 2.25 MiB, 2.37 with the split inside)."""
+    run at 4 blocks: 2.25 MiB, 2.37 with the split inside)."""
     from spmdgt.train._strategies import apply_ac
     from spmdgt.train._tp_sequence import SequenceSplit
 
