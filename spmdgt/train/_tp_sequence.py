@@ -29,7 +29,9 @@ The styles (a placements table may name them by hand too):
 
 The hidden states are a module's first positional input, else its ``hidden_states=``
 keyword (Hugging Face's decoder layers call attention with the keyword, the MLP
-positionally); a module given neither is an error naming it.
+positionally); a module given neither is an error naming it. Under activation
+checkpointing the first block's split moves onto its checkpoint wrapper
+(``split_outside_checkpoint``), so the checkpoint saves this rank's tokens.
 """
 
 from __future__ import annotations
