@@ -53,6 +53,7 @@ from spmdgt.train._compile import (
 from spmdgt.train._config import STRATEGIES, DDPConfig, FSDPConfig, TrainConfig
 from spmdgt.train._layout import Layout
 from spmdgt.train._tp_plan import resolve_placements
+from spmdgt.train._tp_sequence import split_outside_checkpoint
 from spmdgt.train._tp_table import has_loss_parallel, placement_plan, sharded_input_modules
 from spmdgt.train._units import fsdp_blocks
 
@@ -302,8 +303,6 @@ def apply_ac(model: nn.Module) -> None:
     parallelism, so recomputation replays the sharded forward, and before compile, so each
     compiled graph holds the recomputation. A sequence split on the first block moves onto
     its wrapper (``_tp_sequence.split_outside_checkpoint``: the checkpoint saves the split)."""
-    from spmdgt.train._tp_sequence import split_outside_checkpoint
-
     apply_activation_checkpointing(model)
     split_outside_checkpoint(model)
 
