@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from spmdgt.config import ConfigError
@@ -145,13 +147,40 @@ class ModelFacts:
 
 
 class _CountOps(TorchDispatchMode):
+    """Counts the aten ops a forward issues on meta tensors. A scalar read (``.item()``) of a
+    meta tensor has no value to give: it reads ``True`` (a bool: Hugging Face's "is the
+    padding mask all ones?", which the planner's all-ones batch is) or ``0``, so a forward
+    that only checks its input's values still runs and is counted."""
+
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
+        self.muted = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
+        self.count += 0 if self.muted else 1
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
+            return True if args[0].dtype == torch.bool else 0
         return func(*args, **(kwargs or {}))
+
+
+class _FusedAttention(TorchFunctionMode):
+    """Counts ``scaled_dot_product_attention`` as the one fused kernel it is on CPU and GPU
+    (on meta tensors only its math decomposition runs: softmax, masks and matmuls)."""
+
+    def __init__(self, counter: _CountOps) -> None:
+        super().__init__()
+        self.counter = counter
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is not F.scaled_dot_product_attention or self.counter.muted:
+            return func(*args, **(kwargs or {}))
+        self.counter.count += 1
+        self.counter.muted = True
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self.counter.muted = False
 
 
 def _meta_batch(batch: object) -> object:
@@ -170,7 +199,7 @@ def count_forward_ops(model: nn.Module, inputs: object) -> int:
     args = _meta_batch(inputs)
     counter = _CountOps()
     try:
-        with torch.no_grad(), counter:
+        with torch.no_grad(), counter, _FusedAttention(counter):
             if isinstance(args, dict):
                 model(**args)
             else:
