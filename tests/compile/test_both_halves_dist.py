@@ -98,7 +98,8 @@ def _ranked(rank, world):
     )
 
 
-@pytest.mark.parametrize("world", [2, 3])
+# 2 ranks: slow (3 ranks, uneven rows, stands for it)
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_both_halves_train_as_one_process(tmp_path, world):
     import contextlib
 

@@ -73,7 +73,8 @@ def _ranked(rank, world):
     return got, dict(st["fallbacks"]), formatted, float(probe.sum())
 
 
-@pytest.mark.parametrize("world", [2, 3])
+# 2 ranks: slow (3 ranks, uneven, stands for it)
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_agreement_point_inside_a_compile_falls_back_on_every_rank(tmp_path, world):
     x, w = _inputs()
     ref = _calls(x, w.requires_grad_())
@@ -128,7 +129,8 @@ def _failing(rank, world, fail_on):
     return out, dict(st["fallbacks"])
 
 
-@pytest.mark.parametrize("world", [2, 3])
+# 2 ranks: slow (3 ranks, uneven, stands for it)
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_graph_failing_on_every_rank_reruns_everywhere(tmp_path, world):
     x, w = _inputs()
     ref = [mixed(x * (1 + i), w).numpy() for i in range(CALLS)]
@@ -142,7 +144,8 @@ def test_graph_failing_on_every_rank_reruns_everywhere(tmp_path, world):
         ]
 
 
-@pytest.mark.parametrize("world", [2, 3])
+# 2 ranks: slow (3 ranks, uneven, stands for it)
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_graph_failing_on_one_rank_fails_every_rank(tmp_path, world):
     results = run_ranks(_failing, world, tmp_path, {0}, env=_WAIT, timeout=120)
     for rank, (got, _) in enumerate(results):

@@ -61,7 +61,8 @@ def _ranked(rank, world):
     return with_both_halves(run, every=1, hot_at=2, batch=16)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+# 2 ranks: slow (3 ranks, uneven, stands for it)
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_hot_function_on_changing_shapes_equals_one_process(tmp_path, world):
     import contextlib
 
@@ -101,7 +102,8 @@ def _ranked_limit(rank, world):
         gt_compile.disable()
 
 
-@pytest.mark.parametrize("world", [2, 3])
+# 2 ranks: slow (3 ranks, uneven, stands for it)
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_recompile_limit_is_an_agreed_fallback(tmp_path, world):
     import contextlib
 

@@ -162,7 +162,8 @@ def _ranks(rank, world):
     return got, want, _refused(x, lin), type(w).__name__
 
 
-@pytest.mark.parametrize("world", [2, 3])
+# 2 ranks: slow (3 ranks, uneven, stands for it)
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_autograd_entry_points_equal_one_process(tmp_path, world):
     results = run_ranks(_ranks, world, tmp_path)
     for got, want, refused, w_type in results:

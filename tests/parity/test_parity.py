@@ -19,12 +19,12 @@ import pytest
 # coverage (``python -m tests.parity --all`` runs every row in ~14 minutes). 2000 made the
 # suite's longest test after the compile-pass runs; the suite keeps under its time budget.
 SAMPLE_ROWS = 1000
-SAMPLE_ROWS_QUICK = 120  # the default run's share of them (a seeded split); ``slow`` the rest
+SAMPLE_ROWS_QUICK = 80  # the default run's share of them (a seeded split); ``slow`` the rest
 SEED = 0
 # Of the ~5200 2-D rows (4 layouts at world 4): 200 rows, ~370 cases, ~40 s here. The default
 # run takes SAMPLE_ROWS_2D_QUICK of them, the ``slow`` test the rest (``-m ""`` runs both).
 SAMPLE_ROWS_2D = 200
-SAMPLE_ROWS_2D_QUICK = 25
+SAMPLE_ROWS_2D_QUICK = 16
 # Of the ~2800 rows of the ``partial`` audit layout (2 and 3 ranks; not in the ledger):
 # ~0.15 s a row here beside the other slices (60 rows took 9.5 s), so 30 rows. The whole
 # audit is ``python -m tests.parity --all --placements partial`` (~4 minutes).

@@ -16,7 +16,7 @@ import pytest
 from tests.parity.prepare import RowKey
 
 SAMPLE_ROWS = 200  # of ~2,500 rows: ~25 s on a 2-core machine (python -m tests.parity: all)
-SAMPLE_ROWS_QUICK = 120  # the default run's share of them (a seeded split); ``slow`` the rest
+SAMPLE_ROWS_QUICK = 60  # the default run's share of them (a seeded split); ``slow`` the rest
 SEED = 0
 
 

@@ -196,9 +196,10 @@ def _builder(name: str):
         # HF's label-token count: one world all-reduce per step (before: 10 predicted, 11 real)
         ("fsdp", 2, 1, "hf"),
         ("ddp", 3, 2, "hf"),
-        # TP with the LM head split: loss_parallel's all-reduces and the split logits
-        ("placements", 2, 2, "hf"),
-        # and the residual stream split over the sequence: gathers and scatters per sub-block
+        # TP with the LM head split: loss_parallel's all-reduces and the split logits (slow:
+        # the next case splits the head too, and the residual stream over the sequence: its
+        # gathers and scatters per sub-block)
+        pytest.param("placements", 2, 2, "hf", marks=pytest.mark.slow),
         ("placements", 2, 2, "hf-sp"),
     ],
 )
