@@ -251,10 +251,11 @@ def _flops_per_rank(c: Candidate, facts: ModelFacts, seq: int) -> float:
 
 def _overhead(c: Candidate, facts: ModelFacts, dev: DeviceSpec) -> float:
     """Seconds per step of fixed costs that do not scale with the arithmetic, per micro-step:
-    the model's ops (forward and backward, again forward under AC), each FSDP unit's hooks
-    and copies, each TP module's DTensor dispatch (again in the recomputed forward), each
-    checkpointed block's bookkeeping. All 0 on GPUs, where the host runs ahead."""
-    ops = facts.ops_forward * (3 + (1 if c.ac else 0)) * dev.op_seconds
+    the model's ops (``op_seconds`` is one op's forward and backward; a third more under AC,
+    the forward again), each FSDP unit's hooks and copies, each TP module's DTensor dispatch
+    (again in the recomputed forward), each checkpointed block's bookkeeping. All 0 on GPUs,
+    where the host runs ahead."""
+    ops = facts.ops_forward * (4 / 3 if c.ac else 1) * dev.op_seconds
     units = facts.blocks + (1 if facts.root_bytes else 0)
     fsdp = units * dev.unit_seconds if c.strategy == "fsdp" else 0.0
     tp_modules = facts.tp_row_calls + facts.tp_col_calls if c.tp > 1 else 0
