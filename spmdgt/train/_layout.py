@@ -29,6 +29,10 @@ from spmdgt.train._config import ParallelismConfig
 __all__ = ["Layout", "build_layout", "describe_groups", "tp_group"]
 
 DIMS = ("dp_replicate", "dp_shard", "tp")
+FLAT_DP_TP = "dp_shard_tp"
+"""``dp_shard`` and ``tp`` flattened into one dim (FSDP x TP): a value partial over both
+reduces in one collective there (the clip's norm); where it spans the world it reads
+``world``."""
 
 
 @dataclass
@@ -109,6 +113,7 @@ class Layout:
         sizes = {"world": self.world}
         if self.mesh is not None:
             sizes.update(zip(DIMS, self.shape))
+            sizes[FLAT_DP_TP] = self.shape[1] * self.shape[2]
         return sizes
 
     def describe(self) -> str:
@@ -158,6 +163,11 @@ def build_layout(
 
     mesh = init_device_mesh(device.type, (rep, shard, tp), mesh_dim_names=DIMS)
     register_mesh(mesh)  # collectives are labelled with the dim whose group ran them
+    if shard > 1 and tp > 1:
+        # a value partial over both (the clip's norm of FSDP x TP gradients): DTensor reduces
+        # it in one all-reduce over this flattened dim where it exists, else one per dim, one
+        # after the other (and warns that it does)
+        register_mesh(mesh["dp_shard", "tp"]._flatten(FLAT_DP_TP))
     from spmdgt.tensor import _dynamo_guards
 
     _dynamo_guards.hold("sharded meshes")  # compile=True over DTensors: exact shape guards

@@ -125,7 +125,7 @@ def _rank(rank: int, world: int, tmp: str, strategy: str = "fsdp") -> dict:
     }
     counted = counter.totals_by_dim(step=STEPS - 1)
     return {
-        "counted": {d: v for d, v in counted.items() if d != "world" or strategy != "fsdp"},
+        "counted": counted,
         "logged": logged,
         "losses": trainer.last_stats.global_losses,
         "measured_by": summary["comm_measured_by"],
@@ -164,7 +164,11 @@ def test_the_sharded_input_all_reduce_is_counted_on_tp(tmp_path, monkeypatch):
         where = f"rank {rank}"
         assert r["partial"] == 4, where  # q_norm and k_norm: weight and bias each
         assert r["measured_by"] == "fsdp2_collective_hooks+interceptor", where
-        assert set(r["counted"]) == {"tp", "dp_shard"}, where
+        # the clip's norm of the FSDP x TP gradients: one all-reduce over dp_shard x tp
+        # flattened, here the world (before: one on each dim); the plain ones' on dp_shard
+        assert set(r["counted"]) == {"tp", "dp_shard", "world"}, where
+        assert r["counted"]["world"] == {"all_reduce": {"count": 1, "bytes": 24}}, where
+        assert r["counted"]["dp_shard"]["all_reduce"]["count"] == 1, where
         # 1. the trainer's log is every collective the step dispatched, per dim and kind
         assert r["logged"] == r["counted"], where
         # 2. the dry run counts the same

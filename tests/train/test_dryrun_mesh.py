@@ -35,7 +35,12 @@ def test_each_mesh_dim_priced_on_its_own_link():
         ("dp_shard", "all_gather"),
         ("dp_shard", "all_reduce"),
         ("dp_shard", "reduce_scatter"),
+        # the clip's norm over dp_shard x tp flattened (the world here): at the slower link
+        ("world", "all_reduce"),
     }
+    clip = rows[("world", "all_reduce")]
+    assert clip.count == 1
+    assert clip.seconds == pytest.approx(20e-6 + clip.ring_bytes / 25e9)
     tp, ag = rows[("tp", "all_reduce")], rows[("dp_shard", "all_gather")]
     # nvlink4: 10 us + ring bytes / 450 GB/s; 25 GB/s given alone: the default 20 us
     assert tp.seconds == pytest.approx(tp.count * 10e-6 + tp.ring_bytes / 450e9)

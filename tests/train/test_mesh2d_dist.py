@@ -61,7 +61,25 @@ def _train(rank: int, world: int, parallelism: dict, hidden: int, strategy: str 
     )
     summary = trainer.train(loader, max_steps=STEPS)
     dp = (trainer.data_parallel_rank, trainer.data_parallel_size)
+    if parallelism.get("tp", 1) > 1 and parallelism.get("dp_shard", 1) > 1:
+        summary["norm_all_reduces"] = _norm_all_reduces(trainer.layout.mesh)
     return full_state(trainer.model), trainer.last_stats.global_losses, summary, dp
+
+
+def _norm_all_reduces(mesh) -> int:
+    """All-reduces of a 2-norm partial over dp_shard and tp (the clip's, of FSDP x TP
+    gradients) made whole: one over the two dims flattened, and one process's value."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    full = torch.arange(35.0).reshape(5, 7)  # uneven on both dims
+    x = distribute_tensor(full, mesh["dp_shard", "tp"], [Shard(0), Shard(1)])
+    norm = torch.linalg.vector_norm(x)
+    assert all(p.is_partial() for p in norm.placements), norm.placements
+    with CommDebugMode() as comm:
+        got = norm.full_tensor()
+    torch.testing.assert_close(got, torch.linalg.vector_norm(full))
+    return comm.get_total_counts()
 
 
 def _check(results: list, hidden: int, dp_size: int) -> float:
@@ -84,6 +102,8 @@ def test_fsdp_over_tp_2x2_matches_single_process(tmp_path):
     out = run_ranks(_train, 4, tmp_path, {"dp_shard": 2, "tp": 2}, TP_HIDDEN, timeout=180)
     # rank = dp_rank * tp + tp_rank: both TP ranks of a data group read the same rows
     assert [r[3] for r in out] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    # the clip's norm: one all-reduce over dp_shard x tp (before: two, one per dim)
+    assert [r[2]["norm_all_reduces"] for r in out] == [1] * 4
     print("max |diff| vs one process (dp_shard=2 x tp=2):", _check(out, TP_HIDDEN, 2))
 
 

@@ -109,6 +109,11 @@ def _dim_profiler(s: _Settings, dim: str) -> CommunicationProfiler | None:
     if s.links and dim in s.links:
         bw, lat, _ = s.links[dim]
         return CommunicationProfiler(bandwidth=bw, latency=lat)
+    if s.links and dim not in MESH_DIMS[:3]:
+        # a dim over several (the world, dp_shard x tp flattened): its ring crosses each
+        # dim's link, so it goes at the slowest given
+        bw, lat, _ = min(s.links.values(), key=lambda link: (link[0], -link[1]))
+        return CommunicationProfiler(bandwidth=bw, latency=lat)
     if s.bandwidth is not None:
         return CommunicationProfiler(bandwidth=s.bandwidth, latency=s.latency)
     return None
@@ -163,7 +168,7 @@ def _report(raw: dict, cfg: TrainConfig, s: _Settings, t0: float, notes: list[st
             "steps, not counted here",
         ]
     return DryRunReport(
-        mesh={k: v for k, v in sizes.items() if k != "world"} or None,
+        mesh={k: v for k, v in sizes.items() if k in _DIMS and k != "world"} or None,
         world=s.world,
         strategy=cfg.strategy if s.world > 1 else f"{cfg.strategy} (world of one: unwrapped)",
         parameters=raw["parameters"],
