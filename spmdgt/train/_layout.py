@@ -113,7 +113,8 @@ class Layout:
         sizes = {"world": self.world}
         if self.mesh is not None:
             sizes.update(zip(DIMS, self.shape))
-            sizes[FLAT_DP_TP] = self.shape[1] * self.shape[2]
+            if self.shape[1] > 1 and self.shape[2] > 1:  # flattened by build_layout
+                sizes[FLAT_DP_TP] = self.shape[1] * self.shape[2]
         return sizes
 
     def describe(self) -> str:

@@ -27,6 +27,7 @@ from spmdgt.train._dryrun._tables import (
     parse_bytes,
     parse_seconds,
 )
+from spmdgt.train._layout import DIMS
 
 __all__ = ["dry_run"]
 
@@ -168,7 +169,7 @@ def _report(raw: dict, cfg: TrainConfig, s: _Settings, t0: float, notes: list[st
             "steps, not counted here",
         ]
     return DryRunReport(
-        mesh={k: v for k, v in sizes.items() if k in _DIMS and k != "world"} or None,
+        mesh={k: v for k, v in sizes.items() if k in DIMS} or None,
         world=s.world,
         strategy=cfg.strategy if s.world > 1 else f"{cfg.strategy} (world of one: unwrapped)",
         parameters=raw["parameters"],
