@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import threading
 from dataclasses import dataclass
 
@@ -218,6 +219,21 @@ def _forget_after_fork() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+def _forget_inductor_threads_after_fork() -> None:
+    # A compile in a forked child hangs forever when its parent compiled before the fork:
+    # inductor's C++ kernels compile on a cached ThreadPoolExecutor (``AsyncCompile.pool``)
+    # whose threads a fork does not copy, and torch's own after-fork hook forgets its process
+    # pool but not this one, so the child queues work no thread will run. Seen as the hang of
+    # ``bench_compile.py --both``'s forked ``scope2`` ranks after three compiled cases, with a
+    # cold inductor cache. Forgetting it lets the child make its own on first use.
+    async_compile = sys.modules.get("torch._inductor.async_compile")
+    if async_compile is not None:
+        async_compile.AsyncCompile.pool.cache_clear()
+
+
+os.register_at_fork(after_in_child=_forget_inductor_threads_after_fork)
 
 
 def _reset() -> None:
