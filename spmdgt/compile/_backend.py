@@ -23,16 +23,17 @@ compiled at all: it runs as dynamo traced it, eagerly, each call torch's own.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from spmdgt._core import scope as _scope
 from spmdgt.compile._stats import CompileStats, first_line
 
-__all__ = ["CountingBackend", "eager_random", "wrong_when_compiled"]
+__all__ = ["CountingBackend", "dead_collectives_dropped", "eager_random", "wrong_when_compiled"]
 
 _OP_NODES = ("call_function", "call_method", "call_module")
 
@@ -66,7 +67,11 @@ class CountingBackend:
             compiled = gm  # as traced: each call torch's own
             self._stats.fallbacks[f"graph runs as traced: {wrong}"] += 1
         else:
-            with functorch_config.patch(force_non_lazy_backward_lowering=True), eager_random():
+            with (
+                functorch_config.patch(force_non_lazy_backward_lowering=True),
+                eager_random(),
+                dead_collectives_dropped(),
+            ):
                 compiled = self._real(gm, example_inputs)
         ops = sum(1 for n in gm.graph.nodes if n.op in _OP_NODES)
         self._stats.graphs += 1
@@ -145,6 +150,50 @@ def eager_random() -> Any:
     except ImportError:
         return contextlib.nullcontext()
     return inductor_config.patch(fallback_random=True)
+
+
+@contextlib.contextmanager
+def dead_collectives_dropped() -> Iterator[None]:
+    """While a backend compiles: a backward graph keeps no collective whose result nothing
+    reads. AOTAutograd's min-cut partitioner may recompute a saved value in the backward on
+    one rank and read it saved on another (uneven shards: one rank saves a slice of a
+    reduce-scatter's output, the other the output itself); the recomputation drags the
+    collective along, and DCE keeps it as a side effect, unused. That rank's backward then
+    issues a collective the others do not: a hang (found by the 2-D parity sweep with both
+    halves on, ``aminmax`` on ``mesh_s0s1``: ranks 0 and 1 in a reduce-scatter and an
+    all-gather against each other, torch 2.13). Torch's default partitioner drops such dead
+    functional collectives (``is_not_collective``), the min-cut one does not; this does it
+    there too, so every rank's backward issues the collectives its values need, the same on
+    every rank. Dropping one is exact: a functional collective's only effect is its result."""
+    from torch._functorch import partitioners
+
+    real = getattr(partitioners, "_extract_fwd_bwd_modules", None)
+    if real is None or getattr(real, "_gt_dead_collectives", False):
+        yield
+        return
+
+    def extract(*args: Any, **kwargs: Any) -> Any:
+        fw, bw = real(*args, **kwargs)
+        if _drop_dead_collectives(bw.graph):
+            bw.recompile()
+        return fw, bw
+
+    extract._gt_dead_collectives = True  # type: ignore[attr-defined]
+    partitioners._extract_fwd_bwd_modules = extract
+    try:
+        yield
+    finally:
+        partitioners._extract_fwd_bwd_modules = real
+
+
+def _is_functional_collective(node: Any) -> bool:
+    return getattr(node.target, "namespace", None) == "_c10d_functional"
+
+
+def _drop_dead_collectives(graph: Any) -> bool:
+    """Erase the functional collectives (and their waits) whose results nothing reads;
+    whether any was. Every other node stays as it is, dead or not."""
+    return graph.eliminate_dead_code(is_impure_node=lambda n: not _is_functional_collective(n))
 
 
 class _Runner:

@@ -155,12 +155,13 @@ class Graphs:
             try:
                 from torch._dynamo.backends.registry import lookup_backend
 
-                from spmdgt.compile._backend import eager_random
+                from spmdgt.compile._backend import dead_collectives_dropped, eager_random
 
                 with (
                     torch._C.DisableTorchFunction(),
                     _paused(),
                     eager_random(),
+                    dead_collectives_dropped(),
                     torch.set_grad_enabled(plan.grad),
                     _layouts(plan),
                 ):
