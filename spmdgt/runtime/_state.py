@@ -228,9 +228,12 @@ def _forget_inductor_threads_after_fork() -> None:
     # pool but not this one, so the child queues work no thread will run. Seen as the hang of
     # ``bench_compile.py --both``'s forked ``scope2`` ranks after three compiled cases, with a
     # cold inductor cache. Forgetting it lets the child make its own on first use.
+    # (read defensively: a fork hook that raised would fail every fork, DataLoader's too)
     async_compile = sys.modules.get("torch._inductor.async_compile")
-    if async_compile is not None:
-        async_compile.AsyncCompile.pool.cache_clear()
+    pool = getattr(getattr(async_compile, "AsyncCompile", None), "pool", None)
+    forget = getattr(pool, "cache_clear", None)
+    if forget is not None:
+        forget()
 
 
 os.register_at_fork(after_in_child=_forget_inductor_threads_after_fork)
