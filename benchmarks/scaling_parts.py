@@ -1,11 +1,19 @@
 """Where a ``scaling.py`` +read run spends its time: the parts of one ``rows @ rows`` row.
 
-``python benchmarks/scaling_parts.py [M K N]`` (default 512 512 512) forks 2 gloo ranks, one
-thread each, and times apart, after a barrier each: making both inputs (spmdgt: ``gt.randn``
-under a ``rows`` signal; raw DTensor: each rank's block drawn alone, ``from_local``), the
-matmul, and the host read (``.numpy()``; DTensor: ``full_tensor().numpy()``). Median of
-``ROUNDS`` (env, default 20) rounds, per rank, in milliseconds. Set ``GT_CHECK_SHAPES=0`` to
-take the creations' agreement points out (``docs/benchmarks.md``: the +read breakdown).
+``python benchmarks/scaling_parts.py [M K N] [--gloo]`` (default 512 512 512) forks 2 gloo
+ranks, one thread each, and times apart, after a barrier each: making both inputs (spmdgt:
+``gt.randn`` under a ``rows`` signal; raw DTensor: each rank's block drawn alone,
+``from_local``), the matmul, and the host read (``.numpy()``; DTensor:
+``full_tensor().numpy()``). Median of ``ROUNDS`` (env, default 20) rounds, per rank, in
+milliseconds. Set ``GT_CHECK_SHAPES=0`` to take the creations' agreement points out
+(``docs/benchmarks.md``: the +read breakdown).
+
+A third side, ``no move``, is the product's floor: each rank multiplies its row block by the
+whole second operand already in its memory (plain tensors, no collective), the time of
+``rows @ rows`` if gathering the second operand cost nothing. ``spmdgt``'s matmul over it is
+all that hiding the gather behind the multiply (issue 25's overlapped gather) could win.
+``--gloo``: spmdgt's data moves over gloo, as ranks on more than one host do (shared memory
+off).
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ import torch
 import torch.multiprocessing as mp
 
 
-def _rank(rank: int, world: int, path: str, q, m: int, k: int, n: int) -> None:
+def _rank(rank: int, world: int, path: str, q, m: int, k: int, n: int, gloo: bool) -> None:
     env = {"RANK": rank, "WORLD_SIZE": world, "LOCAL_RANK": rank, "LOCAL_WORLD_SIZE": world}
     os.environ.update({k: str(v) for k, v in env.items()})
     torch.set_num_threads(1)
@@ -30,7 +38,9 @@ def _rank(rank: int, world: int, path: str, q, m: int, k: int, n: int) -> None:
     from torch.distributed.tensor import DTensor, Shard
 
     import spmdgt as gt
+    from spmdgt.runtime import _shm
 
+    _shm.ENABLED = not gloo
     gt.register_config("rows", gt.SignalConfig(shard=gt.ShardConfig(axis=0)))
     mesh = gt.device_mesh()
 
@@ -53,9 +63,13 @@ def _rank(rank: int, world: int, path: str, q, m: int, k: int, n: int) -> None:
         with gt.signal.context("rows"):
             return [gt.randn(m, k), gt.randn(k, n)]
 
+    def floor_inputs() -> list:
+        return [torch.randn(rows(m), k), torch.randn(k, n)]
+
     sides = {
         "DTensor": (dtensor_inputs, lambda y: y.full_tensor().numpy()),
         "spmdgt": (spmdgt_inputs, lambda y: y.numpy()),
+        "no move": (floor_inputs, lambda y: y.numpy()),
     }
     rounds = int(os.environ.get("ROUNDS", "20"))
     times: dict[str, dict[str, list[float]]] = {s: {} for s in sides}
@@ -88,21 +102,29 @@ def _rank(rank: int, world: int, path: str, q, m: int, k: int, n: int) -> None:
 
 
 def main() -> None:
-    m, k, n = (int(x) for x in (sys.argv[1:4] if len(sys.argv) > 3 else (512, 512, 512)))
+    gloo = "--gloo" in sys.argv
+    sizes = [a for a in sys.argv[1:] if a != "--gloo"]
+    m, k, n = (int(x) for x in (sizes[:3] if len(sizes) > 2 else (512, 512, 512)))
     ctx = mp.get_context("fork")
     q = ctx.Queue()
     path = tempfile.mktemp()
-    procs = [ctx.Process(target=_rank, args=(r, 2, path, q, m, k, n)) for r in range(2)]
+    procs = [ctx.Process(target=_rank, args=(r, 2, path, q, m, k, n, gloo)) for r in range(2)]
     for p in procs:
         p.start()
     out = q.get(timeout=900)
     for p in procs:
         p.join()
-    print(f"({m},{k})@({k},{n}), 2 ranks, median ms per part")
+    how = "gloo" if gloo else "shared memory on one host"
+    print(f"({m},{k})@({k},{n}), 2 ranks, spmdgt's moves over {how}, median ms per part")
     for r, sides in enumerate(out):
         for side, parts in sides.items():
             text = "  ".join(f"{p} {t * 1e3:7.2f}" for p, t in parts.items())
             print(f"rank {r}  {side:8s} {text}")
+        floor = sides["no move"]["matmul"]
+        print(
+            f"rank {r}  matmul over no move's: spmdgt {sides['spmdgt']['matmul'] / floor:.3f}"
+            f"  DTensor {sides['DTensor']['matmul'] / floor:.3f}"
+        )
 
 
 if __name__ == "__main__":
