@@ -10,6 +10,7 @@ where the op has them.
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 import zlib
 from collections.abc import Iterator
@@ -22,7 +23,15 @@ from tests.parity.layouts import IDENTITY, min_dim, narrowed_rows, soft_cut
 from tests.parity.observe import Job, Recorder, Stage, map_tensors, observe, out_template
 from tests.parity.observe import primary_tensor as _primary
 
-__all__ = ["CANDIDATES", "SAMPLES_PER_ROW", "Case", "RowKey", "build_cases", "candidates"]
+__all__ = [
+    "CANDIDATES",
+    "SAMPLES_PER_ROW",
+    "Case",
+    "RowKey",
+    "build_cases",
+    "candidates",
+    "plain_torch",
+]
 
 # Samples tried per op (OpInfo's first ones with a tensor input of 1 or more dims), and
 # samples kept per row: enough to see more than one shape without multiplying the run time.
@@ -207,8 +216,34 @@ def _job(op: Any, variant: str, sample: Any, seed: int, values_compared: bool) -
     return Job(op, variant, sample, seed, backward, template, values_compared)
 
 
+def plain_torch(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` as plain torch in this process, whatever ``GT_*`` the sweep runs with.
+
+    The ranks are forked from this process and inherit the compile tools its ``import
+    spmdgt`` turned on from the environment (``GT_AUTO_COMPILE``, ``GT_WORKER_BATCH_SIZE``):
+    that is how a sweep runs them with both compile halves. The reference and the judge must
+    not run under them: a reference computed here would be a compiled one (the scenario rows'
+    references are computed after the first fork), and a defect of the compile pass would
+    then sit on both sides of the comparison. So the lazy regions' hooks are off
+    (``without_hooks``) and the hot functions' frame hook too (``torch._dynamo.disable``:
+    no frame callback; a function the program itself ``torch.compile``s still compiles, as
+    in one process). Free where neither is on."""
+    compile_mod = sys.modules.get("spmdgt.compile")
+    if compile_mod is None or not (compile_mod.is_enabled() or compile_mod.regions_enabled()):
+        return fn(*args)
+    import torch._dynamo
+
+    from spmdgt.compile._before_op import without_hooks
+
+    return torch._dynamo.disable(without_hooks)(fn, *args)
+
+
 def reference(job: Job, seed: int) -> dict[str, Stage]:
-    """What plain torch on this one process gives for ``job``."""
+    """What plain torch on this one process gives for ``job`` (``plain_torch``)."""
+    return plain_torch(_reference, job, seed)
+
+
+def _reference(job: Job, seed: int) -> dict[str, Stage]:
     rec = Recorder()
     torch.manual_seed(seed)
     with warnings.catch_warnings():

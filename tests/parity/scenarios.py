@@ -52,7 +52,7 @@ import torch
 
 from tests.parity import ledger
 from tests.parity.layouts import PLACEMENTS_2D, WORLD_2D, min_dim, rank_layout
-from tests.parity.prepare import RowKey, stable_seed
+from tests.parity.prepare import RowKey, plain_torch, stable_seed
 from tests.parity.sweep import SweepResult, line, report, summary
 from tests.parity.verdict import CRASH, DIFFERS, DISAGREE, EQUAL, HANG, RAISES
 
@@ -350,7 +350,8 @@ def run_rows(
                     break  # the group stopped after the last finished one: not run
                 sc = table[pending[i]]
                 ranks = [got.get((r, i)) for r in range(world)]
-                verdict = _judge(sc, _reference(sc, layout, world), ranks, ended)
+                want = plain_torch(_reference, sc, layout, world)
+                verdict = plain_torch(_judge, sc, want, ranks, ended)
                 result.rows[RowKey(sc.name, VARIANT, layout, world)] = verdict
                 if progress and verdict[0] != EQUAL:
                     print(f"  {verdict[0]:8} {sc.name} {layout} w{world}: {verdict[1]}")

@@ -220,7 +220,9 @@ def _run(keys: list[RowKey], timeout: float, progress: bool, ops: dict[str, Any]
 
         def note(i: int, run: runner.CaseRun, todo=todo, last=last, world=world) -> None:
             case = todo[i]
-            outcome, reason = judge(case.reference, run.status, run.observations, run.note)
+            outcome, reason = prepare.plain_torch(
+                judge, case.reference, run.status, run.observations, run.note
+            )
             verdicts.setdefault(case.key, []).append((case.sample_no, outcome, reason))
             if run.path:
                 paths.setdefault(case.key, []).append(run.path)

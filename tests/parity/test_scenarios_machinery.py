@@ -68,3 +68,37 @@ def test_rows_and_samples():
     assert len(sample) == 4 and sample == S.family_rows(
         worlds=(2, 3), table=_TABLE, sample=4, seed=1
     )
+
+
+def test_the_reference_and_the_judge_are_plain_torch_under_the_compile_tools(monkeypatch):
+    """A sweep run with both compile halves (``GT_WORKER_BATCH_SIZE``, ``GT_AUTO_COMPILE``) turns
+    them on in its own process too, where the scenario rows' references are computed after the
+    first fork: they ran recorded and compiled, with a defect of the pass on both sides of the
+    comparison. ``plain_torch`` runs them eagerly: nothing recorded, no frame hook."""
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback
+
+    import spmdgt
+    import spmdgt.compile as gt_compile
+    from tests.parity.prepare import plain_torch
+
+    monkeypatch.setenv("GT_LAZY_MIN_NUMEL", "1")  # the sweeps' setting: every op is recorded
+    sc = _TABLE["t.right"]
+    try:
+        assert gt_compile.enable_regions(batch=16, backend="eager")  # cheapest to compile
+        gt_compile.enable(backend="eager")
+        hook = gt_compile._hot.hook
+        hook.install()  # as once a function is hot
+        captured = lambda: gt_compile.stats()["regions"]["ops_captured"]  # noqa: E731
+        before = captured()
+        S._reference(sc, None, 1)  # as before: the reference's ops went into regions
+        assert captured() > before
+        before = captured()
+        got = plain_torch(S._reference, sc, None, 1)
+        assert captured() == before and got[0] == "ok"
+        assert get_eval_frame_callback() is hook.callback
+        assert plain_torch(get_eval_frame_callback) is None
+        assert get_eval_frame_callback() is hook.callback  # and back after
+    finally:
+        spmdgt.session.reset("compile")
+    assert not gt_compile.regions_enabled() and not gt_compile.is_enabled()
+    assert plain_torch(lambda: 7) == 7  # no tool on: called as is
