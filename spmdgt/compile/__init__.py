@@ -54,6 +54,7 @@ __all__ = [
     "enable_regions",
     "is_enabled",
     "maybe_enable_from_env",
+    "plain_torch",
     "regions_enabled",
     "stats",
     "status",
@@ -130,6 +131,30 @@ def disable() -> None:
             _debuglog.debug("compile", f"compile pass off: {p.status()}")
         p.stop()
         _provide()
+
+
+def plain_torch(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` as plain torch on this rank, whatever ``GT_*`` turned on: the open lazy
+    region is run first and records nothing inside, the hot functions' frame hook is out
+    (code the pass compiled runs eagerly; a function the program ``torch.compile``s itself
+    still compiles, as in one process; a code that turns hot meanwhile is compiled at a call
+    outside). For code that must be one process's torch: the parity sweeps' reference and
+    judge run in the process their ranks are forked from, which has the ranks' tools on.
+    Free where no half is on."""
+    hot, regions = _hot, _regions
+    if hot is None and regions is None:
+        return fn(*args)
+    from spmdgt.compile._before_op import without_hooks
+
+    if regions is not None:
+        regions.sync("plain torch")  # pending results are filled before plain torch reads
+    if hot is None:
+        return without_hooks(fn, *args)
+    prior = hot.hook.pause()
+    try:
+        return without_hooks(fn, *args)
+    finally:
+        hot.hook.resume(prior)
 
 
 def step() -> None:

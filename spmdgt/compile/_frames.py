@@ -90,6 +90,8 @@ class FrameHook:
         self._prior: Any = None
         self._orig_set: Any = None
         self.installed_at_ns = 0
+        self.paused = 0  # > 0 inside ``spmdgt.compile.plain_torch``: see ``pause``
+        self._install_after = False
 
     # -- per frame ------------------------------------------------------------------------------
     def on_frame(self, frame: Any, cache_entry: Any, frame_state: Any) -> Any:
@@ -176,9 +178,31 @@ class FrameHook:
             self._marked_user.discard(code)
 
     # -- install ------------------------------------------------------------------------------
+    def pause(self) -> Any:
+        """Out until ``resume``: dynamo's frame callback is None, so no frame is compiled and
+        compiled code runs eagerly (a ``torch.compile`` of the program's own sets its own
+        callback, as in one process). An ``install`` asked for meanwhile (a code turned hot)
+        waits for the last ``resume``. Returns what ``resume`` restores."""
+        from torch._C._dynamo.eval_frame import set_eval_frame
+
+        self.paused += 1
+        return set_eval_frame(None)
+
+    def resume(self, prior: Any) -> None:
+        from torch._C._dynamo.eval_frame import set_eval_frame
+
+        set_eval_frame(prior)
+        self.paused -= 1
+        if not self.paused and self._install_after:
+            self._install_after = False
+            self.install()
+
     def install(self) -> None:
         """Put the hook in (this thread: the rank's), and watch for the user's regions."""
         if self.installed:
+            return
+        if self.paused:
+            self._install_after = True
             return
         from torch._C._dynamo.eval_frame import set_eval_frame
         from torch._dynamo import eval_frame

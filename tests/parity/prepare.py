@@ -224,18 +224,11 @@ def plain_torch(fn: Any, *args: Any) -> Any:
     that is how a sweep runs them with both compile halves. The reference and the judge must
     not run under them: a reference computed here would be a compiled one (the scenario rows'
     references are computed after the first fork), and a defect of the compile pass would
-    then sit on both sides of the comparison. So the lazy regions' hooks are off
-    (``without_hooks``) and the hot functions' frame hook too (``torch._dynamo.disable``:
-    no frame callback; a function the program itself ``torch.compile``s still compiles, as
-    in one process). Free where neither is on."""
+    then sit on both sides of the comparison (``spmdgt.compile.plain_torch``)."""
     compile_mod = sys.modules.get("spmdgt.compile")
-    if compile_mod is None or not (compile_mod.is_enabled() or compile_mod.regions_enabled()):
+    if compile_mod is None:
         return fn(*args)
-    import torch._dynamo
-
-    from spmdgt.compile._before_op import without_hooks
-
-    return torch._dynamo.disable(without_hooks)(fn, *args)
+    return compile_mod.plain_torch(fn, *args)
 
 
 def reference(job: Job, seed: int) -> dict[str, Stage]:

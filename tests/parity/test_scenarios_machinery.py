@@ -4,6 +4,8 @@ different values is ``disagree``, and a group goes on after each (scenarios.py).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from tests.parity import scenarios as S
@@ -81,13 +83,19 @@ def test_the_reference_and_the_judge_are_plain_torch_under_the_compile_tools(mon
     import spmdgt.compile as gt_compile
     from tests.parity.prepare import plain_torch
 
+    assert plain_torch(lambda: 7) == 7  # no tool on: called as is
     monkeypatch.setenv("GT_LAZY_MIN_NUMEL", "1")  # the sweeps' setting: every op is recorded
     sc = _TABLE["t.right"]
     try:
         assert gt_compile.enable_regions(batch=16, backend="eager")  # cheapest to compile
         gt_compile.enable(backend="eager")
         hook = gt_compile._hot.hook
-        hook.install()  # as once a function is hot
+
+        def turns_hot() -> Any:  # a code turns hot inside: the hook goes in after, not here
+            hook.install()
+            return hook.installed, get_eval_frame_callback()
+
+        assert plain_torch(turns_hot) == (False, None) and hook.installed
         captured = lambda: gt_compile.stats()["regions"]["ops_captured"]  # noqa: E731
         before = captured()
         S._reference(sc, None, 1)  # as before: the reference's ops went into regions
@@ -101,4 +109,3 @@ def test_the_reference_and_the_judge_are_plain_torch_under_the_compile_tools(mon
     finally:
         spmdgt.session.reset("compile")
     assert not gt_compile.regions_enabled() and not gt_compile.is_enabled()
-    assert plain_torch(lambda: 7) == 7  # no tool on: called as is
