@@ -286,12 +286,38 @@ def stats() -> dict[str, Any]:
 
 
 def _provide() -> None:
-    """Point ``get_worker_stats`` at these counters while a half runs."""
+    """Point ``get_worker_stats`` at these counters while a half runs, and keep AOTAutograd
+    from donating buffers meanwhile (``_donation``)."""
     from spmdgt import debug
 
-    debug.set_compilation_stats_provider(
-        stats if _hot is not None or _regions is not None else None
-    )
+    on = _hot is not None or _regions is not None
+    debug.set_compilation_stats_provider(stats if on else None)
+    _donation(on)
+
+
+_donated_before: Any = None  # torch's setting while a half runs (None: no half runs)
+
+
+def _donation(on: bool) -> None:
+    """AOTAutograd's donated buffers off while a half runs, torch's setting back after.
+
+    Donating saved tensors to a compiled backward frees them in it, and such a backward
+    refuses ``retain_graph=True`` and ``create_graph=True`` with a ``RuntimeError``: a program
+    that runs eagerly with a second backward through one graph (several losses, a GAN's two
+    steps) failed only because the pass compiled its forward (the autograd scenario sweep
+    with both halves on). Torch decides it when a backward compiles (at the forward's compile
+    under ``force_non_lazy_backward_lowering``, else at the first backward) and checks it
+    again at every backward, so a setting patched around the pass's compiles is not enough:
+    it is off for the process while the pass runs. It only saves memory; values are alike."""
+    global _donated_before
+    import torch._functorch.config as functorch_config
+
+    if on and _donated_before is None:
+        _donated_before = functorch_config.donated_buffer
+        functorch_config.donated_buffer = False
+    elif not on and _donated_before is not None:
+        functorch_config.donated_buffer = _donated_before
+        _donated_before = None
 
 
 def compile_disabled() -> bool:

@@ -30,10 +30,18 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
+
 from spmdgt._core import scope as _scope
 from spmdgt.compile._stats import CompileStats, first_line
 
-__all__ = ["CountingBackend", "dead_collectives_dropped", "eager_random", "wrong_when_compiled"]
+__all__ = [
+    "CountingBackend",
+    "dead_collectives_dropped",
+    "eager_random",
+    "refuse_double_backward",
+    "wrong_when_compiled",
+]
 
 _OP_NODES = ("call_function", "call_method", "call_module")
 
@@ -152,6 +160,39 @@ def eager_random() -> Any:
     return inductor_config.patch(fallback_random=True)
 
 
+def refuse_double_backward(out: Any, what: str) -> Any:
+    """``out`` (a compiled graph's outputs), each output's autograd node made to refuse a
+    backward that builds a graph (``create_graph=True``) with a clear error.
+
+    A compiled graph's backward is not differentiable again (AOTAutograd), and where none of
+    its saved tensors needs grad its gradients reach no input: ``torch.autograd.grad`` then
+    says the input was unused, and ``torch.autograd.functional.hessian`` and the like, which
+    take an unused input's gradient as zero, returned zeros where eager gives the Hessian
+    (found by the autograd scenario sweep with both halves on). The program did not ask for
+    the compile, so the error says what to do. A backward without ``create_graph`` (the
+    common one) passes untouched; the node runs with grad mode on only under it."""
+    if not torch.is_grad_enabled():
+        return out
+    seen: set[Any] = set()
+    for t in out if isinstance(out, (list, tuple)) else (out,):
+        node = getattr(t, "grad_fn", None)
+        if node is not None and node not in seen:
+            seen.add(node)
+            node.register_prehook(functools.partial(_refuse_twice, what))
+    return out
+
+
+def _refuse_twice(what: str, grad_outputs: Any) -> None:
+    if torch.is_grad_enabled():  # the engine runs a node in grad mode under create_graph
+        raise RuntimeError(
+            f"spmdgt: a backward with create_graph=True reached {what}, which spmdgt's compile "
+            "pass compiled, and a compiled graph cannot be differentiated twice: its second "
+            "derivatives would be missing (zeros). Run that forward as plain torch: without "
+            "GT_AUTO_COMPILE / GT_WORKER_BATCH_SIZE, or inside "
+            "spmdgt.compile.plain_torch(fn, *args)."
+        )
+
+
 @contextlib.contextmanager
 def dead_collectives_dropped() -> Iterator[None]:
     """While a backend compiles: a backward graph keeps no collective whose result nothing
@@ -223,16 +264,21 @@ class _Runner:
             return without_hooks(self._run, args)
         return self._run(args)
 
+    def _where(self) -> str:
+        return _where_code(self._code)
+
     def _run(self, args: tuple) -> Any:
         st = self._owner._stats
         st.graph_runs += 1
         st.compiled_ops += self._ops
-        if self._first:
-            self._first = False
-        else:
+        first, self._first = self._first, False
+        if not first:
             st.cache_hits += 1
         try:
-            return _join(self._fn(*args))
+            out = self._fn(*args)
+            if self._fn is not self._gm:
+                refuse_double_backward(out, f"the graph of {self._where()}")
+            return _join(out)
         except Exception as e:
             if self._fn is self._gm:
                 raise  # already eager: the program's own error
@@ -250,6 +296,13 @@ class _Runner:
             reason = f"runtime error: {type(e).__name__}: {first_line(e)}"
             self._owner._on_runtime_error(self._code, reason)
             return out
+
+
+def _where_code(code: Any) -> str:
+    name = getattr(code, "co_name", None)
+    if name is None:
+        return "a hot function"
+    return f"hot function {name} ({code.co_filename}:{code.co_firstlineno})"
 
 
 def _join(out: Any) -> Any:

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from spmdgt.compile._backend import refuse_double_backward
 from spmdgt.compile._plan import Plan
 from spmdgt.compile._stats import first_line
 
@@ -64,9 +65,13 @@ class Graphs:
         self._per_region: Counter[str] = Counter()
         self._floats: OrderedDict[Any, list] = OrderedDict()
 
-    def run(self, plan: Plan, region: str) -> Any:
-        """The plan's results (a sequence, one per live placeholder)."""
+    def run(self, plan: Plan, region: str, eager: bool = False) -> Any:
+        """The plan's results (a sequence, one per live placeholder). ``eager``: its FX graph
+        op by op, nothing compiled or cached (a region whose results will be differentiated
+        twice: ``LazyPass``)."""
         rng = plan.rng
+        if eager:
+            return self._eager(plan)
         if rng is None:
             return self._run(plan, region)
         # the region's draws start from the state its first draw was recorded at, as eager's
@@ -78,6 +83,20 @@ class Graphs:
             return self._run(plan, region)
         finally:
             if not torch.equal(now, plan.rng_state):
+                rng.set_state(now)
+
+    def _eager(self, plan: Plan) -> Any:
+        gm = _build(plan, (False,) * len(plan.floats))
+        self.stats.eager_runs += 1
+        rng = plan.rng
+        now = rng.get_state() if rng is not None else None
+        if rng is not None:
+            rng.set_state(plan.rng_state)
+        try:
+            with torch._C.DisableTorchFunction(), torch.set_grad_enabled(plan.grad), _layouts(plan):
+                return gm(*plan.inputs)
+        finally:
+            if rng is not None and not torch.equal(now, plan.rng_state):
                 rng.set_state(now)
 
     def _run(self, plan: Plan, region: str) -> Any:
@@ -102,7 +121,7 @@ class Graphs:
             st.graph_runs += 1
             st.compiled_ops += entry.ops
             try:
-                return entry.fn(*args)
+                return refuse_double_backward(entry.fn(*args), f"lazy region {region!r}")
             except Exception as e:
                 if plan.comm:
                     # the other ranks ran (or wait in) this graph's collectives: an eager

@@ -166,7 +166,7 @@ class LazyPass:
                     self.flush("batch size")
                 return got
         if reg.nodes:
-            self.flush(_name(func))
+            self.flush(_name(func), eager=_twice(func, args, kwargs))
         return PASS
 
     def _capture(
@@ -198,8 +198,9 @@ class LazyPass:
         if not self.busy:
             self.flush(what)
 
-    def flush(self, reason: str) -> None:
-        """Run the open region (compiled, else eagerly) and fill its placeholders."""
+    def flush(self, reason: str, eager: bool = False) -> None:
+        """Run the open region (compiled, else eagerly; ``eager``: op by op) and fill its
+        placeholders."""
         reg = self.region
         if not reg.nodes:
             return
@@ -216,7 +217,7 @@ class LazyPass:
                 st.dead += 1
                 return
             graphs = self.graphs if plan.mesh is None else self.sharded
-            fill(plan, graphs.run(plan, self.scopes[-1] if self.scopes else "batch"))
+            fill(plan, graphs.run(plan, self.scopes[-1] if self.scopes else "batch", eager))
             plan = None
         finally:
             if plan is not None:  # the program's own error propagates: no result is kept
@@ -246,6 +247,25 @@ class LazyPass:
         got = self.stats.snapshot(len(self.graphs) + len(self.sharded))
         got["ops_captured"] += self.region.calls  # the open region's too
         return got
+
+
+# where ``create_graph`` is among the positional arguments of the calls that differentiate
+_CREATE_GRAPH_AT = {torch.autograd.grad: 4, torch.autograd.backward: 3, _Tensor.backward: 3}
+
+
+def _twice(func: Any, args: tuple, kwargs: dict | None) -> bool:
+    """Whether ``func`` is a backward with ``create_graph=True``: the region it ends then runs
+    op by op. A compiled graph's backward is not differentiable again (AOTAutograd): its
+    gradients would reach no input, and ``torch.autograd.functional.hessian`` and the like,
+    which take an unreached input's gradient as zero, returned zeros where eager gives the
+    Hessian (found by the autograd scenario sweep with both halves on). The same calls on
+    every rank decide it alike."""
+    at = _CREATE_GRAPH_AT.get(func)
+    if at is None:
+        return False
+    if kwargs and "create_graph" in kwargs:
+        return bool(kwargs["create_graph"])
+    return len(args) > at and bool(args[at])
 
 
 def _grad() -> bool:

@@ -270,3 +270,25 @@ def test_the_pass_alone_counts_and_a_tool_turns_recording_on(compile_pass):
     ops = gt.debug.get_worker_stats()[0]["operations"]
     assert ops["eager"] > 0 and ops["compiled"] > 0, ops
     assert gt_compile.stats()["compiled"] == 1
+
+
+def test_a_second_backward_through_a_hot_function(compile_pass):
+    """``retain_graph=True`` through a compiled hot function works (no donated buffers: it
+    raised a RuntimeError the program would not have eagerly); ``create_graph=True`` through
+    it raises a clear error, where the second derivative would be missing."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 16, requires_grad=True)
+    w1, w2 = torch.randn(16, 32, requires_grad=True), torch.randn(32, 4, requires_grad=True)
+    ref = _mlp(x, w1, w2).pow(2).sum()
+    (want,) = torch.autograd.grad(ref, w1)
+    compile_pass()
+    _call_until_compiled(_mlp, x, w1, w2)
+    loss = _mlp(x, w1, w2).pow(2).sum()
+    (once,) = torch.autograd.grad(loss, w1, retain_graph=True)
+    (again,) = torch.autograd.grad(loss, w1)
+    torch.testing.assert_close(once, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(again, want, rtol=1e-6, atol=1e-6)
+    loss = _mlp(x, w1, w2).pow(2).sum()
+    with pytest.raises(RuntimeError, match="cannot be differentiated twice"):
+        torch.autograd.grad(loss, x, create_graph=True)
+    assert gt_compile.stats()["fallbacks"] == {}

@@ -265,3 +265,29 @@ def test_both_variables_set_turn_both_halves_on(monkeypatch):
     finally:
         spmdgt.session.reset("compile")
         _control.disable()
+
+
+def test_a_second_backward_through_a_region_is_exact_or_refused(regions):
+    """``retain_graph=True`` through a compiled region works (no donated buffers); a backward
+    with ``create_graph=True`` that ends the open region runs it op by op, so its second
+    derivative is eager's; one that reaches a region compiled before raises a clear error
+    (it returned zeros for ``torch.autograd.functional.hessian``, found by the autograd
+    scenario sweep with both halves on)."""
+    torch.manual_seed(0)
+    x = torch.randn(N, N, requires_grad=True)
+    cube = lambda t: (t**3).sum()  # noqa: E731
+    ones, first, second = torch.ones(N, N), 6 * x.detach() ** 2, 6 * x.detach()
+    regions(batch=1000)
+    z = cube(x)
+    z.backward(retain_graph=True)  # ends the region: compiled
+    z.backward()
+    torch.testing.assert_close(x.grad, first, rtol=1e-6, atol=1e-6)
+    (g,) = torch.autograd.grad(cube(x), x, create_graph=True)  # the open region: eagerly
+    (gg,) = torch.autograd.grad(g, x, ones)
+    torch.testing.assert_close(gg, second, rtol=1e-6, atol=1e-6)
+    z = cube(x)
+    z.item()  # ended by a read: the compiled graph again
+    with pytest.raises(RuntimeError, match="cannot be differentiated twice"):
+        torch.autograd.grad(z, x, create_graph=True)
+    st = _reg()
+    assert st["compiled"] == 1 and st["eager_runs"] == 1 and st["fallbacks"] == {}, st
