@@ -70,6 +70,13 @@ class CountingBackend:
         # the backward too, now: a failure is then a compile error of this frame (agreed on
         # every rank, run eagerly), never an error inside the program's backward(), and its
         # time is the compile's; random ops draw eager's numbers (``eager_random``)
+        if _on_ranks(example_inputs):
+            drawn = _draws(gm)
+            if drawn is not None:  # a compile error: every rank runs the function eagerly
+                raise RuntimeError(
+                    f"{drawn} on sharded tensors: a compiled graph draws per shard, spmdgt "
+                    "draws one process's numbers (the function runs eagerly)"
+                )
         wrong = wrong_when_compiled(gm)
         if wrong is not None:
             compiled = gm  # as traced: each call torch's own
@@ -121,6 +128,58 @@ def wrong_when_compiled(gm: Any) -> str | None:
             name = getattr(n.target, "__name__", str(n.target))
             return f"{name}{'(out=)' if known[0] else ''}: {known[1]}"
     return None
+
+
+# what a draw's name holds (dynamo's graphs keep ``F.dropout``, ``F.rrelu``; ``nn.init`` and
+# ``gumbel_softmax`` come inlined, as ``uniform_``, ``normal_``, ``exponential_``...)
+_DRAWS = (
+    "rand", "dropout", "bernoulli", "normal", "uniform", "multinomial", "poisson",
+    "exponential", "geometric", "cauchy", "rrelu", "random_", "fractional_max_pool", "gumbel",
+)  # fmt: skip
+
+
+def _draws(gm: Any) -> str | None:
+    """The first call in ``gm`` that draws random numbers (by name), or None.
+
+    On sharded tensors spmdgt draws one process's numbers: every rank moves the generator
+    past the whole tensor and keeps its own rows (``tensor/_random``). A compiled graph draws
+    on each rank's shard with its own offsets, so ranks held different values and different
+    generator states (``nn.init`` on a sharded parameter, ``Dropout`` on a sharded batch in a
+    hot function: the random scenario sweep with both halves on). Such a graph is not
+    compiled: its compile fails, on every rank alike (the graph is the same on every rank),
+    and the function runs eagerly, each call spmdgt's own. Only a draw whose tensor is a
+    DTensor counts: on plain tensors (a data-parallel model's dropout) each rank draws its
+    own numbers, compiled as eagerly (``eager_random``). Over-matching costs speed only.
+    Still open: ``F.gumbel_softmax`` on a sharded tensor in a hot function, where dynamo traces
+    into spmdgt's own route and its draws reach graphs on the local shards."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    for n in gm.graph.nodes:
+        if n.op == "call_method":
+            name = str(n.target)
+        elif n.op == "call_function":
+            name = getattr(n.target, "__name__", "")
+        else:
+            continue
+        if not any(d in name for d in _DRAWS):
+            continue
+        first = n.args[0] if n.args else None
+        value = first.meta.get("example_value") if hasattr(first, "meta") else None
+        if dtensor is not None and isinstance(value, dtensor.DTensor):
+            return name  # a draw on a sharded tensor (on plain ones each rank draws its own)
+    return None
+
+
+def _on_ranks(example_inputs: list) -> bool:
+    """More than one rank and a DTensor input, on any mesh (a sub-mesh of one rank too: the
+    ranks off it move their generators as the ranks on it do, in spmdgt's draws)."""
+    from spmdgt.runtime import _agree
+
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return (
+        dtensor is not None
+        and _agree.active()
+        and any(isinstance(x, dtensor.DTensor) for x in example_inputs)
+    )
 
 
 def _moves_data(gm: Any, example_inputs: list) -> bool:
