@@ -81,6 +81,7 @@ def test_the_reference_and_the_judge_are_plain_torch_under_the_compile_tools(mon
 
     import spmdgt
     import spmdgt.compile as gt_compile
+    from spmdgt.interceptor import _control
     from tests.parity.prepare import plain_torch
 
     assert plain_torch(lambda: 7) == 7  # no tool on: called as is
@@ -108,4 +109,5 @@ def test_the_reference_and_the_judge_are_plain_torch_under_the_compile_tools(mon
         assert get_eval_frame_callback() is hook.callback  # and back after
     finally:
         spmdgt.session.reset("compile")
+        _control.disable()  # the pass turned the interceptor on: later tests count with it off
     assert not gt_compile.regions_enabled() and not gt_compile.is_enabled()
