@@ -219,7 +219,7 @@ def eager_random() -> Any:
     return inductor_config.patch(fallback_random=True)
 
 
-def refuse_double_backward(out: Any, what: str) -> Any:
+def refuse_double_backward(out: Any, what: Callable[[], str]) -> Any:
     """``out`` (a compiled graph's outputs), each output's autograd node made to refuse a
     backward that builds a graph (``create_graph=True``) with a clear error.
 
@@ -228,8 +228,9 @@ def refuse_double_backward(out: Any, what: str) -> Any:
     says the input was unused, and ``torch.autograd.functional.hessian`` and the like, which
     take an unused input's gradient as zero, returned zeros where eager gives the Hessian
     (found by the autograd scenario sweep with both halves on). The program did not ask for
-    the compile, so the error says what to do. A backward without ``create_graph`` (the
-    common one) passes untouched; the node runs with grad mode on only under it."""
+    the compile, so the error says what to do (``what()`` names the graph, called only
+    then). A backward without ``create_graph`` (the common one) passes untouched; the node
+    runs with grad mode on only under it."""
     if not torch.is_grad_enabled():
         return out
     seen: set[Any] = set()
@@ -241,10 +242,10 @@ def refuse_double_backward(out: Any, what: str) -> Any:
     return out
 
 
-def _refuse_twice(what: str, grad_outputs: Any) -> None:
+def _refuse_twice(what: Callable[[], str], grad_outputs: Any) -> None:
     if torch.is_grad_enabled():  # the engine runs a node in grad mode under create_graph
         raise RuntimeError(
-            f"spmdgt: a backward with create_graph=True reached {what}, which spmdgt's compile "
+            f"spmdgt: a backward with create_graph=True reached {what()}, which spmdgt's compile "
             "pass compiled, and a compiled graph cannot be differentiated twice: its second "
             "derivatives would be missing (zeros). Run that forward as plain torch: without "
             "GT_AUTO_COMPILE / GT_WORKER_BATCH_SIZE, or inside "
@@ -324,7 +325,7 @@ class _Runner:
         return self._run(args)
 
     def _where(self) -> str:
-        return _where_code(self._code)
+        return f"the graph of {_where_code(self._code)}"
 
     def _run(self, args: tuple) -> Any:
         st = self._owner._stats
@@ -336,7 +337,7 @@ class _Runner:
         try:
             out = self._fn(*args)
             if self._fn is not self._gm:
-                refuse_double_backward(out, f"the graph of {self._where()}")
+                refuse_double_backward(out, self._where)
             return _join(out)
         except Exception as e:
             if self._fn is self._gm:

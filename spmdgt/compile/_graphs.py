@@ -121,7 +121,8 @@ class Graphs:
             st.graph_runs += 1
             st.compiled_ops += entry.ops
             try:
-                return refuse_double_backward(entry.fn(*args), f"lazy region {region!r}")
+                out = entry.fn(*args)
+                return refuse_double_backward(out, lambda: f"lazy region {region!r}")
             except Exception as e:
                 if plan.comm:
                     # the other ranks ran (or wait in) this graph's collectives: an eager
