@@ -70,17 +70,15 @@ class Graphs:
         op by op, nothing compiled or cached (a region whose results will be differentiated
         twice: ``LazyPass``)."""
         rng = plan.rng
-        if eager:
-            return self._eager(plan)
         if rng is None:
-            return self._run(plan, region)
+            return self._eager(plan) if eager else self._run(plan, region)
         # the region's draws start from the state its first draw was recorded at, as eager's
         # did; if the program moved the generator since (``manual_seed``, which no hook sees),
         # eager's draws came before that and the program's state is kept
         now = rng.get_state()
         rng.set_state(plan.rng_state)
         try:
-            return self._run(plan, region)
+            return self._eager(plan) if eager else self._run(plan, region)
         finally:
             if not torch.equal(now, plan.rng_state):
                 rng.set_state(now)
@@ -88,16 +86,8 @@ class Graphs:
     def _eager(self, plan: Plan) -> Any:
         gm = _build(plan, (False,) * len(plan.floats))
         self.stats.eager_runs += 1
-        rng = plan.rng
-        now = rng.get_state() if rng is not None else None
-        if rng is not None:
-            rng.set_state(plan.rng_state)
-        try:
-            with torch._C.DisableTorchFunction(), torch.set_grad_enabled(plan.grad), _layouts(plan):
-                return gm(*plan.inputs)
-        finally:
-            if rng is not None and not torch.equal(now, plan.rng_state):
-                rng.set_state(now)
+        with torch._C.DisableTorchFunction(), torch.set_grad_enabled(plan.grad), _layouts(plan):
+            return gm(*plan.inputs)
 
     def _run(self, plan: Plan, region: str) -> Any:
         key, dyn = self._key(plan)
