@@ -150,8 +150,9 @@ def _draws(gm: Any) -> str | None:
     and the function runs eagerly, each call spmdgt's own. Only a draw whose tensor is a
     DTensor counts: on plain tensors (a data-parallel model's dropout) each rank draws its
     own numbers, compiled as eagerly (``eager_random``). Over-matching costs speed only.
-    Still open: ``F.gumbel_softmax`` on a sharded tensor in a hot function, where dynamo traces
-    into spmdgt's own route and its draws reach graphs on the local shards."""
+    The trace itself leaves DTensor's sharding of the draw in DTensor's cache; spmdgt clears
+    it before its next call (``tensor/_random``, ``note_outside``), or the eager run that
+    follows the refusal would draw per shard from it (``F.gumbel_softmax``)."""
     dtensor = sys.modules.get("torch.distributed.tensor")
     for n in gm.graph.nodes:
         if n.op == "call_method":

@@ -352,9 +352,12 @@ def install() -> None:
 
     def propagate(op_call, args, kwargs, op_info, *rest, **kw):
         ours = torch._C._get_dtensor_allow_implicit_replication()
-        if _random.draws(op_call, args, kwargs) and not _fallback.tracing(args):
-            if ours:  # one process's numbers and generator states (see _random)
+        if _random.draws(op_call, args, kwargs):
+            if ours and not _fallback.tracing(args):  # one process's numbers (see _random)
                 return _random.run(op_call, args, kwargs)
+            # DTensor's sharding for it goes into DTensor's cache, where spmdgt's next call
+            # would find it and draw per shard: outside spmdgt's calls, and while dynamo
+            # traces (a hot function's trace that then fell back to eager)
             _random.note_outside()
         p = plan(op_call)  # the op's record: see _registry
         partial = p.partial  # every DTensor op's, ours or not: a Partial kept wrongly

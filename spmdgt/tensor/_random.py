@@ -33,7 +33,9 @@ asking ``_hook``. ``_hook`` notes such a draw (``note_outside``) and the next sp
 clears DTensor's cache first (``settle``).
 
 Inside ``torch.compile`` tracing (fake tensors) nothing here runs: the compiled graph draws as
-DTensor does (docs/exactness.md, "Random numbers: composite ops").
+DTensor does (docs/exactness.md, "Random numbers: composite ops"). The trace leaves DTensor's
+sharding of the draw in that same cache, so it is noted as an outside draw too: a hot
+function refused for its draw runs eagerly next, and drew per shard from the cache.
 """
 
 from __future__ import annotations

@@ -50,9 +50,10 @@ def _draw_then_no_rule(x):
     return y + torch.rand_like(y), torch.nonzero(y > 1.0)
 
 
-def _program(put, outside=None) -> dict[str, dict]:
+def _program(put, outside=None, traced=None) -> dict[str, dict]:
     """Every check on tensors laid out by ``put`` (plain in the reference); name -> results.
-    ``outside(x)`` (ranks only) first draws on ``x``'s layout with DTensor itself."""
+    ``outside(x)`` (ranks only) first draws on ``x``'s layout with DTensor itself;
+    ``traced(x)`` traces a draw on it with fake tensors, as dynamo does."""
     out = {}
 
     torch.manual_seed(1)
@@ -118,6 +119,13 @@ def _program(put, outside=None) -> dict[str, dict]:
     if outside is not None:
         outside(x)
     out["after_a_dtensor_draw"] = _after({"y": _np(F.gumbel_softmax(x))})
+
+    # a trace (a hot function's compile that then fell back to eager) fills the same cache
+    torch.manual_seed(11)
+    x = put(_data(10))
+    if traced is not None:
+        traced(x)
+    out["after_a_trace"] = _after({"y": _np(F.gumbel_softmax(x))})
     return out
 
 
@@ -140,7 +148,13 @@ def _ranks(rank, world, signal):
         d.exponential_()
         torch.set_rng_state(state)  # its per-shard draw is not the program's
 
-    return _program(put, outside)
+    def traced(x):
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with FakeTensorMode() as fake:
+            F.gumbel_softmax(fake.from_tensor(x))  # no data: DTensor's sharding, cached
+
+    return _program(put, outside, traced)
 
 
 @pytest.mark.parametrize("world", [2, 3])
