@@ -77,6 +77,12 @@ class CountingBackend:
                     f"{drawn} on sharded tensors: a compiled graph draws per shard, spmdgt "
                     "draws one process's numbers (the function runs eagerly)"
                 )
+            view = _view_of_input(gm)
+            if view is not None:
+                raise RuntimeError(
+                    f"output {view} is a view of a sharded input: AOTAutograd would make it "
+                    "again with as_strided, which DTensor refuses (the function runs eagerly)"
+                )
         wrong = wrong_when_compiled(gm)
         if wrong is not None:
             compiled = gm  # as traced: each call torch's own
@@ -167,6 +173,47 @@ def _draws(gm: Any) -> str | None:
         value = first.meta.get("example_value") if hasattr(first, "meta") else None
         if dtensor is not None and isinstance(value, dtensor.DTensor):
             return name  # a draw on a sharded tensor (on plain ones each rank draws its own)
+    return None
+
+
+def _view_of_input(gm: Any) -> str | None:
+    """The first output of ``gm`` (its name) that is a view of a DTensor input with another
+    shape, or None.
+
+    AOTAutograd does not return such an output from the compiled graph: it makes it again
+    from the input at run time (``gen_alias_from_base``), replaying the view or, failing that,
+    with ``as_strided``, which DTensor refuses unless the view is the whole tensor. On a
+    sub-mesh value the ranks outside the mesh hold no data, DTensor makes them no view, and
+    only the ranks inside failed: ``autograd.functional.hessian(f, x[:, 0])`` in a hot
+    function ended the process groups on one rank (the both-halves scenario sweep). Read
+    off the traced fake tensors (a view shares its input's storage), so the ranks may
+    decide apart; the compile's result is agreed by every rank after it."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is None:
+        return None
+
+    def local(node: Any) -> Any:
+        value = node.meta.get("example_value") if hasattr(node, "meta") else None
+        return value._local_tensor if isinstance(value, dtensor.DTensor) else None
+
+    inputs = {}
+    for n in gm.graph.find_nodes(op="placeholder"):
+        t = local(n)
+        if t is not None:
+            inputs[StorageWeakRef(t.untyped_storage())] = n.meta["example_value"]
+    if not inputs:
+        return None
+    out = next(iter(gm.graph.find_nodes(op="output")))
+    for n in out.all_input_nodes:
+        t = local(n)
+        if t is None:
+            continue
+        base = inputs.get(StorageWeakRef(t.untyped_storage()))
+        value = n.meta["example_value"]
+        if base is not None and (base.size() != value.size() or base.stride() != value.stride()):
+            return n.name
     return None
 
 

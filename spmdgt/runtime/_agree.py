@@ -159,6 +159,12 @@ def closed(why: str) -> Iterator[list[tuple[str, str]]]:
             prior[2].extend(seen)
 
 
+def _closed_here() -> bool:
+    """Are the exchanges closed on this thread (``closed``)? Read on error paths only."""
+    closed = _closed
+    return closed is not None and closed[1] == threading.get_ident()
+
+
 def _refuse(what: str, site: str | None) -> None:
     """Raise :class:`ClosedError` for a point reached while closed, on the closing thread."""
     assert _closed is not None
@@ -205,7 +211,7 @@ def setup(rank: int, world: int) -> None:
     if not _at_exit:
         atexit.register(_end_at_exit)
         _at_exit = True
-    _errors.setup(rank, world, _drop_side_group, _last_agreed)
+    _errors.setup(rank, world, _drop_side_group, _last_agreed, _closed_here)
 
 
 def _drop_side_group() -> None:

@@ -106,6 +106,9 @@ _drop_side_group: Callable[[], None] = _drop_nothing
 # detail, call site). The exchange keeps it (its hot path writes it at every point) and only
 # an error reads it.
 _last_agreed: Callable[[], tuple[int, str, str, str]] = _none_yet
+# the exchange's way to tell whether this thread is inside dynamo's compile of a hot function,
+# where no exchange may run (``_agree.closed``): an error there is the compile's to decide
+_closed_here: Callable[[], bool] = bool
 
 _ROOTS = (
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))),  # spmdgt/
@@ -127,14 +130,16 @@ def setup(
     world: int,
     drop_side_group: Callable[[], None],
     last_agreed: Callable[[], tuple[int, str, str, str]],
+    closed_here: Callable[[], bool] = bool,
 ) -> None:
     """Start this rank's error paths (from ``_agree.setup``, every rank): ``drop_side_group``
     drops the exchange's references to its side group, so that ending the process groups
     after a failure on one rank frees it and closes its connections; ``last_agreed`` tells
-    this rank's last agreed point (number, what, detail, call site)."""
-    global _on, _rank, out_of_step, _drop_side_group, _last_agreed
+    this rank's last agreed point (number, what, detail, call site); ``closed_here`` whether
+    this thread is where exchanges are closed (dynamo compiling a hot function)."""
+    global _on, _rank, out_of_step, _drop_side_group, _last_agreed, _closed_here
     _on, _rank, out_of_step = True, rank, None
-    _drop_side_group, _last_agreed = drop_side_group, last_agreed
+    _drop_side_group, _last_agreed, _closed_here = drop_side_group, last_agreed, closed_here
     _failed.setup(rank, world)
     _install_excepthook()
 
@@ -281,6 +286,13 @@ def translate(e: BaseException, op: object) -> BaseException:
     The new error's ``__cause__`` is ``e``. Runs on the error path only."""
     if not _on or isinstance(e, OURS) or getattr(e, "_gt_seen", False):
         return e  # no world, one of ours, or decided in an inner frame of the same error
+    if _closed_here():
+        # raised while dynamo compiles a hot function (a ``repr`` for its error message, on
+        # wrapped tensors): the compile fails, and its result is agreed by every rank after
+        # it (``any_rank``); deciding here would be an exchange where none may run, paired
+        # by number with whatever the other ranks decide (the both-halves scenario sweep:
+        # ``torch.func.jvp`` on a sub-mesh value ended the process groups on one rank)
+        return e
     global out_of_step
     name = _op_text(op)
     site = call_site()

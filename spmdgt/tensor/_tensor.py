@@ -234,8 +234,13 @@ def _read(t: DTensor, what: str) -> torch.Tensor:
     if _agree.active() and not tracing:
         text, detail, _ = _spec_text(t._spec)
         _agree.agree(f"{what} of {text}", detail=detail)
+    if tracing:
+        # dynamo prints a traced tensor in its messages (one rank's error only, sometimes):
+        # no data to show, and no collective to run for it (a sub-mesh value's broadcast
+        # was a real one on the ranks outside the mesh, which waited for the others)
+        return torch.empty(t.shape, dtype=t.dtype, device="meta")
     try:
-        return global_value(t) if tracing else _host_value(t)
+        return _host_value(t)
     except Exception as e:
         raise _rank_errors.translate(e, what)  # noqa: B904 (e, or a timeout error caused by e)
 

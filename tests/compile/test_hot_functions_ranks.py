@@ -149,3 +149,54 @@ def test_a_function_that_fell_back_is_never_made_hot_again():
 
         default = FrameExecStrategy(FrameAction.DEFAULT, FrameAction.DEFAULT)
         set_code_exec_strategy(f.__code__, default)
+
+
+def _column(x):
+    return x[:, 0]  # a view of the input, of another shape
+
+
+def _pushforward(x):
+    return torch.func.jvp(lambda a: (a**2).sum(), (x,), (torch.ones_like(x),))
+
+
+def _on_a_sub_mesh(rank, world):
+    from torch.distributed.tensor import Replicate
+
+    import spmdgt as gt
+    import spmdgt.compile as gt_compile
+    from spmdgt.tensor._meshes import mesh_for
+    from spmdgt.tensor._placement import Target
+    from spmdgt.tensor._tensor import place
+
+    x = place(torch.arange(12.0).reshape(4, 3), Target(mesh_for([1]), (Replicate(),)))
+    gt_compile.enable(backend="aot_eager", every=1, hot_at=2)
+    try:
+        columns, errors = [], []
+        for _ in range(4):
+            columns.append(_column(x).numpy().tolist())
+            try:
+                _pushforward(x)
+            except Exception as e:
+                errors.append(type(e).__name__)
+            gt.zeros(2)  # an agreement point: the ranks are still in step
+        st = gt_compile.stats()
+    finally:
+        gt_compile.disable()
+    return columns, errors, dict(st["fallbacks"])
+
+
+def test_hot_functions_on_a_sub_mesh_value_run_as_eagerly(tmp_path):
+    """A value on a sub-mesh (rank 1 only), in two hot functions. One returns a view of it
+    (``x[:, 0]``): AOTAutograd makes such an output again with ``as_strided``, which DTensor
+    refuses on the ranks holding data only, and rank 1 alone raised and ended the process
+    groups; its graph is now refused on every rank. One calls ``torch.func.jvp`` (refused
+    over spmdgt tensors): dynamo printed a traced tensor for its own error, a broadcast on
+    rank 0 only (a hang), or a failure decided by an exchange while exchanges are closed
+    (both-halves scenario sweep, ``subrep``). Both now run as eagerly on every rank."""
+    results = run_ranks(_on_a_sub_mesh, 2, tmp_path, timeout=240)
+    for rank, (columns, errors, fallbacks) in enumerate(results):
+        assert columns == [[0.0, 3.0, 6.0, 9.0]] * 4, (rank, columns)
+        assert errors == ["NotImplementedError"] * 4, (rank, errors)
+        assert sum(fallbacks.values()) == 2, (rank, fallbacks)  # each function, once
+    # decided on rank 1, which holds the data; rank 0 follows ("another rank's compile")
+    assert any("view of a sharded input" in k for k in results[1][2]), results[1][2]
