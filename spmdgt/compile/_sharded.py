@@ -181,7 +181,12 @@ class Join(torch.autograd.Function):
     def forward(ctx: Any, *outs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.set_materialize_grads(False)
         ctx.like = [_like(o) for o in outs]
-        return tuple(o.view_as(o) for o in outs)
+        # ``detach``, not a view: autograd forbids writing in place into an output of a
+        # Function that returns several views, and the program may (a differentiable
+        # optimizer's ``param.add_`` on a weight a hot function returned). The storage and
+        # the version counter are still the output's, so a write into a value saved for
+        # backward raises as eagerly
+        return tuple(o.detach() for o in outs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor, ...]:

@@ -159,8 +159,12 @@ def _pushforward(x):
     return torch.func.jvp(lambda a: (a**2).sum(), (x,), (torch.ones_like(x),))
 
 
+def _two(w):
+    return w * 2.0, w * 3.0  # two outputs needing grad: the graph's are joined (``Join``)
+
+
 def _on_a_sub_mesh(rank, world):
-    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Replicate, Shard
 
     import spmdgt as gt
     import spmdgt.compile as gt_compile
@@ -169,34 +173,49 @@ def _on_a_sub_mesh(rank, world):
     from spmdgt.tensor._tensor import place
 
     x = place(torch.arange(12.0).reshape(4, 3), Target(mesh_for([1]), (Replicate(),)))
+    rows = Target(mesh_for(None), (Shard(0),))
     gt_compile.enable(backend="aot_eager", every=1, hot_at=2)
     try:
-        columns, errors = [], []
+        columns, errors, grads = [], [], []
         for _ in range(4):
             columns.append(_column(x).numpy().tolist())
             try:
                 _pushforward(x)
             except Exception as e:
                 errors.append(type(e).__name__)
+            w = place(torch.arange(15.0).reshape(5, 3), rows).requires_grad_()
+            a, b = _two(w)
+            a.add_(1.0)  # in place into a hot function's output (a differentiable optimizer)
+            (a * b).sum().backward()
+            grads.append(w.grad.numpy().tolist())
             gt.zeros(2)  # an agreement point: the ranks are still in step
         st = gt_compile.stats()
     finally:
         gt_compile.disable()
-    return columns, errors, dict(st["fallbacks"])
+    return columns, errors, grads, dict(st["fallbacks"]), st["compiled"]
 
 
-def test_hot_functions_on_a_sub_mesh_value_run_as_eagerly(tmp_path):
-    """A value on a sub-mesh (rank 1 only), in two hot functions. One returns a view of it
-    (``x[:, 0]``): AOTAutograd makes such an output again with ``as_strided``, which DTensor
-    refuses on the ranks holding data only, and rank 1 alone raised and ended the process
-    groups; its graph is now refused on every rank. One calls ``torch.func.jvp`` (refused
-    over spmdgt tensors): dynamo printed a traced tensor for its own error, a broadcast on
-    rank 0 only (a hang), or a failure decided by an exchange while exchanges are closed
-    (both-halves scenario sweep, ``subrep``). Both now run as eagerly on every rank."""
+def test_hot_functions_on_sharded_values_run_as_eagerly(tmp_path):
+    """Three hot functions, from the both-halves scenario sweep. On a value on a sub-mesh
+    (rank 1 only), one returns a view of it (``x[:, 0]``): AOTAutograd makes such an output
+    again with ``as_strided``, which DTensor refuses on the ranks holding data only, and rank
+    1 alone raised and ended the process groups; its graph is now refused on every rank. One
+    calls ``torch.func.jvp`` (refused over spmdgt tensors): dynamo printed a traced tensor
+    for its own error, a broadcast on rank 0 only (a hang), or a failure decided by an
+    exchange while exchanges are closed. Both now run as eagerly on every rank. The third
+    returns two row-sharded outputs that need grad, which the program then writes in place:
+    "Output 0 of Join is a view and is being modified inplace" (every ``*.differentiable``
+    optimizer row); it compiles and gives eager's gradient."""
     results = run_ranks(_on_a_sub_mesh, 2, tmp_path, timeout=240)
-    for rank, (columns, errors, fallbacks) in enumerate(results):
+    w = torch.arange(15.0).reshape(5, 3).requires_grad_()
+    a, b = _two(w)
+    a.add_(1.0)
+    (a * b).sum().backward()
+    for rank, (columns, errors, grads, fallbacks, compiled) in enumerate(results):
         assert columns == [[0.0, 3.0, 6.0, 9.0]] * 4, (rank, columns)
         assert errors == ["NotImplementedError"] * 4, (rank, errors)
-        assert sum(fallbacks.values()) == 2, (rank, fallbacks)  # each function, once
+        assert grads == [w.grad.tolist()] * 4, (rank, grads)
+        assert sum(fallbacks.values()) == 2, (rank, fallbacks)  # each sub-mesh function, once
+        assert compiled >= 1, (rank, compiled)  # _two
     # decided on rank 1, which holds the data; rank 0 follows ("another rank's compile")
-    assert any("view of a sharded input" in k for k in results[1][2]), results[1][2]
+    assert any("view of a sharded input" in k for k in results[1][3]), results[1][3]
