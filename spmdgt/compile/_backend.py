@@ -80,8 +80,9 @@ class CountingBackend:
             view = _view_of_input(gm)
             if view is not None:
                 raise RuntimeError(
-                    f"output {view} is a view of a sharded input: AOTAutograd would make it "
-                    "again with as_strided, which DTensor refuses (the function runs eagerly)"
+                    f"output {view} is a view of a sub-mesh input: AOTAutograd would make it "
+                    "again with as_strided, which DTensor refuses on the ranks holding data "
+                    "(the function runs eagerly)"
                 )
         wrong = wrong_when_compiled(gm)
         if wrong is not None:
@@ -177,22 +178,28 @@ def _draws(gm: Any) -> str | None:
 
 
 def _view_of_input(gm: Any) -> str | None:
-    """The first output of ``gm`` (its name) that is a view of a DTensor input with another
-    shape, or None.
+    """The first output of ``gm`` (its name) that is a view, of another shape, of a DTensor
+    input on a sub-mesh (a mesh without every rank), or None.
 
     AOTAutograd does not return such an output from the compiled graph: it makes it again
     from the input at run time (``gen_alias_from_base``), replaying the view or, failing that,
-    with ``as_strided``, which DTensor refuses unless the view is the whole tensor. On a
-    sub-mesh value the ranks outside the mesh hold no data, DTensor makes them no view, and
-    only the ranks inside failed: ``autograd.functional.hessian(f, x[:, 0])`` in a hot
-    function ended the process groups on one rank (the both-halves scenario sweep). Read
-    off the traced fake tensors (a view shares its input's storage), so the ranks may
-    decide apart; the compile's result is agreed by every rank after it."""
+    with ``as_strided``, which DTensor refuses unless the view is the whole tensor
+    (``x[:, 0]``; ``x.t()`` replays). On a mesh of every rank each rank fails alike and the
+    graph falls back to eager on all (``_Runner``). On a sub-mesh the ranks outside it hold no
+    data, DTensor makes them no view, and only the ranks inside failed:
+    ``autograd.functional.hessian(f, x[:, 0])`` in a hot function ended the process groups on
+    one rank (the both-halves scenario sweep, ``subrep``). Such a graph is not compiled. Read
+    off the traced fake tensors (a view shares its input's storage), so the ranks may decide
+    apart; the compile's result is agreed by every rank after it. Over-matching (a replayable
+    view on a sub-mesh) costs speed only."""
     from torch.multiprocessing.reductions import StorageWeakRef
+
+    from spmdgt.runtime import get_runtime
 
     dtensor = sys.modules.get("torch.distributed.tensor")
     if dtensor is None:
         return None
+    world = get_runtime().world_size
 
     def local(node: Any) -> Any:
         value = node.meta.get("example_value") if hasattr(node, "meta") else None
@@ -201,7 +208,7 @@ def _view_of_input(gm: Any) -> str | None:
     inputs = {}
     for n in gm.graph.find_nodes(op="placeholder"):
         t = local(n)
-        if t is not None:
+        if t is not None and n.meta["example_value"].device_mesh.size() < world:
             inputs[StorageWeakRef(t.untyped_storage())] = n.meta["example_value"]
     if not inputs:
         return None

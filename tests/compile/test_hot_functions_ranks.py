@@ -218,4 +218,4 @@ def test_hot_functions_on_sharded_values_run_as_eagerly(tmp_path):
         assert sum(fallbacks.values()) == 2, (rank, fallbacks)  # each sub-mesh function, once
         assert compiled >= 1, (rank, compiled)  # _two
     # decided on rank 1, which holds the data; rank 0 follows ("another rank's compile")
-    assert any("view of a sharded input" in k for k in results[1][3]), results[1][3]
+    assert any("view of a sub-mesh input" in k for k in results[1][3]), results[1][3]
