@@ -70,6 +70,11 @@ class CountingBackend:
         # the backward too, now: a failure is then a compile error of this frame (agreed on
         # every rank, run eagerly), never an error inside the program's backward(), and its
         # time is the compile's; random ops draw eager's numbers (``eager_random``)
+        if _reentrant_checkpoint(gm):
+            raise RuntimeError(
+                "checkpoint(use_reentrant=True): dynamo compiles it as the non-reentrant "
+                "kind, whose gradients differ (the function runs eagerly)"
+            )
         if _on_ranks(example_inputs):
             drawn = _draws(gm)
             if drawn is not None:  # a compile error: every rank runs the function eagerly
@@ -175,6 +180,27 @@ def _draws(gm: Any) -> str | None:
         if dtensor is not None and isinstance(value, dtensor.DTensor):
             return name  # a draw on a sharded tensor (on plain ones each rank draws its own)
     return None
+
+
+def _reentrant_checkpoint(gm: Any) -> bool:
+    """Does ``gm`` hold a reentrant ``torch.utils.checkpoint.checkpoint``?
+
+    Dynamo turns every checkpoint into its ``tag_activation_checkpoint`` operator, which
+    differentiates like the non-reentrant kind: gradients reach the parameters used inside
+    whatever the inputs are. The reentrant kind runs its forward without grad, so only its
+    explicit inputs connect it to the graph: with no input needing grad its parameters get no
+    gradient (torch warns), and ``autograd.grad`` with respect to them raises ("appears to
+    not have been used in the graph"); compiled, both returned values (the scenario sweep
+    with both halves: ``autograd.checkpoint.reentrant_grad``). The user's own
+    ``torch.compile`` does the same; spmdgt's pass runs such a function eagerly instead."""
+    for n in gm.graph.nodes:
+        if (
+            n.op == "call_function"
+            and getattr(n.target, "__name__", "") == "tag_activation_checkpoint"
+            and n.kwargs.get("use_reentrant")
+        ):
+            return True
+    return False
 
 
 def _view_of_input(gm: Any) -> str | None:

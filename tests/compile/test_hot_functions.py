@@ -292,3 +292,45 @@ def test_a_second_backward_through_a_hot_function(compile_pass):
     with pytest.raises(RuntimeError, match="cannot be differentiated twice"):
         torch.autograd.grad(loss, x, create_graph=True)
     assert gt_compile.stats()["fallbacks"] == {}
+
+
+def _checkpointed(lin, x):
+    from torch.utils.checkpoint import checkpoint
+
+    h = x * 2.0  # ops enough to turn hot
+    for _ in range(4):
+        h = h + 1.0
+    return checkpoint(lin, h, use_reentrant=True).pow(2).sum()
+
+
+def _checkpointed_non_reentrant(lin, x):
+    from torch.utils.checkpoint import checkpoint
+
+    h = x * 2.0
+    for _ in range(4):
+        h = h + 1.0
+    return checkpoint(lin, h, use_reentrant=False).pow(2).sum()
+
+
+def test_a_reentrant_checkpoint_keeps_eagers_gradients(compile_pass):
+    """Dynamo compiles ``checkpoint(use_reentrant=True)`` as the non-reentrant kind. Eager's
+    reentrant checkpoint runs its forward without grad, so only its inputs connect it to the
+    graph: ``autograd.grad`` w.r.t. a parameter inside raises, and with no input needing
+    grad the parameters get no gradient at all; compiled, both gave values (the scenario
+    sweep with both halves: ``autograd.checkpoint.reentrant_grad``). The pass runs such a
+    function eagerly; the non-reentrant kind compiles."""
+    torch.manual_seed(0)
+    lin, x = torch.nn.Linear(6, 3), torch.randn(5, 6, requires_grad=True)
+    compile_pass()
+    for _ in range(12):
+        loss = _checkpointed(lin, x)
+        with pytest.raises(RuntimeError, match="not have been used in the graph"):
+            torch.autograd.grad(loss, [lin.weight])
+    st = gt_compile.stats()
+    assert st["compiled"] == 0, st
+    assert any("use_reentrant=True" in k for k in st["fallbacks"]), st["fallbacks"]
+    want = torch.autograd.grad(_checkpointed_non_reentrant(lin, x), [lin.weight])
+    for _ in range(12):
+        got = torch.autograd.grad(_checkpointed_non_reentrant(lin, x), [lin.weight])
+    assert gt_compile.stats()["compiled"] == 1
+    torch.testing.assert_close(got, want)
