@@ -355,9 +355,8 @@ def install() -> None:
         if _random.draws(op_call, args, kwargs):
             if ours and not _fallback.tracing(args):  # one process's numbers (see _random)
                 return _random.run(op_call, args, kwargs)
-            # DTensor's sharding for it goes into DTensor's cache, where spmdgt's next call
-            # would find it and draw per shard: outside spmdgt's calls, and while dynamo
-            # traces (a hot function's trace that then fell back to eager)
+            # outside spmdgt's calls or while dynamo traces, DTensor caches its sharding,
+            # where spmdgt's next call would find it and draw per shard (see _random)
             _random.note_outside()
         p = plan(op_call)  # the op's record: see _registry
         partial = p.partial  # every DTensor op's, ours or not: a Partial kept wrongly
