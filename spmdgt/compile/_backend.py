@@ -82,6 +82,12 @@ class CountingBackend:
                     f"{drawn} on sharded tensors: a compiled graph draws per shard, spmdgt "
                     "draws one process's numbers (the function runs eagerly)"
                 )
+            transform = _transform(gm)
+            if transform is not None:  # eagerly, spmdgt refuses it on sharded tensors
+                raise RuntimeError(
+                    f"{transform}: a torch.func transform over spmdgt tensors (the function "
+                    "runs eagerly, where spmdgt refuses it)"
+                )
             view = _view_of_input(gm)
             if view is not None:
                 raise RuntimeError(
@@ -179,6 +185,26 @@ def _draws(gm: Any) -> str | None:
         value = first.meta.get("example_value") if hasattr(first, "meta") else None
         if dtensor is not None and isinstance(value, dtensor.DTensor):
             return name  # a draw on a sharded tensor (on plain ones each rank draws its own)
+    return None
+
+
+def _transform(gm: Any) -> str | None:
+    """The first step of a ``torch.func`` transform or forward-mode AD in ``gm`` (its name),
+    or None.
+
+    Eagerly, spmdgt refuses those on sharded tensors on every rank (``tensor/_transforms``):
+    they bypass its per-op routes, so nothing makes them exact. Dynamo inlines a transform
+    (``_grad_increment_nesting``, ``_vmap_increment_nesting``, ``_jvp_increment_nesting``,
+    ``_enter_dual_level``) and the graph traced it through DTensor, past the refusal: some
+    returned one process's value, with nothing to promise it (the scenario sweep with both
+    halves: 35 ``torch.func`` rows). Such a graph is not compiled: the function runs eagerly
+    and is refused as eagerly. Over-matching (a transform over plain tensors in a graph with a
+    sharded input) costs speed only."""
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            name = getattr(n.target, "__name__", "")
+            if name.endswith("_increment_nesting") or name == "_enter_dual_level":
+                return name
     return None
 
 

@@ -159,6 +159,12 @@ def _pushforward(x):
     return torch.func.jvp(lambda a: (a**2).sum(), (x,), (torch.ones_like(x),))
 
 
+def _pullback(x):
+    for _ in range(4):  # ops enough to turn hot, though each call raises
+        x = x + 1.0
+    return torch.func.vjp(lambda a: (a**2).sum(), x)[1](torch.tensor(1.0))
+
+
 def _two(w):
     return w * 2.0, w * 3.0  # two outputs needing grad: the graph's are joined (``Join``)
 
@@ -183,6 +189,10 @@ def _on_a_sub_mesh(rank, world):
                 _pushforward(x)
             except Exception as e:
                 errors.append(type(e).__name__)
+            try:  # row-sharded: dynamo traced the transform through DTensor, past the refusal
+                _pullback(place(torch.arange(15.0).reshape(5, 3), rows))
+            except Exception as e:
+                errors.append(type(e).__name__)
             w = place(torch.arange(15.0).reshape(5, 3), rows).requires_grad_()
             a, b = _two(w)
             a.add_(1.0)  # in place into a hot function's output (a differentiable optimizer)
@@ -205,7 +215,9 @@ def test_hot_functions_on_sharded_values_run_as_eagerly(tmp_path):
     exchange while exchanges are closed. Both now run as eagerly on every rank. The third
     returns two row-sharded outputs that need grad, which the program then writes in place:
     "Output 0 of Join is a view and is being modified inplace" (every ``*.differentiable``
-    optimizer row); it compiles and gives eager's gradient."""
+    optimizer row); it compiles and gives eager's gradient. A ``torch.func.vjp`` over a
+    row-sharded value compiled and returned a value where eager refuses the transform; it
+    runs eagerly now, refused on every rank."""
     results = run_ranks(_on_a_sub_mesh, 2, tmp_path, timeout=240)
     w = torch.arange(15.0).reshape(5, 3).requires_grad_()
     a, b = _two(w)
@@ -213,9 +225,9 @@ def test_hot_functions_on_sharded_values_run_as_eagerly(tmp_path):
     (a * b).sum().backward()
     for rank, (columns, errors, grads, fallbacks, compiled) in enumerate(results):
         assert columns == [[0.0, 3.0, 6.0, 9.0]] * 4, (rank, columns)
-        assert errors == ["NotImplementedError"] * 4, (rank, errors)
+        assert errors == ["NotImplementedError"] * 8, (rank, errors)
         assert grads == [w.grad.tolist()] * 4, (rank, grads)
-        assert sum(fallbacks.values()) == 2, (rank, fallbacks)  # each sub-mesh function, once
+        assert sum(fallbacks.values()) == 3, (rank, fallbacks)  # each refused function, once
         assert compiled >= 1, (rank, compiled)  # _two
     # decided on rank 1, which holds the data; rank 0 follows ("another rank's compile")
     assert any("view of a sub-mesh input" in k for k in results[1][3]), results[1][3]
