@@ -39,6 +39,7 @@ __all__ = [
     "CountingBackend",
     "dead_collectives_dropped",
     "eager_random",
+    "refusal",
     "refuse_double_backward",
     "wrong_when_compiled",
 ]
@@ -70,31 +71,9 @@ class CountingBackend:
         # the backward too, now: a failure is then a compile error of this frame (agreed on
         # every rank, run eagerly), never an error inside the program's backward(), and its
         # time is the compile's; random ops draw eager's numbers (``eager_random``)
-        if _reentrant_checkpoint(gm):
-            raise RuntimeError(
-                "checkpoint(use_reentrant=True): dynamo compiles it as the non-reentrant "
-                "kind, whose gradients differ (the function runs eagerly)"
-            )
-        if _on_ranks(example_inputs):
-            drawn = _draws(gm)
-            if drawn is not None:  # a compile error: every rank runs the function eagerly
-                raise RuntimeError(
-                    f"{drawn} on sharded tensors: a compiled graph draws per shard, spmdgt "
-                    "draws one process's numbers (the function runs eagerly)"
-                )
-            transform = _transform(gm)
-            if transform is not None:  # eagerly, spmdgt refuses it on sharded tensors
-                raise RuntimeError(
-                    f"{transform}: a torch.func transform over spmdgt tensors (the function "
-                    "runs eagerly, where spmdgt refuses it)"
-                )
-            view = _view_of_input(gm)
-            if view is not None:
-                raise RuntimeError(
-                    f"output {view} is a view of a sub-mesh input: AOTAutograd would make it "
-                    "again with as_strided, which DTensor refuses on the ranks holding data "
-                    "(the function runs eagerly)"
-                )
+        refused = refusal(gm, example_inputs)
+        if refused is not None:  # a compile error: every rank runs the function eagerly
+            raise RuntimeError(f"{refused} (the function runs eagerly)")
         wrong = wrong_when_compiled(gm)
         if wrong is not None:
             compiled = gm  # as traced: each call torch's own
@@ -110,6 +89,35 @@ class CountingBackend:
         self._stats.graphs += 1
         self._stats.graph_ops += ops
         return _Runner(compiled, gm, ops, self.code, self, _moves_data(gm, example_inputs))
+
+
+def refusal(gm: Any, example_inputs: list) -> str | None:
+    """Why ``gm`` must not be compiled at all, its function running eagerly instead (its
+    compile fails, and the compile's result is agreed by every rank), or None. Each reason is
+    a graph whose compiled run differs from eager's: its function below says how."""
+    if _reentrant_checkpoint(gm):
+        return (
+            "checkpoint(use_reentrant=True): dynamo compiles it as the non-reentrant kind, "
+            "whose gradients differ"
+        )
+    if not _on_ranks(example_inputs):
+        return None
+    drawn = _draws(gm)
+    if drawn is not None:
+        return (
+            f"{drawn} on sharded tensors: a compiled graph draws per shard, spmdgt draws one "
+            "process's numbers"
+        )
+    transform = _transform(gm)
+    if transform is not None:
+        return f"{transform}: a torch.func transform over spmdgt tensors, which spmdgt refuses"
+    view = _view_of_input(gm)
+    if view is not None:
+        return (
+            f"output {view} is a view of a sub-mesh input: AOTAutograd would make it again "
+            "with as_strided, which DTensor refuses on the ranks holding data"
+        )
+    return None
 
 
 @functools.cache
