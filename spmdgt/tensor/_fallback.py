@@ -466,6 +466,9 @@ def tag_views(func, args, kwargs, out, src) -> None:
 
         # the base's version now: a later write to the base makes this copy stale (refresh)
         o._gt_view = (base, replay, base._version)
+        # for good, whatever becomes of the copy (set in program order, alike on every rank):
+        # the replay reads the base in its shape now, which an in-place view may not change
+        base._gt_copied = True
 
 
 def write_through(func, args, kwargs, view: DTensor):

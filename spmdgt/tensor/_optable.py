@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from spmdgt.tensor import (
     _attention,
     _fallback,
+    _inplace_views,
     _losses,  # noqa: F401 - registers the losses' guard
     _overlap,
     _registry,
@@ -298,8 +299,9 @@ register(
     "in-place",
     patterns="`*_` but those changing no values (below), any `out=`",
     how="DTensor's pointwise table (`torch.Tag.pointwise`: they keep self's placement) runs "
-    "in DTensor; every other mutation, and any mutation of a tagged view, takes the exact "
-    "fallback and is written back",
+    "in DTensor; the in-place views (`t_`, `transpose_`, `squeeze_`, `unsqueeze_`) change "
+    "each rank's local tensor and the placements (`_inplace_views`); every other mutation, "
+    "and any mutation of a tagged view, takes the exact fallback and is written back",
     names=("__setitem__", "__imatmul__", *_DUNDER_ATEN),
 )
 def _on_inplace(func, args, kwargs):
@@ -312,7 +314,7 @@ def _on_inplace(func, args, kwargs):
             out = _fallback.write_through(func, args, kwargs, self)
             if out is not NotImplemented:
                 return out
-        if is_pointwise_inplace(func):
+        if is_pointwise_inplace(func) or op_name(func) in _inplace_views.NAMES:
             return dtensor_path(func, args, kwargs, inplace=True)
     return _fallback.run_inplace(func, args, kwargs, "in-place op outside the pointwise table")
 
