@@ -561,9 +561,13 @@ def _end_at_exit() -> None:
 # -- GT_CHECK_RANKS: before every redistribution -------------------------------------------------
 def _op_in_flight() -> str:
     # the torch function or aten op spmdgt's __torch_function__/__torch_dispatch__ is running
+    # (not the fast path's recording mode, which watches the call its key's first time)
     f = sys._getframe(2)
     while f is not None:
-        if f.f_code.co_name in ("__torch_function__", "__torch_dispatch__"):
+        if f.f_code.co_name in (
+            "__torch_function__",
+            "__torch_dispatch__",
+        ) and not f.f_code.co_filename.endswith("_fastpath.py"):
             func = f.f_locals.get("func")
             if func is not None:
                 return getattr(func, "__qualname__", None) or str(func)

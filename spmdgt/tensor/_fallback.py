@@ -27,6 +27,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from spmdgt._core import debuglog as _debuglog
+from spmdgt.runtime._state import get_runtime
 from spmdgt.tensor._moves import gather, scatter, target_of
 
 __all__ = [
@@ -424,6 +425,10 @@ def run_inplace(func, args, kwargs, why: str):
 # -- views that DTensor had to copy ---------------------------------------------------------
 
 
+_is_alias_of = torch._C._is_alias_of
+_VIEW_OR_COPY = frozenset({"reshape", "reshape_as", "flatten"})  # a view where strides allow
+
+
 def _root(t: torch.Tensor) -> torch.Tensor:
     return t._base if t._base is not None else t
 
@@ -431,7 +436,9 @@ def _root(t: torch.Tensor) -> torch.Tensor:
 def tag_views(func, args, kwargs, out, src) -> None:
     """After view op ``func`` on sharded ``src``: tag each output that does not share ``src``'s
     local memory (DTensor redistributed to make it, so it is a copy) with how to rebuild it
-    from the base, so an in-place op on it can write through, as on a torch view.
+    from the base, so an in-place op on it can write through, as on a torch view. Shared
+    memory is the storage's: DTensor's local view ops run below autograd, so no ``_base``
+    tells (before 2026-11-29 every view was tagged for want of one).
 
     The tag holds the base itself, not a weak reference: a torch view keeps its base's
     storage alive, so writes to the base made before it died stay visible through the view,
@@ -445,12 +452,22 @@ def tag_views(func, args, kwargs, out, src) -> None:
         return  # tensor indices: advanced indexing, a copy in torch too
     parent = getattr(src, "_gt_view", None)
     outs = out if isinstance(out, (tuple, list)) else (out,)
-    src_root = _root(src._local_tensor)
+    src_local = src._local_tensor
+    # a real view where it shares the shard's memory. Decided alike on every rank: DTensor's
+    # local view ops run below autograd (no ``_base`` to go by), a pure view op's local result
+    # shares the shard's memory on every rank, and a redistribution's result on none; but a
+    # view-or-copy op (``reshape``) may copy on one rank's shard and not another's (their
+    # strides differ where shards are uneven), and a rank off a sub-mesh holds a placeholder
+    real = (
+        parent is None
+        and op_name(func) not in _VIEW_OR_COPY
+        and src.device_mesh.size() == get_runtime().world_size
+    )
     rest, kw = args[1:], dict(kwargs or {})
     for i, o in enumerate(outs):
         if not isinstance(o, DTensor):
             continue
-        if parent is None and _root(o._local_tensor) is src_root:
+        if real and _is_alias_of(o._local_tensor, src_local):
             continue  # a real view of the shard: writes reach the base already
 
         def replay(full, _i=i, _many=o is not out):

@@ -182,7 +182,9 @@ def replay(entry, func, args, kwargs):
     if many is None:  # in place, on self
         if _may_alias(args, kwargs, gt):  # then torch's way (_overlap), as the usual path
             out = _overlap.through_model(func, args, kwargs)
-            if out is not NotImplemented:
+            if type(out) is _overlap.Copies:  # autograd records (not on the fast path)
+                args, kwargs = out
+            elif out is not NotImplemented:
                 return out
         with _DisableSubclass():
             largs = [_local(a, gt) for a in args]

@@ -308,7 +308,9 @@ def _on_inplace(func, args, kwargs):
     self = args[0] if args else None
     if isinstance(self, DTensor):
         out = _overlap.through_model(func, args, kwargs)  # an operand aliases self: torch's way
-        if out is not NotImplemented:
+        if type(out) is _overlap.Copies:  # autograd records: on copies of the aliased operands
+            args, kwargs = out
+        elif out is not NotImplemented:
             return out
         if getattr(self, "_gt_view", None) is not None:
             out = _fallback.write_through(func, args, kwargs, self)
@@ -542,7 +544,9 @@ def run(func, args, kwargs, r: int):
     on a sharded operand is a mutation of it, whatever the op: the in-place fallback."""
     if r != AUTOGRAD and kwargs.get("out") is not None:
         out = _overlap.through_model(func, args, kwargs)  # an input aliases out=: torch's way
-        if out is not NotImplemented:
+        if type(out) is _overlap.Copies:  # autograd records: on copies of the aliased operands
+            args, kwargs = out
+        elif out is not NotImplemented:
             return out
         return _fallback.run_inplace(func, args, kwargs, "out= on a sharded operand")
     return HANDLERS[r](func, args, kwargs)

@@ -16,15 +16,30 @@ one plain tensor holding the global values, every aliased operand a view of it w
 strides and offset (a fallback view replayed from its base's). torch's own checks run on it
 and raise its own error on every rank, or the op computes torch's own values, overlap
 included, which are written back into the sharded tensors holding the memory. With autograd
-recording (the model is plain), the model only checks: the op then takes its usual path.
+recording (the model is plain), the model only checks, and the op then takes its usual path on
+copies of the operands sharing the written memory (``Copies``): where torch's value depends on
+the order its kernel writes (``x.sub_(x[:, :1])``: column 0 is zeroed before the others read
+it), which copies cannot give, it raises instead, on every rank. An expanded operand
+(``x[:, :1].expand_as(x)``) is modelled on its memory once.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch.distributed.tensor import DTensor
 
-__all__ = ["run_aliased", "through_model", "written_of"]
+__all__ = ["Copies", "run_aliased", "through_model", "written_of"]
+
+
+class Copies(NamedTuple):
+    """``through_model``'s answer with autograd recording: run the op the usual way on these
+    arguments, where every operand sharing the written tensor's memory is a copy."""
+
+    args: tuple
+    kwargs: dict
+
 
 _DisableSubclass = torch._C.DisableTorchFunctionSubclass
 
@@ -135,7 +150,12 @@ def run_aliased(func, args, kwargs, name: str):
 
     with torch.no_grad():
         for t in held:  # the global values, each at its place in the shared memory
-            model(t).copy_(gather(t))
+            m, g = model(t), gather(t)
+            if _expanded(m):  # an expanded view (``x[:, :1].expand_as(x)``): each element
+                # of its memory once, as writing a tensor with repeated elements raises
+                once = tuple(0 if st == 0 else slice(None) for st in m.stride())
+                m, g = m[once], g[once]
+            m.copy_(g)
         for t in members.values():  # views the fallback made: replayed once the base is in
             model(t)
         full_args, full_kwargs = _map(
@@ -144,16 +164,38 @@ def run_aliased(func, args, kwargs, name: str):
             ),
             (args, kwargs),
         )
+        copied = None
+        if grad:
+            copied = _as_copies(func, full_args, full_kwargs, [models[id(w)] for w in written])
         with _DisableSubclass():
             res = func(*full_args, **full_kwargs)  # torch's overlap checks, on every rank alike
     if grad:
-        return NotImplemented  # allowed: the usual path computes it and records its gradient
+        # allowed: the usual path computes it and records its gradient, on copies of the
+        # operands sharing the written memory (``Copies``): read in place, each rank's kernel
+        # would check the overlap of its own shards, whose shapes differ (a rank holding one
+        # row raised alone). That is torch's value only where the kernel's order does not
+        # matter (the same elements, disjoint ones): ``x.sub_(x[:, :1])`` zeroes column 0
+        # before the other columns read it. Decided on global values, alike on every rank
+        if copied is None or not all(
+            _same(models[id(w)], c) for w, c in zip(written, copied, strict=True)
+        ):
+            raise RuntimeError(
+                f"{name}: an operand shares memory with the tensor written, and torch's result "
+                "depends on the order its kernel writes the elements in; spmdgt records the "
+                "gradient of an in-place op with the operand read before the write, which "
+                "gives other values here. Clone the operand first (x.sub_(x[:, :1].clone())), "
+                "or write out of place"
+            )
+        shared = {id(t) for t in members.values() if not any(t is w for w in written)}
+        return Copies(*_map_tensors(lambda a: a.clone() if id(a) in shared else a, (args, kwargs)))
     _note(func, "an operand shares memory with the tensor written", args, kwargs)
     with torch.no_grad():
         # the tensors holding the memory take its new values; views DTensor had to copy are
         # rebuilt from them at their next use (their base's version moved)
         for t in held:
-            if getattr(t, "_gt_view", None) is None:
+            # an expanded view repeats memory another tensor here holds whole (torch raises
+            # when an op writes one), and its shards view that tensor's: written with it
+            if getattr(t, "_gt_view", None) is None and not _expanded(t):
                 _write_back(t, model(t).contiguous(), name)
         for t in written:  # a written copy torch would not have made a view of the memory
             m = model(t)
@@ -163,6 +205,40 @@ def run_aliased(func, args, kwargs, name: str):
                 _write_back(t, m.contiguous(), name)
     back = {id(m): members[i] for i, m in models.items()}
     return _map(lambda r: back.get(id(r), r), res)
+
+
+def _expanded(t: torch.Tensor) -> bool:
+    """Whether ``t`` repeats elements of its memory along a dim (stride 0, size > 1)."""
+    return any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape, strict=True))
+
+
+def _as_copies(func, args, kwargs, written: list) -> list | None:
+    """The values ``func`` writes into ``written`` (model tensors) when every operand is read
+    as a copy made before the write; None where that cannot be run (torch's own error, left to
+    the model's run to raise)."""
+    copies = {id(w): w.clone() for w in written}
+    c_args, c_kwargs = _map_tensors(lambda a: copies.get(id(a), a.clone()), (args, kwargs))
+    try:
+        with _DisableSubclass():
+            func(*c_args, **c_kwargs)
+    except Exception:
+        return None
+    return [copies[id(w)] for w in written]
+
+
+def _map_tensors(fn, tree):
+    from spmdgt.tensor._fallback import _map
+
+    return _map(lambda a: fn(a) if isinstance(a, torch.Tensor) else a, tree)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, NaN where NaN."""
+    return (
+        bool(((a == b) | (a.isnan() & b.isnan())).all())
+        if a.is_floating_point() or (a.is_complex())
+        else bool((a == b).all())
+    )
 
 
 def through_model(func, args, kwargs):

@@ -199,6 +199,11 @@ TALL = {
     "flat_shift": lambda x: x[1:].add_(x.view(-1).view(ROWS, 3)[:-1]),
     "index_add_": lambda x: x.index_add_(0, torch.tensor([0, 5]), x[:2]),
     "col_into_col": lambda x: (x[:, 0].add_(x[:, 1]), x)[1],
+    # a column of the row shards is a view of each shard (no copy): read in place, in the
+    # kernel's order (column 0 is zeroed before the others read it), as in one process
+    "col_broadcast": lambda x: x.sub_(x[:, :1]),
+    "col_expanded": lambda x: x.add_(x[:, :1].expand_as(x)),
+    "col_view_write": lambda x: (x[:, 1:].mul_(3), x)[1],
 }
 
 
@@ -228,6 +233,10 @@ def _overlap(rank, world):
         for name, fn in {
             "grad_T": lambda y: y.add_(y.T),
             "grad_full": lambda y: y.add_(y.detach()),
+            # a write through a view of each shard, recorded (raised "DTensor made the view a
+            # copy" until 2026-11-29, when every view of a sharded tensor was taken for one)
+            "grad_view_write": lambda y: y[:, 1:].mul_(3),
+            "grad_view_t": lambda y: y.t().add_(1),
         }.items():
             w.grad = None
             y = q * w
@@ -242,6 +251,11 @@ def _overlap(rank, world):
                 (yp * yp).sum().backward()
                 ref = ("ok", [_value(yp), wp.grad.clone()])
             results[name] = (ours, ref)
+        # torch's value depends on its kernel's order, which a recorded op on copies of the
+        # operand cannot give: the same error on every rank, where it was a wrong value (on
+        # column shards) or one rank's overlap error (3 ranks: the 1-row shard's kernel)
+        y = q * w
+        results["grad_col_broadcast"] = _outcome(lambda y: y.sub_(y[:, :1]), y)
     return results
 
 
@@ -249,7 +263,10 @@ def _overlap(rank, world):
 def test_overlapping_operands_as_torch(world, tmp_path):
     out = run_ranks(_overlap, world, tmp_path)
     for results in out:
-        assert set(results) == {*SQUARE, *TALL, "grad_T", "grad_full"}
+        names = {*SQUARE, *TALL, "grad_T", "grad_full", "grad_view_write", "grad_view_t"}
+        assert set(results) == {*names, "grad_col_broadcast"}
+        kind, _, message = results.pop("grad_col_broadcast")
+        assert kind == "error" and message.startswith("sub_: an operand shares memory"), message
         for name, (ours, ref) in results.items():
             try:
                 _same(ours, ref)
