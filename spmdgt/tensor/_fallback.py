@@ -27,8 +27,8 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from spmdgt._core import debuglog as _debuglog
-from spmdgt.runtime._state import get_runtime
-from spmdgt.tensor._moves import gather, scatter, target_of
+from spmdgt.tensor._meshes import spans_world
+from spmdgt.tensor._moves import gather, move, refresh, scatter, target_of
 
 __all__ = [
     "NoRule",
@@ -154,11 +154,7 @@ def refuse_traced_write(func, args, kwargs) -> None:
 def _on_sub_mesh(a) -> bool:
     if isinstance(a, (list, tuple)):
         return any(_on_sub_mesh(x) for x in a)
-    if not isinstance(a, DTensor):
-        return False
-    import torch.distributed as dist
-
-    return a.device_mesh.size() != dist.get_world_size()
+    return isinstance(a, DTensor) and not spans_world(a.device_mesh)
 
 
 def _user_stacklevel() -> int:
@@ -320,6 +316,32 @@ def _write_back(dst: DTensor, full: torch.Tensor, name: str) -> None:
         dst.copy_(new)
 
 
+def keep_grad_layout(func, args, kwargs) -> None:
+    """After mutation ``func`` wrote a tensor that is autograd's view of a sharded base,
+    with autograd recording: the base's gradient reaches the write's backward in the base's
+    own layout.
+
+    autograd records such a write as ``CopySlices`` on the base; its backward takes the same
+    view of the base's gradient and writes the write's own gradient into it in place. A
+    gradient arriving in another layout (``Shard(1)`` for a row-sharded base: a loss mixing
+    it with column shards) makes that view a copy DTensor had to redistribute, so the write
+    went nowhere and the base's gradient skipped the write (a silently wrong gradient,
+    2026-11-30). Laid out as the base was when the write was made, the view is the one the
+    forward took, which shared the base's memory. Decided from placements, alike on every
+    rank."""
+    if not torch.is_grad_enabled():
+        return
+    for t in written(func, args, kwargs):
+        base = t._base
+        if not isinstance(base, DTensor) or not base.requires_grad:
+            continue
+        placements = tuple(base.placements)
+        if any(isinstance(p, Partial) for p in placements):
+            continue  # no view of a partial sum is a window of the base's memory anyway
+        target = target_of(base.device_mesh, placements)
+        base.register_hook(lambda g, _t=target: move(g, _t) if isinstance(g, DTensor) else g)
+
+
 _written_args: dict[str, tuple[tuple[int, str], ...]] = {}
 
 
@@ -458,11 +480,7 @@ def tag_views(func, args, kwargs, out, src) -> None:
     # shares the shard's memory on every rank, and a redistribution's result on none; but a
     # view-or-copy op (``reshape``) may copy on one rank's shard and not another's (their
     # strides differ where shards are uneven), and a rank off a sub-mesh holds a placeholder
-    real = (
-        parent is None
-        and op_name(func) not in _VIEW_OR_COPY
-        and src.device_mesh.size() == get_runtime().world_size
-    )
+    real = parent is None and op_name(func) not in _VIEW_OR_COPY and spans_world(src.device_mesh)
     rest, kw = args[1:], dict(kwargs or {})
     for i, o in enumerate(outs):
         if not isinstance(o, DTensor):
@@ -502,11 +520,7 @@ def write_through(func, args, kwargs, view: DTensor):
         or any(isinstance(a, torch.Tensor) and a.requires_grad for a in args[1:])
     )
     if needs_grad:
-        raise RuntimeError(
-            f"{name}: an in-place write through a view of a sharded tensor that requires grad "
-            "is not supported (DTensor made the view a copy); write to the base with "
-            "base[index] = value, or build the new value out of place (torch.where, index_put)"
-        )
+        return _write_through_recorded(func, args, kwargs, view, name)
     with torch.no_grad():
         full_base = gather(base).clone()
         with _DisableSubclass():
@@ -523,4 +537,31 @@ def write_through(func, args, kwargs, view: DTensor):
         _write_back(base, full_base, name)
         _write_back(view, new_view.contiguous(), name)
     view._gt_view = (base, replay, base._version)
+    return None if op_name(func) == "__setitem__" else view
+
+
+def _write_through_recorded(func, args, kwargs, view: DTensor, name: str):
+    """``write_through`` where autograd records: the write is made on a clone of the base's
+    global value through the replayed view, as one process makes it on its tensor (autograd
+    records the view's ``CopySlices`` there, and torch's own checks run: a view of a view of
+    a function returning several views raises its error), and the base takes the new value
+    with ``copy_``, so the base's history runs through the write. The view's wrapper is an
+    autograd view of the base: ``refresh`` then copies its new value in through autograd,
+    as it does after any write to the base."""
+    base, replay, _ = view._gt_view
+    if base.is_leaf and base.requires_grad:
+        raise RuntimeError(
+            "a view of a leaf Variable that requires grad is being used in an in-place operation."
+        )
+    full_base = gather(base).clone()
+    with _DisableSubclass():
+        full_view = replay(full_base)
+    if _root(full_view) is not _root(full_base):
+        return NotImplemented
+    _note(func, "write through a view that DTensor had to copy", (base,), None)
+    rest, kw = _map(lambda a: gather(a) if isinstance(a, DTensor) else a, (args[1:], kwargs or {}))
+    with _DisableSubclass():
+        func(full_view, *rest, **kw)
+    _write_back(base, full_base, name)
+    refresh(view)
     return None if op_name(func) == "__setitem__" else view

@@ -47,8 +47,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from spmdgt._core import env as _env
 from spmdgt._core import scope as _scope
-from spmdgt.runtime._state import get_runtime
 from spmdgt.tensor import _overlap
+from spmdgt.tensor._meshes import spans_world
 
 __all__ = ["MAX_ENTRIES", "clear", "counts", "enabled", "learn", "lookup", "replay"]
 
@@ -89,7 +89,6 @@ def clear() -> None:
     """Forget every learned key and zero the counters (a new session)."""
     _cache.clear()
     _refusals.clear()
-    _whole.clear()
     for k in counts:
         counts[k] = 0
 
@@ -101,10 +100,11 @@ def _arg_key(a, gt):
         if a._gt_view is not None or (a.requires_grad and _grad_enabled()):
             return _NO
         spec = a._spec
-        whole = _whole.get(spec.mesh)
-        if whole is None:
-            whole = _whole[spec.mesh] = spec.mesh.size() == get_runtime().world_size
-        return spec if whole else _NO
+        # a sub-mesh is not for the fast path: a rank off it records no local op, so the
+        # proof that the op is local would hold on some ranks only, and a hit (which settles
+        # no agreement) on the mesh's ranks against a miss elsewhere (which does) would leave
+        # the ranks' exchanges unpaired
+        return spec if spans_world(spec.mesh) else _NO
     if t in _SCALARS:
         return (t, a)
     if isinstance(a, _Tensor):
@@ -118,11 +118,6 @@ def _arg_key(a, gt):
 
 
 _NO = object()  # a part that rules the fast path out
-# mesh -> whether it holds every rank. A key whose tensor lives on a sub-mesh is not for the
-# fast path: a rank off the sub-mesh records no local op, so the proof that the op is local
-# would hold on some ranks only, and a hit (which settles no agreement) on the ranks of the
-# sub-mesh against a miss elsewhere (which does) would leave the ranks' exchanges unpaired.
-_whole: dict = {}
 
 
 def lookup(func, args, kwargs):

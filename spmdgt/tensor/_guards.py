@@ -11,6 +11,7 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from spmdgt.tensor._fallback import op_name
+from spmdgt.tensor._meshes import spans_world
 from spmdgt.tensor._registry import GUARDED, TIES, record, register
 from spmdgt.tensor._shards import shard_shapes
 
@@ -31,7 +32,7 @@ def has_empty_shard(a) -> bool:
     rule (on any mesh dim, nested shards of one tensor dim included), or a rank outside
     ``a``'s (sub-)mesh. Decided from global metadata alone, so every rank answers alike."""
     spec = a._spec
-    if spec.mesh.size() != world_size():
+    if not spans_world(spec.mesh):
         return True
     shapes = shard_shapes(spec)
     if shapes is None:
@@ -77,7 +78,7 @@ def check_supported(func, args) -> None:
     if op_name(func) != "chalf":
         return
     for a in args:
-        if isinstance(a, DTensor) and a._spec.mesh.size() != world_size():
+        if isinstance(a, DTensor) and not spans_world(a._spec.mesh):
             raise NotImplementedError(
                 "chalf: complex32 values on a sub-mesh are not supported (torch lacks most "
                 "complex32 kernels, and ranks outside the mesh would not see their errors); "

@@ -106,12 +106,12 @@ def run(op, args, kwargs):
     ):
         return None
     if getattr(self, "_gt_copied", False):
+        name = op.__name__.split(".")[0]
         raise RuntimeError(
-            f"{op.__name__.split('.')[0]}: a view of this sharded tensor was taken as a copy "
+            f"{name}: a view of this sharded tensor was taken as a copy "
             f"(placements {tuple(self.placements)}: DTensor had to move data to make it), and "
             "that copy follows the tensor's shape of then; changing the shape in place would "
-            f"leave it reading another layout. Use the out-of-place "
-            f"{op.__name__.split('.')[0].rstrip('_')}()"
+            f"leave it reading another layout. Use the out-of-place {name.rstrip('_')}()"
         )
     meta = torch.empty_strided(self.shape, self.stride(), dtype=self.dtype, device="meta")
     op(meta, *args[1:])  # torch's own checks and errors (a dim out of range), and the result

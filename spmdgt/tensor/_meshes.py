@@ -15,7 +15,7 @@ from spmdgt.runtime import _agree
 from spmdgt.runtime._state import get_runtime, world_mesh
 from spmdgt.tensor import _dynamo_guards
 
-__all__ = ["clear", "describe_mesh", "mesh_for", "mesh_ranks", "named_mesh"]
+__all__ = ["clear", "describe_mesh", "mesh_for", "mesh_ranks", "named_mesh", "spans_world"]
 
 _cache: dict[tuple[int, ...], object] = {}
 _named: dict[tuple[tuple[str, int], ...], object] = {}
@@ -93,6 +93,18 @@ def mesh_ranks(mesh) -> list[int]:
         ranks = mesh.mesh.flatten().tolist()
         mesh.__dict__["_gt_ranks"] = ranks
     return list(ranks)
+
+
+def spans_world(mesh) -> bool:
+    """Whether ``mesh`` holds every rank (kept on the mesh: asked on every op).
+
+    A tensor on a sub-mesh is where ranks can part ways: a rank off the mesh holds an empty
+    placeholder and runs no local op, so what a local result shows (a view's shared memory,
+    a fast-path key's proof that the op is local) holds on some ranks only."""
+    whole = mesh.__dict__.get("_gt_whole")
+    if whole is None:
+        whole = mesh.__dict__["_gt_whole"] = mesh.size() == get_runtime().world_size
+    return whole
 
 
 def describe_mesh(mesh) -> str:

@@ -18,7 +18,7 @@ from spmdgt._core import debuglog as _debuglog
 from spmdgt._core import scope as _scope
 from spmdgt.runtime import _agree
 from spmdgt.runtime._state import get_runtime
-from spmdgt.tensor._meshes import mesh_ranks
+from spmdgt.tensor._meshes import mesh_ranks, spans_world
 
 __all__ = [
     "align_meshes",
@@ -58,7 +58,7 @@ def global_value(t: torch.Tensor) -> torch.Tensor:
     with _DisableSubclass(), torch.no_grad():
         mesh = t.device_mesh
         rt = get_runtime()
-        if mesh.size() == rt.world_size:
+        if spans_world(mesh):
             return t.full_tensor()
         members = mesh_ranks(mesh)
         if rt.rank in members:
@@ -328,14 +328,26 @@ def refresh(view: DTensor) -> None:
     """Bring a tagged view up to date if its base was written since (a torch view would show
     the write at once). Versions advance alike on every rank, so all refresh together.
 
-    Where autograd records and the base needs a gradient, the new value is copied in through
-    autograd (``copy_``), so the view's gradient reaches the base as it is now, as a torch
-    view's does after its base was written; a copy behind autograd's back left the view's
-    history at the old base (a silently wrong gradient)."""
+    The view's gradient must reach the base as it is now, as a torch view's does after its
+    base was written. Where the view's wrapper is autograd's view of the base (the usual
+    case: DTensor's view ops run below autograd's view tracking), autograd rebuilds the
+    view's history from the base's by itself (they share a version counter), so the value is
+    copied in behind its back. Copying it in through autograd there recorded a ``CopySlices``
+    on the base whose backward writes the gradient through a view of the base's gradient,
+    which on a sharded gradient is a copy: the view's part counted twice (a silently wrong
+    gradient, 2026-11-30). Elsewhere, where the base needs a gradient, the value goes in
+    through autograd (``copy_``): behind its back it left the view's history at the old
+    base."""
     base, replay, version = view._gt_view
     if base._version == version:
         return
-    grad = torch.is_grad_enabled() and base.requires_grad
+    grad = (
+        torch.is_grad_enabled()
+        and base.requires_grad
+        and (
+            view._base is None or view._base is not (base._base if base._base is not None else base)
+        )
+    )
     with torch.set_grad_enabled(grad):
         full = gather(base)
         with _DisableSubclass():

@@ -305,6 +305,13 @@ register(
     names=("__setitem__", "__imatmul__", *_DUNDER_ATEN),
 )
 def _on_inplace(func, args, kwargs):
+    out = _inplace(func, args, kwargs)
+    if torch.is_grad_enabled():
+        _fallback.keep_grad_layout(func, args, kwargs)
+    return out
+
+
+def _inplace(func, args, kwargs):
     self = args[0] if args else None
     if isinstance(self, DTensor):
         out = _overlap.through_model(func, args, kwargs)  # an operand aliases self: torch's way
