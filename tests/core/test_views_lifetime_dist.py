@@ -294,9 +294,7 @@ VIEWS = {
     "cols": lambda y: y[:, 1:],
     "rows": lambda y: y[1:],
     "t_rows": lambda y: y.t()[1:],
-    "select_col": lambda y: y.select(1, 2),
     "flat": lambda y: y.view(-1),
-    "chain": lambda y: y[1:][:, :2],
 }
 WRITES = {
     "mul": lambda y, v: v.mul_(3),
@@ -346,7 +344,8 @@ def _grad_writes_reference():
     return ref
 
 
-@pytest.mark.parametrize("world", [2, 3])
+# 2 ranks: slow (3 ranks, 3/3/1 rows, stands for it; 2 ranks, 4/3, found the same defects)
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_writes_through_views_with_autograd_as_torch(world, tmp_path):
     ref = _grad_writes_reference()
     assert all(r[0] == "ok" for r in ref.values())
