@@ -544,6 +544,21 @@ def write_through(func, args, kwargs, view: DTensor):
     return None if op_name(func) == "__setitem__" else view
 
 
+def _check_view_creation(view: DTensor) -> None:
+    """torch's own error for a view made under ``no_grad`` and written with autograd
+    recording: raised by torch itself, on a plain view made the same way (the write on the
+    copy would pass)."""
+    with _DisableSubclass():
+        if not view._is_view():
+            return
+        meta = torch._C._autograd._get_creation_meta(view)
+    if meta == torch._C._autograd.CreationMeta.NO_GRAD_MODE:
+        base = torch.zeros(1, requires_grad=True).clone()
+        with torch.no_grad():
+            probe = base[:]
+        probe.mul_(1)
+
+
 def _write_through_recorded(func, args, kwargs, view: DTensor, name: str):
     """``write_through`` where autograd records: the write is made on a clone of the base's
     global value through the replayed view, as one process makes it on its tensor (autograd
@@ -557,6 +572,7 @@ def _write_through_recorded(func, args, kwargs, view: DTensor, name: str):
         raise RuntimeError(
             "a view of a leaf Variable that requires grad is being used in an in-place operation."
         )
+    _check_view_creation(view)
     full_base = gather(base).clone()
     with _DisableSubclass():
         full_view = replay(full_base)
