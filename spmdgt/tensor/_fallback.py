@@ -33,6 +33,7 @@ from spmdgt.tensor._moves import gather, move, refresh, scatter, target_of
 __all__ = [
     "NoRule",
     "NotTraceable",
+    "alias_of",
     "counts",
     "refuse_traced_write",
     "run_global",
@@ -489,12 +490,17 @@ def tag_views(func, args, kwargs, out, src) -> None:
     for i, o in enumerate(outs):
         if not isinstance(o, DTensor):
             continue
-        if real and _is_alias_of(o._local_tensor, src_local):
-            continue  # a real view of the shard: writes reach the base already
 
         def replay(full, _i=i, _many=o is not out):
             v = func(full, *rest, **kw)
             return v[_i] if _many else v
+
+        if real and _is_alias_of(o._local_tensor, src_local):
+            # a real view of the shard: writes reach the base already. Where it lies in the
+            # base's global memory is kept for the overlap model (_overlap): the wrapper's
+            # storage offset is its shard's, which differs by rank on uneven shards
+            o._gt_alias = alias_of(src, replay)
+            continue
 
         base = src
         if parent is not None:  # a view of a tagged view: replay both from the first base
@@ -508,6 +514,20 @@ def tag_views(func, args, kwargs, out, src) -> None:
         # for good, whatever becomes of the copy (set in program order, alike on every rank):
         # the replay reads the base in its shape now, which an in-place view may not change
         base._gt_copied = True
+
+
+def alias_of(src: DTensor, replay) -> tuple:
+    """``_gt_alias`` of a real view ``replay(src)``: (root, the root's global size, stride and
+    offset when the view was taken, how to take the view from a tensor laid out so). Views
+    of real views chain to the first root; the geometry is kept because an in-place view of
+    the root later changes its shape, not its memory."""
+    alias = getattr(src, "_gt_alias", None)
+    if alias is not None:
+        root, geometry, inner = alias
+        return root, geometry, lambda full, _outer=replay, _inner=inner: _outer(_inner(full))
+    with _DisableSubclass():
+        geometry = (src.shape, src.stride(), src.storage_offset())
+    return src, geometry, replay
 
 
 def write_through(func, args, kwargs, view: DTensor):

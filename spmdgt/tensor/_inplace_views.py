@@ -14,13 +14,15 @@ every rank; no collective.
 
 What stays refused: ``squeeze_`` of a size-1 dim that a mesh dim shards (one rank holds the
 element, the others none: removing the dim moves data), a placement other than
-``Shard``/``Replicate``/``Partial``, a view spmdgt had to copy (``_gt_view``: its tie to its
-base names the old shape) and a call while torch.compile traces (the in-place fallback's clear
-error), and a tensor a view was ever copied from (``_gt_copied``, set by
+``Shard``/``Replicate``/``Partial``, a call while torch.compile traces (the in-place fallback's
+clear error), and a tensor a view was ever copied from (``_gt_copied``, set by
 ``_fallback.tag_views``): such a copy rebuilds itself from its base's global value by
 replaying the view on the base's shape of then, which a new shape would silently change. The
 flag is never cleared (whether the copy is still alive depends on the garbage collector's
-timing, which may differ between ranks); the error says to use the out-of-place op.
+timing, which may differ between ranks); the error says to use the out-of-place op. A view
+the fallback copied (``_gt_view``) or a real view (``_gt_alias``) changes shape like any
+tensor, and how it is taken from its base follows (before 2026-11-30 a copied view's ``t_()``
+went to the write-through, which left its shape as it was, silently).
 """
 
 from __future__ import annotations
@@ -101,7 +103,6 @@ def run(op, args, kwargs):
         kwargs
         or not isinstance(self, DTensor)
         or tracing(args)
-        or getattr(self, "_gt_view", None) is not None
         or not all(type(p) in _PLAIN for p in self.placements)
     ):
         return None
@@ -133,7 +134,22 @@ def run(op, args, kwargs):
     )
     with torch._C._AutoDispatchBelowADInplaceOrView(), torch._C._ExcludeDispatchKeyGuard(_BELOW):
         _aten.as_strided_.default(self, meta.shape, meta.stride(), self.storage_offset())
+    # how the tensor is taken from its base follows the op: a real view's place in its root's
+    # memory (``_gt_alias``), a copy's replay from its base (``_gt_view``, whose values stay
+    # as of the same base version: the op moves none)
+    name, rest = op.__name__.split(".")[0][:-1], args[1:]
+    alias = getattr(self, "_gt_alias", None)
+    if alias is not None:
+        self._gt_alias = (alias[0], alias[1], _then(alias[2], name, rest))
+    view = getattr(self, "_gt_view", None)
+    if view is not None:
+        self._gt_view = (view[0], _then(view[1], name, rest), view[2])
     return self
+
+
+def _then(replay, name: str, rest: tuple):
+    """``replay`` followed by the out-of-place form of in-place view ``name`` + ``_``."""
+    return lambda full: getattr(replay(full), name)(*rest)
 
 
 register_aten(_OPS, "intercept", run)

@@ -277,12 +277,23 @@ class _Lift(torch.autograd.Function):
         return global_value(grad), None
 
 
-def lift_grad_plain(mesh, args, kwargs):
+def lift_grad_plain(mesh, args, kwargs, written=None):
     """Plain tensors that need gradients enter as Replicate DTensors (``_Lift``), whose
-    backward sums partial gradients, so they get plain, correct ``.grad``."""
+    backward sums partial gradients, so they get plain, correct ``.grad``.
+
+    Not ``written``, a plain tensor the op mutates (``out[:, 3:] = y[:, 3:]`` into a plain
+    ``out`` that needs a gradient since an earlier write): a lifted copy shares its memory,
+    so the write reached ``out``'s values, but autograd recorded it on the copy, and
+    ``out``'s gradient skipped it (a silently wrong gradient, 2026-11-30). It is written by
+    the op itself, on global values, where autograd records it on ``out``."""
 
     def lift(a):
-        if not isinstance(a, torch.Tensor) or isinstance(a, DTensor) or not a.requires_grad:
+        if (
+            not isinstance(a, torch.Tensor)
+            or isinstance(a, DTensor)
+            or not a.requires_grad
+            or a is written
+        ):
             return a
         # A plain DTensor: it lives for this one call (outputs are re-tagged).
         with _DisableSubclass():

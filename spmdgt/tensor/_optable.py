@@ -15,6 +15,7 @@ dict lookup.
 from __future__ import annotations
 
 import math
+import types
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -108,13 +109,17 @@ _pointwise: dict[object, bool] = {}
 
 def is_pointwise_inplace(func) -> bool:
     """An in-place op in DTensor's pointwise table: it keeps self's placement, so DTensor runs
-    it in place on each shard (other operands are redistributed to match)."""
+    it in place on each shard (other operands are redistributed to match). Asked of
+    mutations only: a functional called with ``inplace=True`` (``F.relu``) is its in-place
+    aten op (``relu_``)."""
     r = _pointwise.get(func)
     if r is None:
         name = op_name(func)
         rec = _registry.record(name)
         if rec is not None and rec.inplace_as is not None:
             name = rec.inplace_as
+        elif isinstance(func, types.FunctionType) and not name.endswith("_"):
+            name += "_"  # torch.nn.functional.relu(x, inplace=True): aten.relu_
         inplace = name.endswith("_") and not draws(func)
         packet = getattr(torch.ops.aten, name, None) if inplace else None
         r = False
@@ -319,11 +324,13 @@ def _inplace(func, args, kwargs):
             args, kwargs = out
         elif out is not NotImplemented:
             return out
+        if op_name(func) in _inplace_views.NAMES:  # the shape changes, the values stay
+            return dtensor_path(func, args, kwargs, inplace=True)
         if getattr(self, "_gt_view", None) is not None:
             out = _fallback.write_through(func, args, kwargs, self)
             if out is not NotImplemented:
                 return out
-        if is_pointwise_inplace(func) or op_name(func) in _inplace_views.NAMES:
+        if is_pointwise_inplace(func):
             return dtensor_path(func, args, kwargs, inplace=True)
     return _fallback.run_inplace(func, args, kwargs, "in-place op outside the pointwise table")
 

@@ -84,10 +84,22 @@ def written_of(args, kwargs) -> list:
     return [args[0]] if args and isinstance(args[0], DTensor) else []
 
 
-def _extent(t: DTensor) -> int:
-    if t.numel() == 0:
-        return t.storage_offset()
-    return t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
+def _geometry(t: DTensor) -> tuple:
+    """(size, stride, offset) of the window of the shared memory ``t``'s model is taken
+    from: a real view's root as it was when the view was taken (``_fallback.alias_of``; the
+    view's wrapper offset is its shard's, which differs by rank on uneven shards), else
+    ``t``'s own."""
+    alias = getattr(t, "_gt_alias", None)
+    if alias is not None:
+        return alias[1]
+    return t.shape, t.stride(), t.storage_offset()
+
+
+def _extent(geometry: tuple) -> int:
+    shape, stride, offset = geometry
+    if any(n == 0 for n in shape):
+        return offset
+    return offset + sum((n - 1) * s for n, s in zip(shape, stride)) + 1
 
 
 def _members(args, kwargs, keys) -> dict[int, DTensor]:
@@ -130,7 +142,9 @@ def run_aliased(func, args, kwargs, name: str):
     _map(lambda a: needs.append(a.requires_grad) if isinstance(a, torch.Tensor) else a, kwargs)
     grad = torch.is_grad_enabled() and any(needs + [t.requires_grad for t in held])
     like = held[0]
-    size = max(_extent(t) for t in held)
+    with _DisableSubclass():
+        geometries = {id(t): _geometry(t) for t in held}
+    size = max(_extent(g) for g in geometries.values())
     memory = {
         k: torch.empty(size, dtype=like.dtype, device=like._local_tensor.device) for k in keys
     }
@@ -144,7 +158,11 @@ def run_aliased(func, args, kwargs, name: str):
                 with _DisableSubclass():
                     m = t._gt_view[1](model(base))  # replayed from the base's model
             else:
-                m = memory[keys_of[id(t)]].as_strided(t.shape, t.stride(), t.storage_offset())
+                m = memory[keys_of[id(t)]].as_strided(*geometries[id(t)])
+                alias = getattr(t, "_gt_alias", None)
+                if alias is not None:  # the view taken from its root's window, as it was
+                    with _DisableSubclass():
+                        m = alias[2](m)
             models[id(t)] = m
         return m
 

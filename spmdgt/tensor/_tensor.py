@@ -52,6 +52,8 @@ class Tensor(DTensor):
 
     # (base, replay, base version) on a view DTensor had to copy (see _fallback.tag_views)
     _gt_view = None
+    # (root, root's global geometry, replay) on a real view (see _fallback.alias_of)
+    _gt_alias = None
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -182,6 +184,8 @@ def _dispatch(func, args, kwargs):
     route = _routes.get(func)
     if route is None:
         route = _optable.route(func)
+    if route == 0 and kwargs.get("inplace") is True:
+        route = _INPLACE  # F.relu(x, inplace=True), nn.ReLU(inplace=True): a mutation of x
     implicit = _get_implicit()
     if not implicit:
         # plain tensors are replicated values, only inside our calls; the flag also tells
@@ -202,7 +206,8 @@ def _dispatch(func, args, kwargs):
         if mesh is not None and (many or _scope.stack) and route != _AUTOGRAD:
             args, kwargs = _moves.align_meshes(args, kwargs, route == _optable.INPLACE)
         if plain and mesh is not None and torch.is_grad_enabled() and route != _AUTOGRAD:
-            args, kwargs = _moves.lift_grad_plain(mesh, args, kwargs)
+            written = args[0] if route == _INPLACE and args else None
+            args, kwargs = _moves.lift_grad_plain(mesh, args, kwargs, written)
         if route == 0 and "out" not in kwargs:  # DTENSOR, the common case
             if func in _rows_at_rows and not kwargs:  # rows @ rows: gather the second
                 args = _contract.gather_second(args)
