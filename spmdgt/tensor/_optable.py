@@ -302,7 +302,8 @@ register(
 @register_route(
     INPLACE,
     "in-place",
-    patterns="`*_` but those changing no values (below), any `out=`",
+    patterns="`*_` but those changing no values (below), any `out=`, a functional called "
+    "with `inplace=True` on DTensor's route (`F.relu`: its in-place aten op decides)",
     how="DTensor's pointwise table (`torch.Tag.pointwise`: they keep self's placement) runs "
     "in DTensor; the in-place views (`t_`, `transpose_`, `squeeze_`, `unsqueeze_`) change "
     "each rank's local tensor and the placements (`_inplace_views`); every other mutation, "
