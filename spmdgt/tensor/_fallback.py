@@ -517,17 +517,15 @@ def tag_views(func, args, kwargs, out, src) -> None:
 
 
 def alias_of(src: DTensor, replay) -> tuple:
-    """``_gt_alias`` of a real view ``replay(src)``: (root, the root's global size, stride and
-    offset when the view was taken, how to take the view from a tensor laid out so). Views
-    of real views chain to the first root; the geometry is kept because an in-place view of
-    the root later changes its shape, not its memory."""
+    """``_gt_alias`` of a real view ``replay(src)``: (root, the root's spec when the view was
+    taken, how to take the view from a tensor laid out so). Views of real views chain to
+    the first root. The spec says the root's global size and strides then: an in-place view
+    of the root later gives it a new spec and shape, not new memory. Two reads a view op."""
     alias = getattr(src, "_gt_alias", None)
     if alias is not None:
-        root, geometry, inner = alias
-        return root, geometry, lambda full, _outer=replay, _inner=inner: _outer(_inner(full))
-    with _DisableSubclass():
-        geometry = (src.shape, src.stride(), src.storage_offset())
-    return src, geometry, replay
+        root, spec, inner = alias
+        return root, spec, lambda full, _outer=replay, _inner=inner: _outer(_inner(full))
+    return src, src._spec, replay
 
 
 def write_through(func, args, kwargs, view: DTensor):

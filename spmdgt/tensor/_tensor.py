@@ -52,7 +52,7 @@ class Tensor(DTensor):
 
     # (base, replay, base version) on a view DTensor had to copy (see _fallback.tag_views)
     _gt_view = None
-    # (root, root's global geometry, replay) on a real view (see _fallback.alias_of)
+    # (root, root's spec then, replay) on a real view (see _fallback.alias_of)
     _gt_alias = None
 
     @classmethod
