@@ -15,7 +15,6 @@ dict lookup.
 from __future__ import annotations
 
 import math
-import types
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -109,17 +108,13 @@ _pointwise: dict[object, bool] = {}
 
 def is_pointwise_inplace(func) -> bool:
     """An in-place op in DTensor's pointwise table: it keeps self's placement, so DTensor runs
-    it in place on each shard (other operands are redistributed to match). Asked of
-    mutations only: a functional called with ``inplace=True`` (``F.relu``) is its in-place
-    aten op (``relu_``)."""
+    it in place on each shard (other operands are redistributed to match)."""
     r = _pointwise.get(func)
     if r is None:
         name = op_name(func)
         rec = _registry.record(name)
         if rec is not None and rec.inplace_as is not None:
             name = rec.inplace_as
-        elif isinstance(func, types.FunctionType) and not name.endswith("_"):
-            name += "_"  # torch.nn.functional.relu(x, inplace=True): aten.relu_
         inplace = name.endswith("_") and not draws(func)
         packet = getattr(torch.ops.aten, name, None) if inplace else None
         r = False
@@ -303,11 +298,14 @@ register(
     INPLACE,
     "in-place",
     patterns="`*_` but those changing no values (below), any `out=`, a functional called "
-    "with `inplace=True` on DTensor's route (`F.relu`: its in-place aten op decides)",
-    how="DTensor's pointwise table (`torch.Tag.pointwise`: they keep self's placement) runs "
-    "in DTensor; the in-place views (`t_`, `transpose_`, `squeeze_`, `unsqueeze_`) change "
-    "each rank's local tensor and the placements (`_inplace_views`); every other mutation, "
-    "and any mutation of a tagged view, takes the exact fallback and is written back",
+    "with `inplace=True` on DTensor's route (`F.relu`)",
+    how=(
+        "DTensor's pointwise table (`torch.Tag.pointwise`: they keep self's placement) and "
+        "the `inplace=True` functionals run in DTensor; the in-place views (`t_`, "
+        "`transpose_`, `squeeze_`, `unsqueeze_`) change each rank's local tensor and the "
+        "placements (`_inplace_views`); every other mutation, and any mutation of a tagged "
+        "view, takes the exact fallback and is written back"
+    ),
     names=("__setitem__", "__imatmul__", *_DUNDER_ATEN),
 )
 def _on_inplace(func, args, kwargs):
@@ -331,7 +329,9 @@ def _inplace(func, args, kwargs):
             out = _fallback.write_through(func, args, kwargs, self)
             if out is not NotImplemented:
                 return out
-        if is_pointwise_inplace(func):
+        if is_pointwise_inplace(func) or kwargs.get("inplace") is True:
+            # F.relu(x, inplace=True) as before it was a mutation: DTensor's own rule, with
+            # the in-place fallback where it has none
             return dtensor_path(func, args, kwargs, inplace=True)
     return _fallback.run_inplace(func, args, kwargs, "in-place op outside the pointwise table")
 
