@@ -62,11 +62,14 @@ def _storage(t: DTensor) -> int:
 
 
 def _fallback_base(t: DTensor):
-    """The base of a view spmdgt's fallback made (its wrapper storage is its own), else None."""
+    """The base of a view DTensor had to copy (``_gt_view``), else None. Such a view is
+    modelled by its replay from the base, whatever its wrapper says: DTensor gives a view's
+    wrapper its base's storage even where the shard is a copy, with the shard's offset,
+    which is not the view's place in the global memory (before 2026-11-30 such a view was
+    modelled at that offset: ``t[1:3] = t[2:4]`` of ``p.t()`` on column shards wrote other
+    columns' values into columns 0 and 4)."""
     tag = getattr(t, "_gt_view", None)
-    if tag is not None and _storage(tag[0]) != _storage(t):
-        return tag[0]
-    return None
+    return tag[0] if tag is not None else None
 
 
 def _key(t: DTensor) -> int:
