@@ -216,6 +216,16 @@ def _on_autograd(func, args, kwargs):
         "as_strided",
         "real",
         "imag",
+        "view_as_real",
+        "view_as_complex",
+        "adjoint",
+        "H",
+        "mH",
+        "hsplit",
+        "vsplit",
+        "dsplit",
+        "split_with_sizes",
+        "ravel",
     ),
 )
 def _on_view(func, args, kwargs):

@@ -421,7 +421,15 @@ def _transposed_writes(y):
     return z
 
 
+def _complex_view_write(y):
+    z = torch.cat([y, y[:, :1]], dim=1)  # 7 x 6
+    torch.view_as_complex(z.view(ROWS, 3, 2)).mul_(2)  # a view op spmdgt did not know
+    z.H[1:3].mul_(-1)
+    return z[:, :WIDE]
+
+
 PATTERNS = {
+    "complex_view_write": _complex_view_write,
     "fill_plain": _fill_plain,
     "relu_slice": _relu_slice,
     "rows_overlap": _rows_overlap,
