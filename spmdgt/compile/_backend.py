@@ -111,6 +111,18 @@ def refusal(gm: Any, example_inputs: list) -> str | None:
     transform = _transform(gm)
     if transform is not None:
         return f"{transform}: a torch.func transform over spmdgt tensors, which spmdgt refuses"
+    written = _view_write(gm)
+    if written is not None:
+        return (
+            f"{written} writes through a view of a sharded tensor: the compiled graph's "
+            "write-back of the view into its base gives other values than eager's"
+        )
+    piece = _piece_output(gm)
+    if piece is not None:
+        return (
+            f"output {piece} is one of several views of a sharded tensor: the compiled "
+            "graph's output does not write through to its base as eager's does"
+        )
     view = _view_of_input(gm)
     if view is not None:
         return (
@@ -235,6 +247,84 @@ def _reentrant_checkpoint(gm: Any) -> bool:
         ):
             return True
     return False
+
+
+def _view_write(gm: Any) -> str | None:
+    """The first call in ``gm`` (its name) that writes in place into a DTensor that is a view
+    (``y[:, 1:].mul_(3)``, ``z[3][0] = 2``), or any ``setitem`` on a DTensor (``y[3, 0] = 2``
+    writes through the view it indexes), or None.
+
+    AOTAutograd functionalizes such a write: the view's new value is scattered back into its
+    base, and on DTensors that write-back gives wrong values (column shards over 2 ranks:
+    ``y[:, 1:].mul_(3)``, ``y[3, 0] = 2.0`` and ``z[:, 1:].mul_(3)`` of an intermediate were
+    right eagerly and wrong once the hot function compiled; torch 2.13, 2026-11-30). Such a
+    graph is not compiled: each call is spmdgt's own, eagerly. An in-place op on a tensor
+    that is no view (``y.mul_(3)``) compiles. Read off the traced fake tensors, the same
+    on every rank; over-matching costs speed only."""
+    import operator
+
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is None:
+        return None
+
+    def value(node: Any) -> Any:
+        v = node.meta.get("example_value") if hasattr(node, "meta") else None
+        return v if isinstance(v, dtensor.DTensor) else None
+
+    for n in gm.graph.nodes:
+        if n.op == "call_method":
+            name = str(n.target)
+        elif n.op == "call_function":
+            name = getattr(n.target, "__name__", "")
+        else:
+            continue
+        first = value(n.args[0]) if n.args else None
+        if first is None:
+            continue
+        if n.target is operator.setitem:
+            return "setitem"
+        mutates = (name.endswith("_") and not name.endswith("__")) or n.kwargs.get(
+            "inplace"
+        ) is True
+        if mutates and first._is_view():
+            return name
+    return None
+
+
+_PIECES = ("unbind", "split", "chunk", "tensor_split", "split_with_sizes", "hsplit", "vsplit")
+
+
+def _piece_output(gm: Any) -> str | None:
+    """The first output of ``gm`` (its name) that is a DTensor view made by an op returning
+    several views (``y.unbind(1)[4]``), or None.
+
+    AOTAutograd makes such an output again from its base at run time, not by replaying the
+    op, and on a sharded base the result no longer writes through: a hot function returning
+    ``y.unbind(1)[4]`` of column shards, its caller writing ``.mul_(3)`` into it, left ``y``
+    as it was once the function compiled (torch 2.13, 2026-11-30; ``y[:, 1:]`` and
+    ``split`` pieces wrote through). Such a graph is not compiled. Over-matching (every
+    multi-view op) costs speed only."""
+    import operator
+
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is None:
+        return None
+    out = next(iter(gm.graph.find_nodes(op="output")))
+    for n in out.all_input_nodes:
+        value = n.meta.get("example_value")
+        if not isinstance(value, dtensor.DTensor) or not value._is_view():
+            continue
+        node = n
+        while node.op in ("call_method", "call_function"):
+            name = str(node.target) if node.op == "call_method" else node.target.__name__
+            if any(name == p or name.endswith("." + p) for p in _PIECES):
+                return n.name
+            if node.target is not operator.getitem and not node.all_input_nodes:
+                break
+            node = node.args[0] if node.args and hasattr(node.args[0], "op") else None
+            if node is None:
+                break
+    return None
 
 
 def _view_of_input(gm: Any) -> str | None:
@@ -426,6 +516,8 @@ class _Runner:
         self._owner = owner
         self._first = True
         self._comm = comm  # may take part in a collective: rerun only where every rank failed
+        self._mutated = _mutated_inputs(gm)
+        self._sharded = _dtensor_inputs(gm)
 
     def __call__(self, *args: Any) -> Any:
         sync = _scope.lazy_sync
@@ -449,6 +541,20 @@ class _Runner:
         first, self._first = self._first, False
         if not first:
             st.cache_hits += 1
+        copies = [args[i] for i in self._sharded if getattr(args[i], "_gt_view", None) is not None]
+        if copies:
+            # an input is a view DTensor had to copy, which the compiled graph knows no tie
+            # to its base for: it is brought up to date first, as eagerly before each op
+            # (its base may have been written since), and where the graph writes an input in
+            # place, a write to either would reach the copy only, or read it stale: this call
+            # runs as dynamo traced it, op by op, where spmdgt writes through. The tags are
+            # alike on every rank, so are the refreshes and the choice
+            from spmdgt.tensor import _moves
+
+            for t in copies:
+                _moves.refresh(t)
+            if self._mutated:
+                return self._gm(*args)
         try:
             out = self._fn(*args)
             if self._fn is not self._gm:
@@ -471,6 +577,44 @@ class _Runner:
             reason = f"runtime error: {type(e).__name__}: {first_line(e)}"
             self._owner._on_runtime_error(self._code, reason)
             return out
+
+
+def _dtensor_inputs(gm: Any) -> tuple[int, ...]:
+    """Positions of ``gm``'s inputs that are DTensors (the traced fake values say)."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is None:
+        return ()
+    return tuple(
+        i
+        for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))
+        if isinstance(n.meta.get("example_value"), dtensor.DTensor)
+    )
+
+
+def _mutated_inputs(gm: Any) -> tuple[int, ...]:
+    """Positions of ``gm``'s inputs that a call in it writes in place (an in-place method or
+    function, ``setitem``, ``inplace=True``, ``out=``)."""
+    import operator
+
+    index = {n: i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))}
+    found = set()
+    for n in gm.graph.nodes:
+        if n.op not in ("call_method", "call_function"):
+            continue
+        out = n.kwargs.get("out")
+        if hasattr(out, "op") and out in index:
+            found.add(index[out])
+        first = n.args[0] if n.args else None
+        if not hasattr(first, "op") or first not in index:
+            continue
+        name = str(n.target) if n.op == "call_method" else getattr(n.target, "__name__", "")
+        if (
+            n.target is operator.setitem
+            or (name.endswith("_") and not name.endswith("__"))
+            or n.kwargs.get("inplace") is True
+        ):
+            found.add(index[first])
+    return tuple(sorted(found))
 
 
 def _where_code(code: Any) -> str:

@@ -401,6 +401,7 @@ class HotFunctionPass:
             # some ranks only, or flushed at another point of the trace, would put a sharded
             # graph's compile agreement at different places on different ranks)
             _scope.lazy_sync("a hot function's compile")
+        _settle_views(frame)
 
         with paused:
             # The ranks check that they all compile this function *before* any spends the
@@ -520,6 +521,34 @@ def _library_roots(
         generated = ()
     own = (torch_dir + os.sep, package + os.sep)
     return tuple(sorted(lib)), generated, os.path.abspath(eval_frame.__file__), own
+
+
+def _settle_views(frame: Any) -> None:
+    """Bring each view DTensor had to copy among the frame's arguments up to date, with its
+    autograd history, before dynamo reads them.
+
+    Such a view is autograd's view of its base; after a write to the base autograd rebuilds
+    the view's history at its next read by replaying the view on the base, which on a
+    sharded base is a redistribution, a collective. Dynamo reads it (``is_leaf``) while it
+    turns the arguments into fake tensors, at points that differ by rank, where nothing may
+    exchange: the ranks hung in different all-gathers (the both-halves sweep of writes
+    through views with autograd, 2026-11-30). Here every rank rebuilds it at the same
+    point, before the compile's agreement."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from spmdgt.tensor import _moves
+
+    try:
+        values = list(frame.f_locals.values())
+    except Exception:  # no locals to read: nothing to settle
+        return
+    for value in values:
+        for t in value if type(value) in (list, tuple) else (value,):
+            if isinstance(t, DTensor) and getattr(t, "_gt_view", None) is not None:
+                _moves.refresh(t)
+                with torch._C.DisableTorchFunctionSubclass():
+                    t.grad_fn  # noqa: B018 (the read rebuilds the history, here)
 
 
 def _name_of(fn: Any) -> str:

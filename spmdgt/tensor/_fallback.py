@@ -453,7 +453,8 @@ def run_inplace(func, args, kwargs, why: str):
 
 
 _is_alias_of = torch._C._is_alias_of
-_VIEW_OR_COPY = frozenset({"reshape", "reshape_as", "flatten", "ravel"})  # a view where strides allow
+# a view where strides allow
+_VIEW_OR_COPY = frozenset({"reshape", "reshape_as", "flatten", "ravel"})
 
 
 def _root(t: torch.Tensor) -> torch.Tensor:
