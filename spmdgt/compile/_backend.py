@@ -176,6 +176,16 @@ _DRAWS = (
 )  # fmt: skip
 
 
+def _call_name(node: Any) -> str | None:
+    """The name a graph node calls (a method's, or a function's ``__name__``), or None when
+    the node calls nothing (an input, an output, an attribute)."""
+    if node.op == "call_method":
+        return str(node.target)
+    if node.op == "call_function":
+        return getattr(node.target, "__name__", "")
+    return None
+
+
 def _draws(gm: Any) -> str | None:
     """The first call in ``gm`` that draws random numbers (by name), or None.
 
@@ -193,13 +203,8 @@ def _draws(gm: Any) -> str | None:
     follows the refusal would draw per shard from it (``F.gumbel_softmax``)."""
     dtensor = sys.modules.get("torch.distributed.tensor")
     for n in gm.graph.nodes:
-        if n.op == "call_method":
-            name = str(n.target)
-        elif n.op == "call_function":
-            name = getattr(n.target, "__name__", "")
-        else:
-            continue
-        if not any(d in name for d in _DRAWS):
+        name = _call_name(n)
+        if name is None or not any(d in name for d in _DRAWS):
             continue
         first = n.args[0] if n.args else None
         value = first.meta.get("example_value") if hasattr(first, "meta") else None
@@ -272,13 +277,8 @@ def _view_write(gm: Any) -> str | None:
         return v if isinstance(v, dtensor.DTensor) else None
 
     for n in gm.graph.nodes:
-        if n.op == "call_method":
-            name = str(n.target)
-        elif n.op == "call_function":
-            name = getattr(n.target, "__name__", "")
-        else:
-            continue
-        first = value(n.args[0]) if n.args else None
+        name = _call_name(n)
+        first = value(n.args[0]) if name is not None and n.args else None
         if first is None:
             continue
         if n.target is operator.setitem:
@@ -315,8 +315,7 @@ def _piece_output(gm: Any) -> str | None:
         if not isinstance(value, dtensor.DTensor) or not value._is_view():
             continue
         node = n
-        while node.op in ("call_method", "call_function"):
-            name = str(node.target) if node.op == "call_method" else node.target.__name__
+        while (name := _call_name(node)) is not None:
             if any(name == p or name.endswith("." + p) for p in _PIECES):
                 return n.name
             if node.target is not operator.getitem and not node.all_input_nodes:
@@ -599,7 +598,8 @@ def _mutated_inputs(gm: Any) -> tuple[int, ...]:
     index = {n: i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))}
     found = set()
     for n in gm.graph.nodes:
-        if n.op not in ("call_method", "call_function"):
+        name = _call_name(n)
+        if name is None:
             continue
         out = n.kwargs.get("out")
         if hasattr(out, "op") and out in index:
@@ -607,7 +607,6 @@ def _mutated_inputs(gm: Any) -> tuple[int, ...]:
         first = n.args[0] if n.args else None
         if not hasattr(first, "op") or first not in index:
             continue
-        name = str(n.target) if n.op == "call_method" else getattr(n.target, "__name__", "")
         if (
             n.target is operator.setitem
             or (name.endswith("_") and not name.endswith("__"))

@@ -533,18 +533,30 @@ def write_through(func, args, kwargs, view: DTensor):
     """An in-place op on a tagged view: apply it to the base's global value through the same
     view, as torch would, write the base back, and refresh the view. Returns NotImplemented
     when torch's own op would not be a view either (advanced indexing): then the op acts on
-    the copy alone, as in torch."""
+    the copy alone, as in torch.
+
+    Where autograd records, the same write is recorded: on the clone of the base's global
+    value it records the view's ``CopySlices``, as one process does on its tensor, and
+    torch's own checks run there (one of several views of a function raises its error); the
+    base takes the new value with ``copy_``, so its history runs through the write, and
+    ``refresh`` brings the view up to date (autograd rebuilds its history from the base's).
+    Before 2026-11-30 such a write raised."""
     _refuse_traced(func, args, kwargs, "a write through a view DTensor had to copy", mutates=True)
     name = op_name(func)
     base, replay, _ = view._gt_view
-    needs_grad = torch.is_grad_enabled() and (
+    recorded = torch.is_grad_enabled() and (
         base.requires_grad
         or view.requires_grad
         or any(isinstance(a, torch.Tensor) and a.requires_grad for a in args[1:])
     )
-    if needs_grad:
-        return _write_through_recorded(func, args, kwargs, view, name)
-    with torch.no_grad():
+    if recorded:
+        if base.is_leaf and base.requires_grad:
+            raise RuntimeError(
+                "a view of a leaf Variable that requires grad is being used in an in-place "
+                "operation."
+            )
+        _check_view_creation(view)
+    with torch.set_grad_enabled(recorded):
         full_base = gather(base).clone()
         with _DisableSubclass():
             full_view = replay(full_base)
@@ -556,11 +568,15 @@ def write_through(func, args, kwargs, view: DTensor):
         )
         with _DisableSubclass():
             func(full_view, *rest, **kw)
-            new_view = replay(full_base)
         _write_back(base, full_base, name)
-        _write_back(view, new_view.contiguous(), name)
-    view._gt_view = (base, replay, base._version)
-    return None if op_name(func) == "__setitem__" else view
+        if recorded:
+            refresh(view)
+        else:
+            with _DisableSubclass():
+                new_view = replay(full_base)
+            _write_back(view, new_view.contiguous(), name)
+            view._gt_view = (base, replay, base._version)
+    return None if name == "__setitem__" else view
 
 
 def _check_view_creation(view: DTensor) -> None:
@@ -576,31 +592,3 @@ def _check_view_creation(view: DTensor) -> None:
         with torch.no_grad():
             probe = base[:]
         probe.mul_(1)
-
-
-def _write_through_recorded(func, args, kwargs, view: DTensor, name: str):
-    """``write_through`` where autograd records: the write is made on a clone of the base's
-    global value through the replayed view, as one process makes it on its tensor (autograd
-    records the view's ``CopySlices`` there, and torch's own checks run: a view of a view of
-    a function returning several views raises its error), and the base takes the new value
-    with ``copy_``, so the base's history runs through the write. The view's wrapper is an
-    autograd view of the base: ``refresh`` then copies its new value in through autograd,
-    as it does after any write to the base."""
-    base, replay, _ = view._gt_view
-    if base.is_leaf and base.requires_grad:
-        raise RuntimeError(
-            "a view of a leaf Variable that requires grad is being used in an in-place operation."
-        )
-    _check_view_creation(view)
-    full_base = gather(base).clone()
-    with _DisableSubclass():
-        full_view = replay(full_base)
-    if _root(full_view) is not _root(full_base):
-        return NotImplemented
-    _note(func, "write through a view that DTensor had to copy", (base,), None)
-    rest, kw = _map(lambda a: gather(a) if isinstance(a, DTensor) else a, (args[1:], kwargs or {}))
-    with _DisableSubclass():
-        func(full_view, *rest, **kw)
-    _write_back(base, full_base, name)
-    refresh(view)
-    return None if op_name(func) == "__setitem__" else view

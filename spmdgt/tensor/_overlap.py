@@ -193,24 +193,7 @@ def run_aliased(func, args, kwargs, name: str):
         with _DisableSubclass():
             res = func(*full_args, **full_kwargs)  # torch's overlap checks, on every rank alike
     if grad:
-        # allowed: the usual path computes it and records its gradient, on copies of the
-        # operands sharing the written memory (``Copies``): read in place, each rank's kernel
-        # would check the overlap of its own shards, whose shapes differ (a rank holding one
-        # row raised alone). That is torch's value only where the kernel's order does not
-        # matter (the same elements, disjoint ones): ``x.sub_(x[:, :1])`` zeroes column 0
-        # before the other columns read it. Decided on global values, alike on every rank
-        if copied is None or not all(
-            _same(models[id(w)], c) for w, c in zip(written, copied, strict=True)
-        ):
-            raise RuntimeError(
-                f"{name}: an operand shares memory with the tensor written, and torch's result "
-                "depends on the order its kernel writes the elements in; spmdgt records the "
-                "gradient of an in-place op with the operand read before the write, which "
-                "gives other values here. Clone the operand first (x.sub_(x[:, :1].clone())), "
-                "or write out of place"
-            )
-        shared = {id(t) for t in members.values() if not any(t is w for w in written)}
-        return Copies(*_map_tensors(lambda a: a.clone() if id(a) in shared else a, (args, kwargs)))
+        return _as_recorded(args, kwargs, members, written, models, copied, name)
     _note(func, "an operand shares memory with the tensor written", args, kwargs)
     with torch.no_grad():
         # the tensors holding the memory take its new values; views DTensor had to copy are
@@ -228,6 +211,28 @@ def run_aliased(func, args, kwargs, name: str):
                 _write_back(t, m.contiguous(), name)
     back = {id(m): members[i] for i, m in models.items()}
     return _map(lambda r: back.get(id(r), r), res)
+
+
+def _as_recorded(args, kwargs, members: dict, written: list, models: dict, copied, name: str):
+    """``run_aliased``'s answer where autograd records: the usual path computes the op and
+    records its gradient, on copies of the operands sharing the written memory (``Copies``):
+    read in place, each rank's kernel would check the overlap of its own shards, whose
+    shapes differ (a rank holding one row raised alone). That is torch's value only where
+    the kernel's order does not matter (the same elements, disjoint ones): ``x.sub_(x[:, :1])``
+    zeroes column 0 before the other columns read it, and raises here. Decided on the
+    model's global values (``copied``: the copies' result), alike on every rank."""
+    if copied is None or not all(
+        _same(models[id(w)], c) for w, c in zip(written, copied, strict=True)
+    ):
+        raise RuntimeError(
+            f"{name}: an operand shares memory with the tensor written, and torch's result "
+            "depends on the order its kernel writes the elements in; spmdgt records the "
+            "gradient of an in-place op with the operand read before the write, which "
+            "gives other values here. Clone the operand first (x.sub_(x[:, :1].clone())), "
+            "or write out of place"
+        )
+    shared = {id(t) for t in members.values() if not any(t is w for w in written)}
+    return Copies(*_map_tensors(lambda a: a.clone() if id(a) in shared else a, (args, kwargs)))
 
 
 def _expanded(t: torch.Tensor) -> bool:
