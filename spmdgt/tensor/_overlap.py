@@ -201,7 +201,7 @@ def run_aliased(func, args, kwargs, name: str):
         for t in held:
             # an expanded view repeats memory another tensor here holds whole (torch raises
             # when an op writes one), and its shards view that tensor's: written with it
-            if getattr(t, "_gt_view", None) is None and not _expanded(t):
+            if not _expanded(t):  # held: no tagged copy (those are replayed, never held)
                 _write_back(t, model(t).contiguous(), name)
         for t in written:  # a written copy torch would not have made a view of the memory
             m = model(t)
