@@ -123,6 +123,12 @@ def refusal(gm: Any, example_inputs: list) -> str | None:
             f"output {piece} is one of several views of a sharded tensor: the compiled "
             "graph's output does not write through to its base as eager's does"
         )
+    copied = _copied_view_output(gm)
+    if copied is not None:
+        return (
+            f"output {copied} is a view DTensor had to copy: the compiled graph's output "
+            "neither writes through to its base nor sees the base's later writes, as eager's does"
+        )
     view = _view_of_input(gm)
     if view is not None:
         return (
@@ -323,6 +329,53 @@ def _piece_output(gm: Any) -> str | None:
             node = node.args[0] if node.args and hasattr(node.args[0], "op") else None
             if node is None:
                 break
+    return None
+
+
+def _copied_view_output(gm: Any) -> str | None:
+    """The first output of ``gm`` (its name) made by view ops alone from an input or another
+    output, a DTensor, whose shard memory it does not share, or None.
+
+    Such a view is one DTensor had to copy (``y.view(-1)`` of 7 rows over 2 ranks: the
+    shards' rows do not split 35 elements as DTensor's flat shards would). Eagerly spmdgt
+    tags it, so a write through it reaches its base and a read after a write to the base sees
+    the write (``_fallback.tag_views``); the compiled graph returns the copy untagged: the
+    caller's ``clamp_`` on it left the base as it was, and its gradient wrong, once the
+    function turned hot (row shards, 2 ranks, torch 2.13, 2026-11-30). A view of an
+    intermediate nobody else sees is harmless. Read off the traced fake tensors; over-matching
+    (a tensor index, a copy in torch too) costs speed only."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from spmdgt.tensor import _registry
+
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is None:
+        return None
+
+    def value(node: Any) -> Any:
+        v = node.meta.get("example_value") if hasattr(node, "meta") else None
+        return v if isinstance(v, dtensor.DTensor) else None
+
+    def is_view(node: Any) -> bool:
+        name = _call_name(node)
+        if name is None or not node.args or value(node.args[0]) is None:
+            return False
+        return name == "getitem" or _registry.classify(name) == _registry.VIEW
+
+    out = next(iter(gm.graph.find_nodes(op="output")))
+    outputs = set(out.all_input_nodes)
+    for n in out.all_input_nodes:
+        node = n
+        while is_view(node):
+            node = node.args[0]
+        if node is n or not (node.op == "placeholder" or node in outputs):
+            continue
+        view, root = value(n), value(node)
+        if view is None or root is None:
+            continue
+        storage = StorageWeakRef(view._local_tensor.untyped_storage())
+        if storage != StorageWeakRef(root._local_tensor.untyped_storage()):
+            return n.name
     return None
 
 

@@ -1,6 +1,6 @@
 """Hot functions that write through views of sharded tensors, both halves of the compile pass
-on, 3 ranks (2 under ``-m slow``), column shards (7 x 6: 2/2/2 and 3/3): every call equals one
-process. Eagerly each was exact; compiled (torch 2.13, 2026-11-30):
+on, 3 ranks (2 under ``-m slow``), column shards (7 x 6: 2/2/2 and 3/3) and row shards (3/2/2
+and 4/3): every call equals one process. Eagerly each was exact; compiled (torch 2.13, 2026-11-30):
 
 - ``y[3, 0] = 2.0`` on an input and ``z[:, 1:].mul_(3)`` on an intermediate were wrong once
   the function compiled: AOTAutograd's write-back of a view into its base gives other values
@@ -9,7 +9,10 @@ process. Eagerly each was exact; compiled (torch 2.13, 2026-11-30):
   as it was (``_backend._piece_output``);
 - a function reading a view DTensor had to copy after its base was written read it stale, and
   one writing such a view in place wrote the copy only (``_Runner`` brings the copy up to date
-  first, and runs the call as traced where the graph writes an input).
+  first, and runs the call as traced where the graph writes an input);
+- a function returning ``u.view(-1)`` of 7 row shards (a copy DTensor had to make) returned
+  the copy untagged: the caller's ``clamp_`` through it left ``u`` as it was, and a read after
+  a write to ``u`` read it stale (``_backend._copied_view_output``).
 """
 
 from __future__ import annotations
@@ -39,6 +42,10 @@ def scale(v):
     v.mul_(3)
 
 
+def flat(y):
+    return y.view(-1)
+
+
 def read_after(v, y):
     y.mul_(0.5)
     return v * 2
@@ -53,7 +60,10 @@ def _program(make):
         v = y[:, 2:4]  # on column shards a copy DTensor had to make
         scale(v)
         r = read_after(v, y)
-        out.append([np.asarray(t.detach().numpy()).copy() for t in (y, z, v, r)])
+        u = make(torch.arange(ROWS * COLS, dtype=torch.float64).reshape(ROWS, COLS) - i, "rows")
+        flat(u).clamp_(max=20.0 + i)  # on 7 row shards a copy DTensor had to make
+        f = read_after(flat(u), u)
+        out.append([np.asarray(t.detach().numpy()).copy() for t in (y, z, v, r, u, f)])
     return out
 
 
@@ -61,9 +71,10 @@ def _ranked(rank, world):
     import spmdgt as gt
 
     gt.register_config("cols", gt.SignalConfig(shard=gt.ShardConfig(axis=1)))
+    gt.register_config("rows", gt.SignalConfig(shard=gt.ShardConfig(axis=0)))
 
-    def make(x):
-        with gt.signal.context("cols"):
+    def make(x, signal="cols"):
+        with gt.signal.context(signal):
             return gt.tensor(x)
 
     got, stats = with_both_halves(lambda: _program(make), every=1, hot_at=2, batch=16)
@@ -73,9 +84,9 @@ def _ranked(rank, world):
 # 2 ranks: slow (3 ranks stands for it)
 @pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_hot_functions_writing_through_views_equal_one_process(tmp_path, world):
-    ref = _program(lambda x: x)
+    ref = _program(lambda x, signal=None: x)
     for got, _ in run_ranks(_ranked, world, tmp_path, timeout=300):
         assert len(got) == CALLS
         for i, (ours, theirs) in enumerate(zip(got, ref, strict=True)):
-            for name, a, b in zip(("y", "z", "v", "r"), ours, theirs, strict=True):
+            for name, a, b in zip("yzvruf", ours, theirs, strict=True):
                 np.testing.assert_array_equal(a, b, err_msg=f"call {i}: {name}")
