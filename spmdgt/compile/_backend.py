@@ -339,7 +339,7 @@ def _copied_view_output(gm: Any) -> str | None:
     Such a view is one DTensor had to copy (``y.view(-1)`` of 7 rows over 2 ranks: the
     shards' rows do not split 35 elements as DTensor's flat shards would). Eagerly spmdgt
     tags it, so a write through it reaches its base and a read after a write to the base sees
-    the write (``_fallback.tag_views``); the compiled graph returns the copy untagged: the
+    the write (``_views.tag_views``); the compiled graph returns the copy untagged: the
     caller's ``clamp_`` on it left the base as it was, and its gradient wrong, once the
     function turned hot (row shards, 2 ranks, torch 2.13, 2026-11-30). A view of an
     intermediate nobody else sees is harmless. Read off the traced fake tensors; over-matching

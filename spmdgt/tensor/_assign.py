@@ -32,7 +32,7 @@ def set_data(t: DTensor, value) -> None:
 
     A DTensor ``value``: ``t`` takes its layout and its shards themselves, so the two share
     memory as torch's would (a copy DTensor made for a view keeps its tie to the view's base,
-    see ``_fallback.tag_views``). A plain ``value`` (the same on every rank, as every plain
+    see ``_views.tag_views``). A plain ``value`` (the same on every rank, as every plain
     tensor is): laid out as ``t`` is, a shard dim the new shape lacks replicated; a copy, so
     later writes to ``value`` do not reach ``t`` (no rank holds a sharded tensor's memory
     whole). Ties between parameters: assign the parameter itself (``b.weight = a.weight``)"""

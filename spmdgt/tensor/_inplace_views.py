@@ -16,7 +16,7 @@ What stays refused: ``squeeze_`` of a size-1 dim that a mesh dim shards (one ran
 element, the others none: removing the dim moves data), a placement other than
 ``Shard``/``Replicate``/``Partial``, a call while torch.compile traces (the in-place fallback's
 clear error), and a tensor a view was ever copied from (``_gt_copied``, set by
-``_fallback.tag_views``): such a copy rebuilds itself from its base's global value by
+``_views.tag_views``): such a copy rebuilds itself from its base's global value by
 replaying the view on the base's shape of then, which a new shape would silently change. The
 flag is never cleared (whether the copy is still alive depends on the garbage collector's
 timing, which may differ between ranks); the error says to use the out-of-place op. A view

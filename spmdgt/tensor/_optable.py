@@ -26,6 +26,7 @@ from spmdgt.tensor import (
     _losses,  # noqa: F401 - registers the losses' guard
     _overlap,
     _registry,
+    _views,
 )
 from spmdgt.tensor._assign import assign
 from spmdgt.tensor._fallback import op_name
@@ -236,7 +237,7 @@ def _on_view(func, args, kwargs):
     out = dtensor_path(func, args, kwargs)
     src = args[0] if args else None
     if isinstance(src, DTensor) and out is not src:
-        _fallback.tag_views(func, args, kwargs, out, src)
+        _views.tag_views(func, args, kwargs, out, src)
     return out
 
 
@@ -321,7 +322,7 @@ register(
 def _on_inplace(func, args, kwargs):
     out = _inplace(func, args, kwargs)
     if torch.is_grad_enabled():
-        _fallback.keep_grad_layout(func, args, kwargs)
+        _views.keep_grad_layout(func, args, kwargs)
     return out
 
 
@@ -336,7 +337,7 @@ def _inplace(func, args, kwargs):
         if op_name(func) in _inplace_views.NAMES:  # the shape changes, the values stay
             return dtensor_path(func, args, kwargs, inplace=True)
         if getattr(self, "_gt_view", None) is not None:
-            out = _fallback.write_through(func, args, kwargs, self)
+            out = _views.write_through(func, args, kwargs, self)
             if out is not NotImplemented:
                 return out
         if is_pointwise_inplace(func) or kwargs.get("inplace") is True:

@@ -89,7 +89,7 @@ def written_of(args, kwargs) -> list:
 
 def _geometry(t: DTensor) -> tuple:
     """(size, stride, offset) of the window of the shared memory ``t``'s model is taken
-    from: a real view's root as it was when the view was taken (``_fallback.alias_of``; the
+    from: a real view's root as it was when the view was taken (``_views.alias_of``; the
     view's wrapper offset is its shard's, which differs by rank on uneven shards; an in-place
     view keeps a tensor's offset), else ``t``'s own."""
     alias = getattr(t, "_gt_alias", None)

@@ -50,9 +50,9 @@ _set_implicit = torch._C._set_dtensor_allow_implicit_replication
 class Tensor(DTensor):
     """A sharded spmdgt tensor (a ``DTensor`` subclass); see the module docstring."""
 
-    # (base, replay, base version) on a view DTensor had to copy (see _fallback.tag_views)
+    # (base, replay, base version) on a view DTensor had to copy (see _views.tag_views)
     _gt_view = None
-    # (root, root's spec then, replay) on a real view (see _fallback.alias_of)
+    # (root, root's spec then, replay) on a real view (see _views.alias_of)
     _gt_alias = None
 
     @classmethod
