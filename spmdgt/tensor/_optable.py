@@ -227,6 +227,7 @@ def _on_autograd(func, args, kwargs):
         "dsplit",
         "split_with_sizes",
         "ravel",
+        "detach",
     ),
 )
 def _on_view(func, args, kwargs):

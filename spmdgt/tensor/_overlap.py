@@ -94,9 +94,9 @@ def _geometry(t: DTensor) -> tuple:
     view keeps a tensor's offset), else ``t``'s own."""
     alias = getattr(t, "_gt_alias", None)
     if alias is not None:
-        root, spec, _ = alias
+        offset, spec, _ = alias
         meta = spec.tensor_meta
-        return meta.shape, meta.stride, root.storage_offset()
+        return meta.shape, meta.stride, offset
     return t.shape, t.stride(), t.storage_offset()
 
 

@@ -52,8 +52,10 @@ class Tensor(DTensor):
 
     # (base, replay, base version) on a view DTensor had to copy (see _views.tag_views)
     _gt_view = None
-    # (root, root's spec then, replay) on a real view (see _views.alias_of)
+    # (root's storage offset, root's spec then, replay) on a real view (see _views.alias_of)
     _gt_alias = None
+    # such a copy made by ``detach`` (or a view of one): written behind autograd's back
+    _gt_detached = False
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):

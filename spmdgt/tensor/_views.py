@@ -68,10 +68,6 @@ _is_alias_of = torch._C._is_alias_of
 _VIEW_OR_COPY = frozenset({"reshape", "reshape_as", "flatten", "ravel"})
 
 
-def _root(t: torch.Tensor) -> torch.Tensor:
-    return t._base if t._base is not None else t
-
-
 def tag_views(func, args, kwargs, out, src) -> None:
     """After view op ``func`` on sharded ``src``: tag each output that does not share ``src``'s
     local memory (DTensor redistributed to make it, so it is a copy) with how to rebuild it
@@ -97,7 +93,9 @@ def tag_views(func, args, kwargs, out, src) -> None:
     # shares the shard's memory on every rank, and a redistribution's result on none; but a
     # view-or-copy op (``reshape``) may copy on one rank's shard and not another's (their
     # strides differ where shards are uneven), and a rank off a sub-mesh holds a placeholder
-    real = parent is None and op_name(func) not in _VIEW_OR_COPY and spans_world(src.device_mesh)
+    name = op_name(func)
+    real = parent is None and name not in _VIEW_OR_COPY and spans_world(src.device_mesh)
+    detached = name == "detach"
     rest, kw = args[1:], dict(kwargs or {})
     for i, o in enumerate(outs):
         if not isinstance(o, DTensor):
@@ -121,23 +119,31 @@ def tag_views(func, args, kwargs, out, src) -> None:
             def replay(full, _outer=replay, _inner=inner):
                 return _outer(_inner(full))
 
-        # the base's version now: a later write to the base makes this copy stale (refresh)
-        o._gt_view = (base, replay, base._version)
         # for good, whatever becomes of the copy (set in program order, alike on every rank):
         # the replay reads the base in its shape now, which an in-place view may not change
         base._gt_copied = True
+        if detached or getattr(src, "_gt_detached", False):
+            # written behind autograd's back (write_through). The tag holds the base's memory
+            # and version counter, not its history: a torch ``detach`` keeps no graph alive
+            o._gt_detached = True
+            if base.requires_grad:
+                with _DisableSubclass():
+                    base = base.detach()
+        # the base's version now: a later write to the base makes this copy stale (refresh)
+        o._gt_view = (base, replay, base._version)
 
 
 def alias_of(src: DTensor, replay) -> tuple:
-    """``_gt_alias`` of a real view ``replay(src)``: (root, the root's spec when the view was
-    taken, how to take the view from a tensor laid out so). Views of real views chain to
+    """``_gt_alias`` of a real view ``replay(src)``: (the root's storage offset, its spec when
+    the view was taken, how to take the view from a tensor laid out so); not the root itself,
+    which a ``detach`` must not keep alive with its graph. Views of real views chain to
     the first root. The spec says the root's global size and strides then: an in-place view
     of the root later gives it a new spec and shape, not new memory. Two reads a view op."""
     alias = getattr(src, "_gt_alias", None)
     if alias is not None:
-        root, spec, inner = alias
-        return root, spec, lambda full, _outer=replay, _inner=inner: _outer(_inner(full))
-    return src, src._spec, replay
+        offset, spec, inner = alias
+        return offset, spec, lambda full, _outer=replay, _inner=inner: _outer(_inner(full))
+    return src.storage_offset(), src._spec, replay
 
 
 def write_through(func, args, kwargs, view: DTensor):
@@ -155,11 +161,19 @@ def write_through(func, args, kwargs, view: DTensor):
     _refuse_traced(func, args, kwargs, "a write through a view DTensor had to copy", mutates=True)
     name = op_name(func)
     base, replay, _ = view._gt_view
-    recorded = torch.is_grad_enabled() and (
-        base.requires_grad
-        or view.requires_grad
-        or any(isinstance(a, torch.Tensor) and a.requires_grad for a in args[1:])
-    )
+    grads = any(isinstance(a, torch.Tensor) and a.requires_grad for a in args[1:])
+    if getattr(view, "_gt_detached", False):
+        # a detached view (``p.detach()[1:3].zero_()``): torch writes its base's memory
+        # behind autograd's back, a leaf's too; so does this, unrecorded
+        if grads and torch.is_grad_enabled():
+            raise RuntimeError(
+                f"spmdgt: {name} on a detached view of a sharded tensor, a copy DTensor had to "
+                "make, with an operand that requires grad: not supported (torch would give "
+                "the view a history of its own). Detach the operand, or write the base itself."
+            )
+        recorded = False
+    else:
+        recorded = torch.is_grad_enabled() and (base.requires_grad or view.requires_grad or grads)
     if recorded:
         if base.is_leaf and base.requires_grad:
             raise RuntimeError(
@@ -171,7 +185,7 @@ def write_through(func, args, kwargs, view: DTensor):
         full_base = gather(base).clone()
         with _DisableSubclass():
             full_view = replay(full_base)
-        if _root(full_view) is not _root(full_base):
+        if not _is_alias_of(full_view, full_base):  # advanced indexing: a copy in torch too
             return NotImplemented
         _note(func, "write through a view that DTensor had to copy", (base,), None)
         rest, kw = _map(

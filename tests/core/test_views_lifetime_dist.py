@@ -382,7 +382,9 @@ def test_writes_through_views_with_autograd_as_torch(world, tmp_path):
 
 
 # User patterns that found three more defects on 2026-11-30 (each once a wrong gradient, a
-# value left unwritten, or an error on one rank only), with and without autograd recording.
+# value left unwritten, or an error on one rank only), with and without autograd recording;
+# writes through detached views (``detach`` was off the view route: values left unwritten,
+# stale reads, an error on one rank only).
 
 
 def _fill_plain(y):
@@ -428,8 +430,20 @@ def _complex_view_write(y):
     return z[:, :WIDE]
 
 
+def _detached_writes(y):
+    z = y * 1
+    z[1:3].detach().mul_(2)  # row shards: a copy DTensor had to make, written behind autograd
+    z.detach()[:, 1:3].add_(1)  # column shards: the same
+    d = z[4:6].detach()
+    z.mul_(0.5)  # d shows the write, as a torch detach does
+    z[0].add_(z[2].detach())  # disjoint rows: once torch's overlap error on one rank only
+    z[5:7] = d * 3
+    return z
+
+
 PATTERNS = {
     "complex_view_write": _complex_view_write,
+    "detached_writes": _detached_writes,
     "fill_plain": _fill_plain,
     "relu_slice": _relu_slice,
     "rows_overlap": _rows_overlap,
