@@ -66,6 +66,34 @@ def keep_grad_layout(func, args, kwargs) -> None:
 _is_alias_of = torch._C._is_alias_of
 # a view where strides allow
 _VIEW_OR_COPY = frozenset({"reshape", "reshape_as", "flatten", "ravel"})
+# ``x.view_as(y)`` is ``x.view(y.shape)``: ``y`` gives a shape, not an index
+_SHAPED_BY = {
+    "view_as": torch.Tensor.view,
+    "reshape_as": torch.Tensor.reshape,
+    "expand_as": torch.Tensor.expand,
+}
+_torch_copies: dict = {}  # (op, global size, stride, arguments) -> whether torch copies
+
+
+def _copies_in_torch(func, src: DTensor, rest: tuple, kw: dict) -> bool:
+    """Whether torch's own view-or-copy op (``reshape``, ``flatten``, ``ravel``) makes a copy of
+    ``src``, decided as torch decides, on the global size and strides (a meta tensor; cached).
+    Where torch copies, writes through the result must not reach ``src``: tagged as a view,
+    ``z[:, 1:3].reshape(-1).mul_(2)`` on row shards wrote ``z`` (2026-11-30)."""
+    try:
+        key = (func, tuple(src.shape), src.stride(), rest, tuple(sorted(kw.items())))
+        hash(key)
+    except TypeError:  # a list among the arguments
+        key = None
+    r = _torch_copies.get(key) if key is not None else None
+    if r is None:
+        meta = torch.empty_strided(src.shape, src.stride(), dtype=src.dtype, device="meta")
+        r = not _is_alias_of(func(meta, *rest, **kw), meta)
+        if key is not None:
+            if len(_torch_copies) > 4096:
+                _torch_copies.clear()
+            _torch_copies[key] = r
+    return r
 
 
 def tag_views(func, args, kwargs, out, src) -> None:
@@ -81,10 +109,17 @@ def tag_views(func, args, kwargs, out, src) -> None:
     a copy went stale the moment Python collected its base, a result that depended on when
     the collector ran. The view holds only the base (never the reverse), so both die with the
     view's last reference, as a torch view and its storage do."""
-    if any(isinstance(a, DTensor) for a in args[1:]) or any(
-        isinstance(v, DTensor) for v in (kwargs or {}).values()
+    name = op_name(func)
+    rest, kw = args[1:], dict(kwargs or {})
+    shaped_by = _SHAPED_BY.get(name)
+    if shaped_by is not None and rest and isinstance(rest[0], torch.Tensor):
+        func, rest = shaped_by, (tuple(rest[0].shape), *rest[1:])
+    if any(isinstance(a, DTensor) for a in rest) or any(
+        isinstance(v, DTensor) for v in kw.values()
     ):
         return  # tensor indices: advanced indexing, a copy in torch too
+    if name in _VIEW_OR_COPY and _copies_in_torch(func, src, rest, kw):
+        return  # torch copies too: the result is no view of ``src``
     parent = getattr(src, "_gt_view", None)
     outs = out if isinstance(out, (tuple, list)) else (out,)
     src_local = src._local_tensor
@@ -93,10 +128,8 @@ def tag_views(func, args, kwargs, out, src) -> None:
     # shares the shard's memory on every rank, and a redistribution's result on none; but a
     # view-or-copy op (``reshape``) may copy on one rank's shard and not another's (their
     # strides differ where shards are uneven), and a rank off a sub-mesh holds a placeholder
-    name = op_name(func)
     real = parent is None and name not in _VIEW_OR_COPY and spans_world(src.device_mesh)
     detached = name == "detach"
-    rest, kw = args[1:], dict(kwargs or {})
     for i, o in enumerate(outs):
         if not isinstance(o, DTensor):
             continue

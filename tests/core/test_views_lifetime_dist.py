@@ -384,7 +384,8 @@ def test_writes_through_views_with_autograd_as_torch(world, tmp_path):
 # User patterns that found three more defects on 2026-11-30 (each once a wrong gradient, a
 # value left unwritten, or an error on one rank only), with and without autograd recording;
 # writes through detached views (``detach`` was off the view route: values left unwritten,
-# stale reads, an error on one rank only).
+# stale reads, an error on one rank only), and through ``reshape`` where torch copies (the
+# base written) and ``view_as`` of a copy DTensor made (left unwritten).
 
 
 def _fill_plain(y):
@@ -441,8 +442,18 @@ def _detached_writes(y):
     return z
 
 
+def _view_or_copy(y):
+    z = y * 1
+    z[:, 1:3].reshape(-1).mul_(2)  # torch copies here: z stays (it was written)
+    z[1:3].view_as(z[2:4]).mul_(3)  # a view: written (once a copy left unwritten)
+    z.reshape(-1)[:4].add_(1)  # a view in torch: written
+    z.flatten()[5:9].mul_(-1)
+    return z
+
+
 PATTERNS = {
     "complex_view_write": _complex_view_write,
+    "view_or_copy": _view_or_copy,
     "detached_writes": _detached_writes,
     "fill_plain": _fill_plain,
     "relu_slice": _relu_slice,
