@@ -123,6 +123,12 @@ def refusal(gm: Any, example_inputs: list) -> str | None:
             f"output {piece} is one of several views of a sharded tensor: the compiled "
             "graph's output does not write through to its base as eager's does"
         )
+    grad_written = _grad_input_written(gm)
+    if grad_written is not None:
+        return (
+            f"input {grad_written} needs grad and is written in place: AOTAutograd's backward "
+            "of such a sharded input expects a plain gradient and raises"
+        )
     copied = _copied_view_output(gm)
     if copied is not None:
         return (
@@ -329,6 +335,28 @@ def _piece_output(gm: Any) -> str | None:
             node = node.args[0] if node.args and hasattr(node.args[0], "op") else None
             if node is None:
                 break
+    return None
+
+
+def _grad_input_written(gm: Any) -> str | None:
+    """The first input of ``gm`` (its name), a DTensor that needs grad, that a call in ``gm``
+    writes in place, or None.
+
+    AOTAutograd returns such an input's new value from the graph and guesses its gradient a
+    plain tensor; the DTensor gradient that arrives made every backward raise ("we guessed its
+    metadata incorrectly"): a hot ``def act(v): v.mul_(3)`` on ``v = y * 2`` of row shards,
+    2 ranks, torch 2.13, 2026-11-30, where eager and one process compute. Such a graph is not
+    compiled; an input that needs no grad (data, a detached tensor) is written in the graph,
+    and so is any input of a function entered without grad (``torch.no_grad()`` around a hot
+    optimizer loop: the graph has no backward)."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is None or not torch.is_grad_enabled():
+        return None
+    inputs = list(gm.graph.find_nodes(op="placeholder"))
+    for i in _mutated_inputs(gm):
+        value = inputs[i].meta.get("example_value")
+        if isinstance(value, dtensor.DTensor) and value.requires_grad:
+            return inputs[i].name
     return None
 
 

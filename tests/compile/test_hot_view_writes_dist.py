@@ -12,7 +12,10 @@ and 4/3): every call equals one process. Eagerly each was exact; compiled (torch
   first, and runs the call as traced where the graph writes an input);
 - a function returning ``u.view(-1)`` of 7 row shards (a copy DTensor had to make) returned
   the copy untagged: the caller's ``clamp_`` through it left ``u`` as it was, and a read after
-  a write to ``u`` read it stale (``_backend._copied_view_output``).
+  a write to ``u`` read it stale (``_backend._copied_view_output``);
+- a function writing in place into an input that needs grad (``v.mul_(3)``) made every
+  backward after it compiled raise AOTAutograd's "guessed its metadata incorrectly"
+  (``_backend._grad_input_written``).
 """
 
 from __future__ import annotations
@@ -46,6 +49,10 @@ def flat(y):
     return y.view(-1)
 
 
+def act(v):
+    v.mul_(3)
+
+
 def read_after(v, y):
     y.mul_(0.5)
     return v * 2
@@ -63,7 +70,11 @@ def _program(make):
         u = make(torch.arange(ROWS * COLS, dtype=torch.float64).reshape(ROWS, COLS) - i, "rows")
         flat(u).clamp_(max=20.0 + i)  # on 7 row shards a copy DTensor had to make
         f = read_after(flat(u), u)
-        out.append([np.asarray(t.detach().numpy()).copy() for t in (y, z, v, r, u, f)])
+        w = torch.nn.Parameter(torch.full((ROWS, COLS), 1.5, dtype=torch.float64))
+        a = u * w * 2
+        act(a)  # an input that needs grad, written in place
+        (a * a).sum().backward()
+        out.append([np.asarray(t.detach().numpy()).copy() for t in (y, z, v, r, u, f, w.grad)])
     return out
 
 
@@ -88,5 +99,5 @@ def test_hot_functions_writing_through_views_equal_one_process(tmp_path, world):
     for got, _ in run_ranks(_ranked, world, tmp_path, timeout=300):
         assert len(got) == CALLS
         for i, (ours, theirs) in enumerate(zip(got, ref, strict=True)):
-            for name, a, b in zip("yzvruf", ours, theirs, strict=True):
+            for name, a, b in zip([*"yzvruf", "w.grad"], ours, theirs, strict=True):
                 np.testing.assert_array_equal(a, b, err_msg=f"call {i}: {name}")
