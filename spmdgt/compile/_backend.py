@@ -188,6 +188,15 @@ _DRAWS = (
 )  # fmt: skip
 
 
+def _dtensor_value(node: Any) -> Any:
+    """The DTensor a graph node's traced value is (its fake), or None (another value, or an
+    argument that is no node)."""
+    from torch.distributed.tensor import DTensor
+
+    v = node.meta.get("example_value") if hasattr(node, "meta") else None
+    return v if isinstance(v, DTensor) else None
+
+
 def _call_name(node: Any) -> str | None:
     """The name a graph node calls (a method's, or a function's ``__name__``), or None when
     the node calls nothing (an input, an output, an attribute)."""
@@ -280,14 +289,9 @@ def _view_write(gm: Any) -> str | None:
     on every rank; over-matching costs speed only."""
     import operator
 
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    if dtensor is None:
+    if sys.modules.get("torch.distributed.tensor") is None:
         return None
-
-    def value(node: Any) -> Any:
-        v = node.meta.get("example_value") if hasattr(node, "meta") else None
-        return v if isinstance(v, dtensor.DTensor) else None
-
+    value = _dtensor_value
     for n in gm.graph.nodes:
         name = _call_name(n)
         first = value(n.args[0]) if name is not None and n.args else None
@@ -349,13 +353,12 @@ def _grad_input_written(gm: Any) -> str | None:
     compiled; an input that needs no grad (data, a detached tensor) is written in the graph,
     and so is any input of a function entered without grad (``torch.no_grad()`` around a hot
     optimizer loop: the graph has no backward)."""
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    if dtensor is None or not torch.is_grad_enabled():
+    if sys.modules.get("torch.distributed.tensor") is None or not torch.is_grad_enabled():
         return None
     inputs = list(gm.graph.find_nodes(op="placeholder"))
     for i in _mutated_inputs(gm):
-        value = inputs[i].meta.get("example_value")
-        if isinstance(value, dtensor.DTensor) and value.requires_grad:
+        value = _dtensor_value(inputs[i])
+        if value is not None and value.requires_grad:
             return inputs[i].name
     return None
 
@@ -376,13 +379,9 @@ def _copied_view_output(gm: Any) -> str | None:
 
     from spmdgt.tensor import _registry
 
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    if dtensor is None:
+    if sys.modules.get("torch.distributed.tensor") is None:
         return None
-
-    def value(node: Any) -> Any:
-        v = node.meta.get("example_value") if hasattr(node, "meta") else None
-        return v if isinstance(v, dtensor.DTensor) else None
+    value = _dtensor_value
 
     def is_view(node: Any) -> bool:
         name = _call_name(node)
