@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from spmdgt._core import env as _env
-from spmdgt.compile._backend import wrong_when_compiled
+from spmdgt.compile._refusals import wrong_when_compiled
 from spmdgt.train._units import find_blocks
 
 __all__ = [

@@ -4,18 +4,18 @@ and 4/3): every call equals one process. Eagerly each was exact; compiled (torch
 
 - ``y[3, 0] = 2.0`` on an input and ``z[:, 1:].mul_(3)`` on an intermediate were wrong once
   the function compiled: AOTAutograd's write-back of a view into its base gives other values
-  on DTensors (``_backend._view_write`` now refuses such graphs: each call runs eagerly);
+  on DTensors (``_refusals._view_write`` now refuses such graphs: each call runs eagerly);
 - a function returning ``y.unbind(1)[4]``, whose caller wrote ``.mul_(3)`` into it, left ``y``
-  as it was (``_backend._piece_output``);
+  as it was (``_refusals._piece_output``);
 - a function reading a view DTensor had to copy after its base was written read it stale, and
   one writing such a view in place wrote the copy only (``_Runner`` brings the copy up to date
   first, and runs the call as traced where the graph writes an input);
 - a function returning ``u.view(-1)`` of 7 row shards (a copy DTensor had to make) returned
   the copy untagged: the caller's ``clamp_`` through it left ``u`` as it was, and a read after
-  a write to ``u`` read it stale (``_backend._copied_view_output``);
+  a write to ``u`` read it stale (``_refusals._copied_view_output``);
 - a function writing in place into an input that needs grad (``v.mul_(3)``) made every
   backward after it compiled raise AOTAutograd's "guessed its metadata incorrectly"
-  (``_backend._grad_input_written``).
+  (``_refusals._grad_input_written``).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import spmdgt.compile as gt_compile
-from spmdgt.compile import _backend
+from spmdgt.compile import _refusals
 from spmdgt.interceptor import _control
 from spmdgt.train._compile import _guarded_backend
 
@@ -51,7 +51,7 @@ def fresh_dynamo():
 
 def test_torch_compile_still_loses_the_write(fresh_dynamo):
     # Why the guard exists. When this fails, torch keeps the write: drop matrix_rank from
-    # ``_backend._known_wrong`` (and the slow sweep below will say the same).
+    # ``_refusals._known_wrong`` (and the slow sweep below will say the same).
     a = _hermitian()
     out = torch.zeros(3, dtype=torch.int64)
     torch.compile(_rank_into, backend="aot_eager")(a, out)
@@ -92,7 +92,7 @@ def test_graphs_without_a_lost_out_are_compiled(fresh_dynamo):
     graphs = []
 
     def spy(gm, example_inputs):
-        graphs.append(_backend.wrong_when_compiled(gm))
+        graphs.append(_refusals.wrong_when_compiled(gm))
         return gm.forward
 
     out = torch.zeros(3, 5, 5)
@@ -117,7 +117,7 @@ def _margin(x, y):
 
 def test_torch_compile_still_scores_padded_targets(fresh_dynamo):
     # Why the guard exists (torch #141017). When this fails, drop multilabel_margin_loss from
-    # ``_backend._known_wrong``.
+    # ``_refusals._known_wrong``.
     x, y = _margin_case()
     got = torch.compile(_margin, backend="aot_eager")(x, y)
     assert not torch.allclose(got, _margin(x, y))
@@ -194,7 +194,7 @@ def test_every_opinfo_out_kept_by_compile_or_guarded(fresh_dynamo):
             if not _same(got, out):
                 lost.add(op.op)
     assert checked > 300
-    guarded = {f for f, (out_only, _) in _backend._known_wrong().items() if out_only}
+    guarded = {f for f, (out_only, _) in _refusals._known_wrong().items() if out_only}
     assert lost == guarded
 
 
@@ -264,4 +264,4 @@ def test_every_opinfo_forward_agrees_compiled_or_guarded(fresh_dynamo):
                 if not ok:
                     wrong.add(op.op)
     assert checked > 1000
-    assert wrong <= set(_backend._known_wrong()), wrong
+    assert wrong <= set(_refusals._known_wrong()), wrong
