@@ -10,7 +10,7 @@ shard memory) records where it lies in its root (``alias_of``), for the overlap 
 keeps autograd's ``CopySlices`` backward of such writes on the base's own layout.
 
 ``_optable``'s view and in-place routes call these; ``_inplace_views`` and the compile pass
-(``compile/_backend.py``, ``_hot_functions._settle_views``) read the tags.
+(``compile/_refusals.py``, ``_hot_functions._settle_views``) read the tags.
 """
 
 from __future__ import annotations
