@@ -170,7 +170,8 @@ def _train(rank: int, world: int, argv: list[str]) -> list[float]:
 
 def test_the_winners_yaml_trains_on_2_ranks_as_one_process(tmp_path, capsys):
     """The command line on the example (its model read at its first call, the memory
-    calibrated by dry runs), the winner written, trained with the example as is
+    calibrated by dry runs; checkpointing off, whose calibration ``test_plan_memory.py``
+    checks, to halve the dry runs), the winner written, trained with the example as is
     (``--config``) on 2 ranks, and every step's loss compared with one process reading the
     same global batches."""
     from spmdgt.scripts.plan import main
@@ -179,7 +180,16 @@ def test_the_winners_yaml_trains_on_2_ranks_as_one_process(tmp_path, capsys):
     path = tmp_path / "plan.yaml"
     script = str(ROOT / "examples" / "train_transformer.py")
     flags = ["--world", "2", "--device", "cpu", "--global-batch", "8", "--micro-batches", "2"]
-    flags += ["--amp", "off", "--strategies", "fsdp,placements", "--output", str(path)]
+    flags += [
+        "--amp",
+        "off",
+        "--ac",
+        "off",
+        "--strategies",
+        "fsdp,placements",
+        "--output",
+        str(path),
+    ]
     assert main([*flags, script, *TINY, "--batch-size", "2"]) == 0
     out = capsys.readouterr().out
     assert "winner" in out and f"wrote {path}" in out
