@@ -270,14 +270,19 @@ def run_global(func, args, kwargs, why: str, strided: bool = False):
     like = _first_dtensor(args, kwargs)
     _note(func, why, args, kwargs)
 
+    fulls: list[tuple[DTensor, torch.Tensor, int]] = []
+
     def full_of(a):
-        return in_layout_of(gather(a), a) if strided else gather(a)
+        f = in_layout_of(gather(a), a) if strided else gather(a)
+        fulls.append((a, f, f._version))
+        return f
 
     full_args, full_kwargs = _map(
         lambda a: full_of(a) if isinstance(a, DTensor) else a, (args, kwargs)
     )
     with _DisableSubclass():
         out = func(*full_args, **full_kwargs)
+    _write_side_effects(func, fulls)
     if like is None:
         return out
     host = _HOST_OUTPUTS.get(op_name(func).split(".")[0])
@@ -290,6 +295,27 @@ def run_global(func, args, kwargs, why: str, strided: bool = False):
     if tracing(args, kwargs):
         _mark_copy(func, laid)
     return laid
+
+
+def _write_side_effects(func, fulls) -> None:
+    """Write back what a function run on global values wrote into its arguments' global
+    copies by itself: ``F.embedding(ids, w, max_norm=1.0)`` renormalises the rows of ``w``
+    it looks up in place, ``F.batch_norm`` updates the running statistics. In one process
+    the argument itself is written; here the gathered copy was, so each rank copies its part
+    back (a plain tensor lifted for the call: all of it, into the plain tensor). The version
+    counter tells (it advances alike on every rank: the same op on the same global values).
+    A copy sharing the DTensor's own memory (a replicated value) was written already. Written
+    as under ``no_grad``, as those functions write."""
+    for a, full, version in fulls:
+        if full._version == version:
+            continue
+        with torch.no_grad():
+            source = a.__dict__.get("_gt_lifted")
+            if source is not None:
+                if full.data_ptr() != source.data_ptr():
+                    source.copy_(full)
+            elif full.data_ptr() != a._local_tensor.data_ptr():
+                _write_back(a, full.detach(), op_name(func))
 
 
 def _check_leaf(t: torch.Tensor, name: str) -> None:

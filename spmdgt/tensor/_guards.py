@@ -116,8 +116,14 @@ def _input_and_dim(args, kwargs):
 @_guards("embedding")
 def _embedding_weight(func, args, kwargs) -> str | None:
     """A weight with one dim sharded over several mesh dims: DTensor's masked-partial rule
-    shares one mask among them, and the ranks disagree."""
+    shares one mask among them, and the ranks disagree. With ``max_norm``, ids on a sub-mesh:
+    the rows looked up are renormalised in place in a plain weight, which DTensor does on the
+    mesh's ranks only (the others keep the old rows)."""
     w = kwargs.get("weight", args[1] if len(args) > 1 else None)
+    if kwargs.get("max_norm", args[3] if len(args) > 3 else None) is not None and any(
+        isinstance(a, DTensor) and not spans_world(a._spec.mesh) for a in (*args[:2], w)
+    ):
+        return "embedding with max_norm on a sub-mesh (the weight's rows renormalised in place)"
     if isinstance(w, DTensor):
         rows = [p.dim for p in w._spec.placements if isinstance(p, Shard)]
         if len(rows) != len(set(rows)):
@@ -125,6 +131,34 @@ def _embedding_weight(func, args, kwargs) -> str | None:
                 "embedding weight with one dim sharded over several mesh dims (DTensor's "
                 "masked-partial rule keeps one mask for all of them)"
             )
+    return None
+
+
+# (index of running_mean, of running_var, of training, its name, its default): the
+# functional forms take the statistics second, the torch ones after weight and bias
+_NORM_ARGS = {
+    "functional": (1, 2, 5, ("training", "use_input_stats"), (False, True)),
+    "torch": (3, 4, 5, ("training", "use_input_stats"), (None, None)),
+}
+
+
+@_guards("batch_norm", "instance_norm")
+def _running_stats(func, args, kwargs) -> str | None:
+    """Training with running statistics: the kernel updates them in place, outside its
+    schema (``native_batch_norm`` marks no argument written). DTensor's rule for a
+    feature-sharded input redistributes the plain statistics to shards and the update lands
+    in those copies: the statistics never move (raw DTensor too). On global values the
+    kernel writes them (sharded ones are written back: ``_fallback``)."""
+    idx_mean, idx_var, idx_train, names, defaults = _NORM_ARGS[
+        "functional" if func.__module__ == "torch.nn.functional" else "torch"
+    ]
+    which = 1 if op_name(func) == "instance_norm" else 0
+    name = names[which]
+    training = kwargs.get(name, args[idx_train] if len(args) > idx_train else defaults[which])
+    mean = kwargs.get("running_mean", args[idx_mean] if len(args) > idx_mean else None)
+    var = kwargs.get("running_var", args[idx_var] if len(args) > idx_var else None)
+    if training and (mean is not None or var is not None):
+        return f"{op_name(func)} updating running statistics in place"
     return None
 
 

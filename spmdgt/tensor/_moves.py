@@ -295,9 +295,13 @@ def lift_grad_plain(mesh, args, kwargs, written=None):
             or a is written
         ):
             return a
-        # A plain DTensor: it lives for this one call (outputs are re-tagged).
+        # A plain DTensor: it lives for this one call (outputs are re-tagged). It knows its
+        # source: a rank outside a sub-mesh holds nothing of it, so a function run on global
+        # values that writes it (``_fallback._write_side_effects``) writes the source.
         with _DisableSubclass():
-            return _Lift.apply(a, mesh)
+            lifted = _Lift.apply(a, mesh)
+        lifted._gt_lifted = a
+        return lifted
 
     return map_tensors(lift, args, kwargs)
 

@@ -465,8 +465,12 @@ def _global_if(why: str | None, func, args, kwargs):
     "when ties span ranks), or with an empty shard; `prod` of complex values over a sharded "
     "dim (no collective multiplies complex numbers); `embedding` whose weight has one dim "
     "sharded over several mesh dims (DTensor's masked-partial rule shares one mask among "
-    "them); the losses on uneven, empty or sub-mesh shards outside what their sweep proved "
-    "exact (`_losses.py`: float32, one 1-D mesh, the input's Shard(0), Shard(1) or "
+    "them), or `max_norm` with ids on a sub-mesh (the rows renormalised in place in a plain "
+    "weight on the mesh's ranks alone); `batch_norm`/`instance_norm` in training with "
+    "running statistics (the kernel updates them outside its schema, and DTensor's rule for "
+    "a feature-sharded input writes the update into redistributed copies); the losses on "
+    "uneven, empty or sub-mesh shards outside what their sweep proved exact (`_losses.py`: "
+    "float32, one 1-D mesh, the input's Shard(0), Shard(1) or "
     "Replicate for every sharded argument, replicated class weights)",
 )
 def _on_guarded(func, args, kwargs):

@@ -14,6 +14,8 @@ purpose, which must come out ``differs``)::
     optim     tests/parity/optimizers.py     every torch.optim implementation, 3 steps
     autograd  tests/parity/autograd_apis.py  every autograd entry point
     random    tests/parity/random_ops.py     every op that draws, and the generator after
+    state     tests/parity/state_patterns.py generator states restored, modules' own writes,
+                                             custom Functions, hooks, accumulated gradients
 
 A row is ``(scenario name, "scenario", layout, world)`` in ``tests/parity/ledger.csv``, beside
 the OpInfo and training rows, with the same outcomes (``verdict.py``): ``equal``, ``raises``
@@ -71,6 +73,7 @@ FAMILIES: dict[str, str] = {
     "optim": "tests.parity.optimizers",
     "autograd": "tests.parity.autograd_apis",
     "random": "tests.parity.random_ops",
+    "state": "tests.parity.state_patterns",
 }
 VARIANT = "scenario"
 LAYOUTS: tuple[str, ...] = ("shard0", "shard1", "subrep", "shard0_empty", "mesh_s0s1")
