@@ -105,9 +105,10 @@ def _first(
     """What ``Region._fast`` keeps of a real input ``a`` (of type ``t``) it meets first in a
     region (of ``mesh``, on ``device``): ``(key part, requires_grad, big, descriptor)``; None
     when ``_fast`` cannot take it (another device, a plain tensor in a sharded region or the
-    converse, a view ``gt.Tensor``, another mesh)."""
+    converse, a view ``gt.Tensor``, another mesh, an inference tensor: it keeps no version
+    counter, which the region reads)."""
     if t is _Tensor or t is _Parameter:
-        if mesh is not None or (device is not None and a.device != device):
+        if mesh is not None or (device is not None and a.device != device) or a.is_inference():
             return None
         part = _part(("t", tuple(a.shape), a.stride(), a.dtype))
         return part, a.requires_grad, a.numel() >= min_numel, ("I", a)
@@ -117,7 +118,7 @@ def _first(
     if spec.mesh is not mesh or getattr(a, "_gt_view", None) is not None:
         return None
     with _NoSubclass():  # its metadata as the DTensor's own (no gt.Tensor hop)
-        if a.device != device:
+        if a.device != device or a.is_inference():
             return None
         big = a.numel() // mesh.size() >= min_numel  # per rank, from global sizes
         return _part(("d", spec)), a.requires_grad, big, ("I", a)
@@ -192,7 +193,7 @@ def _desc(region: Any, a: Any, dyn_float: bool) -> tuple | None:
         node = a.__dict__.get("_gt_lazy")
         if node is not None:
             return ("n", node[_INDEX]) if node[_REGION] is region else None
-        return ("I", a)
+        return None if a.is_inference() else ("I", a)  # no version counter to read
     t = type(a)
     if t is float:
         return ("F", a) if dyn_float else ("c", a)

@@ -33,6 +33,8 @@ eager-exact or graph-exact either way.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -212,12 +214,14 @@ class LazyPass:
             st.ops_captured += reg.calls
             st.regions_seen += 1
             st.flushes[reason] += 1
+            device_type = reg.device_type  # take() clears it
             plan = reg.take()
             if plan is None:
                 st.dead += 1
                 return
             graphs = self.graphs if plan.mesh is None else self.sharded
-            fill(plan, graphs.run(plan, self.scopes[-1] if self.scopes else "batch", eager))
+            with _as_recorded(device_type):
+                fill(plan, graphs.run(plan, self.scopes[-1] if self.scopes else "batch", eager))
             plan = None
         finally:
             if plan is not None:  # the program's own error propagates: no result is kept
@@ -266,6 +270,26 @@ def _twice(func: Any, args: tuple, kwargs: dict | None) -> bool:
     if kwargs and "create_graph" in kwargs:
         return bool(kwargs["create_graph"])
     return len(args) > at and bool(args[at])
+
+
+@contextlib.contextmanager
+def _as_recorded(device_type: str) -> Iterator[None]:
+    """The modes a region's calls were recorded in (``Region._admits``: never inference mode
+    or autocast), for a region ended from inside one: ``c = b @ w`` under
+    ``torch.autocast`` with ``b`` pending ran ``b``'s own calls in bfloat16 (``set_`` then
+    raised), and under ``torch.inference_mode`` made ``b`` an inference tensor without
+    history (its backward raised). Two reads when neither is on."""
+    inference = torch.is_inference_mode_enabled()
+    autocast = torch.is_autocast_enabled(device_type)
+    if not (inference or autocast):
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        if inference:
+            stack.enter_context(torch.inference_mode(False))
+        if autocast:
+            stack.enter_context(torch.autocast(device_type, enabled=False))
+        yield
 
 
 def _grad() -> bool:

@@ -155,6 +155,34 @@ def test_inplace_and_views_flush_and_stay_exact(regions):
     assert set(_reg()["flushes"]) == {"mul_", "add_", "view", "item"}
 
 
+def test_a_region_ended_inside_inference_mode_or_autocast_runs_as_recorded(regions):
+    """A region recorded outside ``inference_mode``/``autocast`` and ended by a call inside
+    one runs its calls as recorded: under autocast ``b``'s own matmul ran in bfloat16 (its
+    placeholder then refused the result), under inference mode ``b`` lost its history (its
+    backward raised). An inference tensor is no region input (it has no version counter)."""
+    torch.manual_seed(0)
+    x, w = torch.randn(N, N, requires_grad=True), torch.randn(N, N)
+    regions()
+    b = (x @ w).sin()
+    assert "_gt_lazy" in b.__dict__
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        c = b @ w
+    assert (b.dtype, c.dtype) == (torch.float32, torch.bfloat16)
+    torch.testing.assert_close(b, (x @ w).sin(), rtol=0, atol=0)
+    b = (x @ w).cos()
+    with torch.inference_mode():
+        d = b * 3
+    assert d.is_inference() and not b.is_inference() and b.grad_fn is not None
+    b.sum().backward()
+    x2 = x.detach().clone().requires_grad_()
+    (want,) = torch.autograd.grad((x2 @ w).cos().sum(), x2)
+    torch.testing.assert_close(x.grad, want)
+    with torch.inference_mode():
+        frozen = torch.randn(N, N)
+    with pytest.raises(RuntimeError, match="Inference tensors cannot be saved for backward"):
+        (frozen * x).sum().backward()
+
+
 def test_batch_size_flushes_every_n_ops(regions):
     x = torch.ones(N, N)
     regions(batch=4)
