@@ -104,9 +104,11 @@ class LazyPass:
 
         if on and not self.hooked:
             _before_op.add_before_op_hook(self.before_op)
+            _function_apply(self)
             self.hooked = True
         elif not on and self.hooked:
             _before_op.remove_before_op_hook(self.before_op)
+            _function_apply(None)
             self.hooked = False
 
     def on_scope(self, name: str, entering: bool, compiles: bool) -> None:
@@ -308,6 +310,29 @@ def _small(args: tuple, least: int) -> bool:
         elif t not in _SCALARS:
             return False
     return True
+
+
+_APPLY = torch.autograd.Function.__dict__["apply"]  # torch's classmethod
+
+
+def _function_apply(lazy: LazyPass | None) -> None:
+    """While the hook is in, a custom ``torch.autograd.Function`` runs its pending inputs'
+    region first. ``apply`` takes its inputs' autograd edges before ``forward`` runs, and no
+    torch-function hook sees it: a placeholder that needs grad is a leaf until its region
+    runs, so the Function's backward pointed at that leaf's gradient accumulator, gone once
+    the region filled it (the backward aborted the process, 2026-11-30). One look at each
+    argument per call; torch's own ``apply`` back when the hook goes."""
+    if lazy is None:
+        torch.autograd.Function.apply = _APPLY
+        return
+    run = _APPLY.__func__
+
+    def apply(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        if lazy.region.nodes and not lazy.busy and _pending(args, kwargs):
+            lazy.flush("autograd.Function")
+        return run(cls, *args, **kwargs)
+
+    torch.autograd.Function.apply = classmethod(apply)
 
 
 def _pending(args: tuple, kwargs: dict | None) -> bool:

@@ -178,8 +178,10 @@ def fill(plan: Plan, results: Any) -> None:
             v.__dict__.pop("_gt_lazy", None)
         for p, out in pairs:
             p.__dict__.pop("_gt_lazy", None)
-            if p.requires_grad:  # a leaf until now (see ``record``): the result decides
-                p.requires_grad_(False)
+            if not _sharded.release(p, out):  # its history is a custom Function's: values only
+                with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(p):
+                    p.copy_(out)
+                continue
             if out.requires_grad:
                 with torch.enable_grad():
                     p.copy_(out)  # grad_fn: CopyBackwards into the graph's backward

@@ -35,7 +35,17 @@ from torch.distributed.tensor import DTensor
 
 from spmdgt._core import scope as _scope
 
-__all__ = ["Join", "fill", "implicit", "layout", "out_spec", "placeholder", "recordable", "zeros"]
+__all__ = [
+    "Join",
+    "fill",
+    "implicit",
+    "layout",
+    "out_spec",
+    "placeholder",
+    "recordable",
+    "release",
+    "zeros",
+]
 
 _CAP = 4096
 _MISSING = object()
@@ -193,6 +203,26 @@ class Join(torch.autograd.Function):
         return tuple(g if g is not None else zeros(z) for g, z in zip(grads, ctx.like, strict=True))
 
 
+def release(p: torch.Tensor, out: torch.Tensor) -> bool:
+    """Ready placeholder ``p`` for its result ``out``: a leaf until now (see ``record``),
+    the result decides whether it needs grad (True). False when autograd gave ``p`` a
+    history of its own meanwhile: a custom ``autograd.Function`` whose ``forward`` returned
+    it (its calls ran under no_grad there, so ``out`` needs none); ``p`` then keeps that
+    history and takes ``out``'s values alone, its version unmoved (the fill is no write of
+    the program's: a Function that saved its output must not see it modified)."""
+    if p.is_leaf:
+        if p.requires_grad:
+            p.requires_grad_(False)
+        return True
+    if out.requires_grad:  # two histories for one tensor: never silently one of them
+        raise RuntimeError(
+            "spmdgt lazy regions: a pending result was given a history by autograd before "
+            "its region ran and its region's result needs grad too; run with "
+            "GT_WORKER_BATCH_SIZE unset, or read the value before the autograd.Function"
+        )
+    return False
+
+
 def fill(plan: Any, results: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Fill a sharded plan's placeholders whose results (DTensors) need grad; the others are
     returned as (placeholder's shard, result's shard) for ``_plan.fill`` to fill."""
@@ -207,11 +237,10 @@ def fill(plan: Any, results: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
                 results[i] = o
         for p, out in zip(plan.outputs, results, strict=True):
             p.__dict__.pop("_gt_lazy", None)
-            if p.requires_grad:  # a leaf until now (see ``placeholder``): the result decides
-                p.requires_grad_(False)
+            history = not release(p, out)  # a custom Function's output: values alone
             if tuple(out._spec.placements) != tuple(p._spec.placements):
                 out = out.redistribute(p._spec.mesh, p._spec.placements)  # same on every rank
-            if out.requires_grad:
+            if out.requires_grad and not history:
                 with torch.enable_grad():
                     p.copy_(out)  # grad_fn: CopyBackwards into the graph's backward
             else:

@@ -183,6 +183,72 @@ def test_a_region_ended_inside_inference_mode_or_autocast_runs_as_recorded(regio
         (frozen * x).sum().backward()
 
 
+class _Exp(torch.autograd.Function):
+    """Saves its output."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = (x * 0.1).exp()
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return g * y * 0.1
+
+
+class _Cube(torch.autograd.Function):
+    """Saves its input."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x**3
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 3 * x * x * g
+
+
+class _Double(torch.autograd.Function):
+    """Writes its input in place (``mark_dirty``)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.mark_dirty(x)
+        return x.mul_(2)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+
+
+def _functions(x):
+    y = _Cube.apply(x * 1.5)
+    z = _Double.apply(y.clone())
+    w = _Exp.apply((x * 0.5).sin())
+    (z * torch.arange(N) + w).sum().backward()
+    return y.detach(), z.detach(), w.detach(), x.grad
+
+
+def test_custom_autograd_functions_on_pending_inputs_equal_eager(regions):
+    """A custom ``autograd.Function`` on a pending input (one that needs grad: its region
+    runs first, else the backward aborted the process), returning a pending output (filled
+    with its values alone: its history is the Function's, and its version unmoved for a
+    Function that saved it), or writing its input (``mark_dirty``)."""
+    torch.manual_seed(0)
+    x = torch.randn(N, N, requires_grad=True)
+    want = _functions(x)
+    x.grad = None
+    regions()
+    got = _functions(x)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+    assert _reg()["flushes"].get("autograd.Function", 0) >= 2
+
+
 def test_batch_size_flushes_every_n_ops(regions):
     x = torch.ones(N, N)
     regions(batch=4)
