@@ -317,6 +317,57 @@ def _inference_tensor(case: Case) -> dict:
     return {"w": w.grad}
 
 
+def _save_load(case: Case) -> dict:
+    """``torch.save`` then ``torch.load`` of a sharded tensor (and a dict holding it) in
+    memory, then used: the same values, and a write into the loaded copy leaves the original."""
+    import io
+
+    x = _data(case)
+    buf = io.BytesIO()
+    torch.save({"x": x, "n": 3}, buf)
+    buf.seek(0)
+    got = torch.load(buf, weights_only=False)
+    y = got["x"]
+    y.mul_(2)
+    return {"x": x, "y": y, "sum": (y + x).sum(), "n": got["n"]}
+
+
+def _deepcopy(case: Case) -> dict:
+    """``copy.deepcopy`` of a sharded tensor and of a module holding a sharded parameter,
+    then each trained one step apart from the original."""
+    import copy
+
+    w = _weight(case, COLS, 3)
+    lin = nn.Linear(COLS, 3, bias=False)
+    lin.weight = nn.Parameter(case.put(torch.randn(3, COLS, generator=torch.Generator())))
+    twin, w2 = copy.deepcopy(lin), copy.deepcopy(w)
+    x = _data(case)
+    (twin(x).sum() + (x @ w2).sum()).backward()
+    with torch.no_grad():
+        twin.weight.sub_(0.1 * twin.weight.grad)
+    return {"w": w, "w2": w2, "g": w2.grad, "orig": lin.weight, "twin": twin.weight}
+
+
+def _state_dicts(case: Case) -> dict:
+    """A plain state dict loaded into a module whose weight is sharded, and the sharded
+    module's state dict loaded into a plain module; then ``double()``."""
+    g = torch.Generator().manual_seed(8)
+    plain = nn.Linear(COLS, 3)
+    with torch.no_grad():
+        plain.weight.copy_(torch.randn(3, COLS, generator=g))
+    sharded = nn.Linear(COLS, 3)
+    sharded.weight = nn.Parameter(case.put(torch.zeros(3, COLS)))
+    sharded.load_state_dict(plain.state_dict())
+    with torch.no_grad():
+        sharded.weight.mul_(3)
+    back = nn.Linear(COLS, 3)
+    back.load_state_dict({k: case.value(v) for k, v in sharded.state_dict().items()})
+    sharded.double()
+    x = _data(case).double()
+    return {"w": sharded.weight, "dtype": str(sharded.weight.dtype), "back": back.weight,
+            "out": sharded(x), "plain": plain.weight}  # fmt: skip
+
+
 # -- numpy sharing memory -------------------------------------------------------------------
 
 
@@ -353,6 +404,9 @@ SCENARIOS: list[Scenario] = [
     Scenario("state.weight_norm", _weight_norm),
     Scenario("state.autocast.cpu_bf16", _autocast, atol=2e-2, rtol=2e-2),
     Scenario("state.inference_mode", _inference_tensor),
+    Scenario("state.save_load", _save_load),
+    Scenario("state.deepcopy", _deepcopy),
+    Scenario("state.state_dicts", _state_dicts),
     Scenario("state.numpy.write", _numpy_write),
 ]
 
