@@ -25,6 +25,8 @@ YAML (every section optional; unknown keys are errors naming file and key)::
     compile: false                 # torch.compile each block (TP -> AC -> compile -> FSDP)
     compile_backend: inductor      # any torch.compile backend name (aot_eager: no codegen)
     activation_checkpointing: false  # recompute each block's activations in backward
+    sync_batchnorm: true           # BatchNorm over the global batch under DDP/FSDP (one
+                                   # process's numbers); false: each rank's own rows
     parallelism: {dp_replicate: 1, dp_shard: -1, tp: 1}  # 2-D/3-D mesh (torchtitan's names)
                                    # sequence_parallel: true (with placements: auto)
 
@@ -319,6 +321,11 @@ class TrainConfig:
     (less memory, about one more forward of compute)."""
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     """The mesh ``(dp_replicate, dp_shard, tp)``; the default is the 1-D world mesh."""
+    sync_batchnorm: bool = True
+    """Under DDP and FSDP, BatchNorm layers normalise with the statistics of the global batch,
+    as one process does (``_sync_bn``: torch's ``SyncBatchNorm`` on CUDA, an all-reduce of the
+    statistics elsewhere): two small all-reduces per BatchNorm per forward. ``false``: each
+    rank's own rows (DDP's behaviour), cheaper, and other numbers than one process."""
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -343,7 +350,7 @@ class TrainConfig:
                     key=f"placements.{pattern}",
                     value=style,
                 )
-        for key in ("compile", "activation_checkpointing", "profile"):
+        for key in ("compile", "activation_checkpointing", "profile", "sync_batchnorm"):
             _bool(getattr(self, key), key)
         _positive_int(self.log_every, "log_every")
         if not isinstance(self.compile_backend, str) or not self.compile_backend:
@@ -410,6 +417,7 @@ _SECTION_OF = {
     "compile": None,
     "compile_backend": None,
     "activation_checkpointing": None,
+    "sync_batchnorm": None,
     "placements": None,
     "epochs": "training",
     "max_steps": "training",

@@ -52,6 +52,7 @@ from spmdgt.train._compile import (
 )
 from spmdgt.train._config import STRATEGIES, DDPConfig, FSDPConfig, TrainConfig
 from spmdgt.train._layout import Layout
+from spmdgt.train._sync_bn import sync_batchnorm
 from spmdgt.train._tp_plan import resolve_placements
 from spmdgt.train._tp_sequence import split_outside_checkpoint
 from spmdgt.train._tp_table import has_loss_parallel, placement_plan, sharded_input_modules
@@ -95,6 +96,8 @@ class Wrapped:
     accumulate_sharded: bool = False
     """FSDP's ``accumulate_sharded``: ``no_sync`` keeps the reduce-scatters (and holds back
     HSDP's all-reduce only)."""
+    synced_norms: list[str] = field(default_factory=list)
+    """The BatchNorm layers ``sync_batchnorm`` made global-batch ones (``_sync_bn``)."""
     loss_parallel: bool = False
     """The table splits the output layer over the vocabulary (``loss_parallel``): its logits
     are split DTensors, so the loss and its backward run under torch's ``loss_parallel``
@@ -245,6 +248,8 @@ def wrap_model(
         # differently). DDP's and FSDP2's collectives run in hooks around the blocks.
         in_blocks = layout.tp_mesh is not None
         wrapped.compiled = apply_compile(model, config.compile_backend, in_blocks, fallback)
+    if layout.data_parallel and config.sync_batchnorm:
+        wrapped.synced_norms = sync_batchnorm(model, _dp_group(layout.dp_mesh), layout.device)
     find_unused = config.ddp.find_unused_parameters
     if layout.data_parallel and strategy == "ddp":
         group = _dp_group(layout.dp_mesh) if layout.two_d else None
