@@ -52,7 +52,7 @@ from spmdgt.train._compile import (
 )
 from spmdgt.train._config import STRATEGIES, DDPConfig, FSDPConfig, TrainConfig
 from spmdgt.train._layout import Layout
-from spmdgt.train._sync_bn import sync_batchnorm
+from spmdgt.train._sync_bn import batchnorms, sync_batchnorm
 from spmdgt.train._tp_plan import resolve_placements
 from spmdgt.train._tp_sequence import split_outside_checkpoint
 from spmdgt.train._tp_table import has_loss_parallel, placement_plan, sharded_input_modules
@@ -248,7 +248,8 @@ def wrap_model(
         # differently). DDP's and FSDP2's collectives run in hooks around the blocks.
         in_blocks = layout.tp_mesh is not None
         wrapped.compiled = apply_compile(model, config.compile_backend, in_blocks, fallback)
-    if layout.data_parallel and config.sync_batchnorm:
+    if layout.data_parallel and config.sync_batchnorm and batchnorms(model):
+        # the group over the data dims (a flattened one for HSDP): made only for such models
         wrapped.synced_norms = sync_batchnorm(model, _dp_group(layout.dp_mesh), layout.device)
     find_unused = config.ddp.find_unused_parameters
     if layout.data_parallel and strategy == "ddp":

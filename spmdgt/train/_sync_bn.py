@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.nn.modules.batchnorm import _BatchNorm
 
-__all__ = ["GlobalBatchNorm", "sync_batchnorm"]
+__all__ = ["GlobalBatchNorm", "batchnorms", "sync_batchnorm"]
 
 
 class GlobalBatchNorm(_BatchNorm):
@@ -49,19 +50,20 @@ class GlobalBatchNorm(_BatchNorm):
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
             if self.momentum is None:  # a cumulative moving average
-                factor = 1.0 / float(self.num_batches_tracked)
+                done = self.num_batches_tracked  # a dry run's is fake: no value to read
+                factor = 1.0 / (done if is_fake(done) else float(done))
         return _global_batch_norm(self, input, factor)
 
 
-def _global_batch_norm(bn: GlobalBatchNorm, x: torch.Tensor, factor: float) -> torch.Tensor:
+def _global_batch_norm(bn: GlobalBatchNorm, x: torch.Tensor, factor: object) -> torch.Tensor:
     from torch.distributed.nn.functional import all_reduce
 
     dims = [0, *range(2, x.dim())]
     shape = [1, x.shape[1]] + [1] * (x.dim() - 2)
     rows = torch.full((1,), x.numel() / x.shape[1], dtype=torch.float32, device=x.device)
     stats = all_reduce(torch.cat([x.sum(dims, dtype=torch.float32), rows]), group=bn.group)
-    n = float(stats[-1].detach())  # the same on every rank: the global row count per channel
-    if n <= 1:
+    n = stats[-1].detach()  # the global values per channel, the same on every rank
+    if not is_fake(n) and float(n) <= 1:  # a dry run's fake tensors hold no count to read
         raise ValueError(
             "Expected more than 1 value per channel when training, got input size "
             f"{tuple(x.shape)} per rank ({int(n)} value(s) per channel over the group)"
@@ -75,20 +77,25 @@ def _global_batch_norm(bn: GlobalBatchNorm, x: torch.Tensor, factor: float) -> t
         out = out * bn.weight.view(shape) + bn.bias.view(shape)
     if bn.track_running_stats and bn.running_mean is not None:
         with torch.no_grad():
-            bn.running_mean.mul_(1 - factor).add_(mean.detach(), alpha=factor)
-            bn.running_var.mul_(1 - factor).add_(var.detach() * (n / (n - 1)), alpha=factor)
+            bn.running_mean.mul_(1 - factor).add_(mean * factor)
+            bn.running_var.mul_(1 - factor).add_(var * (n / (n - 1)) * factor)
     return out
+
+
+def batchnorms(model: nn.Module) -> list[str]:
+    """The names of ``model``'s BatchNorm layers that normalise with their own rows."""
+    return [
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, _BatchNorm) and not isinstance(m, (nn.SyncBatchNorm, GlobalBatchNorm))
+    ]
 
 
 def sync_batchnorm(model: nn.Module, group: object, device: torch.device) -> list[str]:
     """Swap every BatchNorm in ``model`` (in place) for one over ``group``'s global batch:
     torch's ``nn.SyncBatchNorm`` on CUDA, ``GlobalBatchNorm`` elsewhere; weights, buffers
     and mode kept. Returns the swapped modules' names (the same on every rank)."""
-    names = [
-        n
-        for n, m in model.named_modules()
-        if isinstance(m, _BatchNorm) and not isinstance(m, (nn.SyncBatchNorm, GlobalBatchNorm))
-    ]
+    names = batchnorms(model)
     if not names:
         return []
     if names[0] == "":

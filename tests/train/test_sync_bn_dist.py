@@ -88,3 +88,19 @@ def test_without_sync_each_rank_normalises_its_own_rows(tmp_path):
     losses, _, synced = got[0]
     assert synced == []
     assert abs(losses[0] - want_losses[0]) > 1e-2  # another first step than one process
+
+
+def test_a_dry_run_of_synced_norms_reads_no_value():
+    """The dry run (fake tensors on a fake group) wraps and steps the same model: the
+    synced norms read no value there (the row count and ``momentum=None``'s step count are
+    tensors, never ``float()``-ed: a fake tensor has no data)."""
+    from spmdgt.train._dryrun._api import dry_run
+
+    def build():
+        model = _net()
+        batch = (torch.randn(8, IN), torch.randn(8, OUT))
+        return model, torch.optim.SGD(model.parameters(), lr=0.1), batch
+
+    for strategy in ("ddp", "fsdp"):
+        report = dry_run(build, 4, TrainConfig(strategy=strategy), loss_fn=F.mse_loss)
+        assert "per rank" in str(report), strategy
