@@ -20,6 +20,7 @@ import spmdgt
 import spmdgt.compile as gt_compile
 from spmdgt.interceptor import _control
 from tests._dist import run_ranks
+from tests._functions import Cube, DoubleInPlace, Exp
 
 N = 256
 
@@ -183,52 +184,10 @@ def test_a_region_ended_inside_inference_mode_or_autocast_runs_as_recorded(regio
         (frozen * x).sum().backward()
 
 
-class _Exp(torch.autograd.Function):
-    """Saves its output."""
-
-    @staticmethod
-    def forward(ctx, x):
-        y = (x * 0.1).exp()
-        ctx.save_for_backward(y)
-        return y
-
-    @staticmethod
-    def backward(ctx, g):
-        (y,) = ctx.saved_tensors
-        return g * y * 0.1
-
-
-class _Cube(torch.autograd.Function):
-    """Saves its input."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x**3
-
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        return 3 * x * x * g
-
-
-class _Double(torch.autograd.Function):
-    """Writes its input in place (``mark_dirty``)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.mark_dirty(x)
-        return x.mul_(2)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * 2
-
-
 def _functions(x):
-    y = _Cube.apply(x * 1.5)
-    z = _Double.apply(y.clone())
-    w = _Exp.apply((x * 0.5).sin())
+    y = Cube.apply(x * 1.5)
+    z = DoubleInPlace.apply(y.clone())
+    w = Exp.apply((x * 0.5).sin())
     (z * torch.arange(N) + w).sum().backward()
     return y.detach(), z.detach(), w.detach(), x.grad
 

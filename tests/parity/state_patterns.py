@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from tests._functions import Cube, DoubleInPlace
 from tests.parity.scenarios import Case, Scenario
 
 __all__ = ["PLANTED", "SCENARIOS"]
@@ -189,33 +190,10 @@ def _buffer_writes(case: Case) -> dict:
 # -- autograd.Function, hooks, accumulation --------------------------------------------------
 
 
-class _Cube(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x**3
-
-    @staticmethod
-    def backward(ctx, grad):
-        (x,) = ctx.saved_tensors
-        return 3 * x * x * grad
-
-
-class _ScaleInPlace(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        ctx.mark_dirty(x)
-        return x.mul_(2)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * 2
-
-
 def _function(case: Case) -> dict:
     x = _data(case, grad=True)
-    y = _Cube.apply(x * 1.5)
-    z = _ScaleInPlace.apply(y.clone())
+    y = Cube.apply(x * 1.5)
+    z = DoubleInPlace.apply(y.clone())
     (z * torch.arange(COLS)).sum().backward()
     return {"y": y, "z": z, "x": x.grad}
 
