@@ -70,6 +70,9 @@ def _data_set(self, value):
     if isinstance(self, _cls[0]) and _cls[0] is not DTensor:
         return set_data(self, value)
     if isinstance(value, DTensor) and not isinstance(self, DTensor):
+        whole = _whole_local(value)
+        if whole is not None:  # every rank holds all of it: torch's sharing, rank by rank
+            return _data.__set__(self, whole)
         raise RuntimeError(
             f"cannot set .data of a plain {type(self).__name__} to a sharded tensor (placements "
             f"{tuple(value.placements)}): torch would give it the sharded tensor's wrapper, "
@@ -79,6 +82,20 @@ def _data_set(self, value):
             "module.weight.copy_(value)`"
         )
     _data.__set__(self, value)
+
+
+def _whole_local(value: DTensor) -> torch.Tensor | None:
+    """The local tensor of a value replicated over a mesh of every rank (each rank holds the
+    whole value: ``vector_to_parameters`` gives each plain parameter a slice of a flat vector
+    that mixed plain and sharded parameters), else None. Decided from the spec alone."""
+    from spmdgt.tensor._meshes import spans_world
+
+    spec = value._spec
+    if not all(p.is_replicate() for p in spec.placements) or not spans_world(spec.mesh):
+        return None
+    if getattr(value, "_gt_view", None) is not None:
+        refresh(value)
+    return value._local_tensor.detach()
 
 
 def install_data_setter() -> None:

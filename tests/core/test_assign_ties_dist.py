@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from torch.distributed.tensor import DTensor, Replicate
 
 from tests._dist import run_ranks
 
@@ -146,13 +147,22 @@ def _plain_parameter(rank, world):
     lin.weight = torch.nn.Parameter(t)
     sharded = (type(lin.weight).__module__, lin(x).detach().numpy())
     bias = lin.bias.detach().numpy()
-    return refused, kept, still_works, refused_plain, copied, sharded, before.numpy(), bias
+    # a value every rank holds whole (replicated over the world) is taken, sharing memory
+    whole = t.redistribute(placements=[Replicate()])
+    assert isinstance(whole, DTensor) and whole.placements == (Replicate(),)
+    held = torch.nn.Linear(4, 7)
+    held.weight.data = whole
+    with torch.no_grad():
+        whole.add_(1)  # shared as torch shares: the parameter sees it
+    taken = (type(held.weight) is torch.nn.Parameter, held.weight.detach().numpy())
+    return refused, kept, still_works, refused_plain, copied, sharded, before.numpy(), bias, taken
 
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_plain_tensor_refuses_sharded_data_at_the_assignment(tmp_path, world):
     results = run_ranks(_plain_parameter, world, tmp_path)
-    for refused, kept, works, refused_plain, copied, sharded, before, bias in results:
+    for refused, kept, works, refused_plain, copied, sharded, before, bias, taken in results:
+        assert taken[0] and np.array_equal(taken[1], np.arange(1.0, 29.0).reshape(7, 4))
         assert refused == results[0][0]  # the same error on every rank
         assert refused.startswith("RuntimeError: cannot set .data of a plain Parameter")
         assert "torch.nn.Parameter(value)" in refused and ".copy_(value)" in refused

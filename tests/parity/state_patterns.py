@@ -346,6 +346,39 @@ def _state_dicts(case: Case) -> dict:
             "out": sharded(x), "plain": plain.weight}  # fmt: skip
 
 
+def _flat_params(case: Case) -> dict:
+    """``parameters_to_vector`` of plain and sharded parameters, a step on the flat vector,
+    ``vector_to_parameters`` back (it assigns each parameter's ``.data``)."""
+    from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+    w, lin = _weight(case, COLS, 3), nn.Linear(3, 2)
+    params = [w, *lin.parameters()]
+    (lin(torch.tanh(_data(case) @ w)) ** 2).sum().backward()
+    flat = parameters_to_vector(params)
+    grads = parameters_to_vector([p.grad for p in params])
+    vector_to_parameters(flat - 0.1 * grads, params)
+    return {"flat": flat, "w": w, "lin": lin.weight, "after": parameters_to_vector(params)}
+
+
+def _grad_scaler(case: Case) -> dict:
+    """``torch.amp.GradScaler`` on the CPU: a step whose gradient holds an inf is skipped and
+    the scale backs off; a finite one steps (``_amp_foreach_non_finite_check_and_unscale_``
+    writes ``found_inf``, an argument beside its gradients)."""
+    w = _weight(case, COLS, 3)
+    opt = torch.optim.SGD([w], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+    x = _data(case)
+    seen = []
+    for poison in (True, False):
+        opt.zero_grad()
+        loss = (x @ w).sum() * (float("inf") if poison else 1.0)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        seen.append((scaler.get_scale(), case.value(w).clone()))
+    return {"seen": seen}
+
+
 # -- numpy sharing memory -------------------------------------------------------------------
 
 
@@ -385,6 +418,8 @@ SCENARIOS: list[Scenario] = [
     Scenario("state.save_load", _save_load),
     Scenario("state.deepcopy", _deepcopy),
     Scenario("state.state_dicts", _state_dicts),
+    Scenario("state.flat_params", _flat_params),
+    Scenario("state.grad_scaler", _grad_scaler),
     Scenario("state.numpy.write", _numpy_write),
 ]
 
