@@ -379,6 +379,39 @@ def _grad_scaler(case: Case) -> dict:
     return {"seen": seen}
 
 
+def _prune(case: Case) -> dict:
+    """``nn.utils.prune.l1_unstructured`` on a sharded weight (the mask from the smallest
+    magnitudes of the whole weight), trained one step through the mask, then made permanent."""
+    from torch.nn.utils import prune
+
+    lin = nn.Linear(COLS, 7, bias=False)
+    lin.weight = nn.Parameter(_data(case, seed=5))
+    prune.l1_unstructured(lin, "weight", amount=0.4)
+    out = lin(_data(case, seed=6))
+    out.pow(2).sum().backward()
+    grad = lin.weight_orig.grad
+    prune.remove(lin, "weight")
+    return {"out": out, "grad": grad, "weight": lin.weight}
+
+
+def _swa(case: Case) -> dict:
+    """``torch.optim.swa_utils.AveragedModel`` over a module with a sharded weight: its
+    running average after three updates, and ``update_bn`` of a BatchNorm on sharded data."""
+    from torch.optim.swa_utils import AveragedModel, update_bn
+
+    net = nn.Sequential(nn.Linear(COLS, 4), nn.BatchNorm1d(4))
+    net[0].weight = nn.Parameter(case.put(torch.randn(4, COLS, generator=torch.Generator())))
+    avg = AveragedModel(net)
+    for step in range(3):
+        with torch.no_grad():
+            net[0].weight.mul_(0.5).add_(step)
+        avg.update_parameters(net)
+    update_bn([_data(case, seed=s) for s in range(2)], avg)
+    bn = avg.module[1]
+    return {"w": avg.module[0].weight, "n": avg.n_averaged, "mean": bn.running_mean,
+            "var": bn.running_var}  # fmt: skip
+
+
 # -- numpy sharing memory -------------------------------------------------------------------
 
 
@@ -420,6 +453,8 @@ SCENARIOS: list[Scenario] = [
     Scenario("state.state_dicts", _state_dicts),
     Scenario("state.flat_params", _flat_params),
     Scenario("state.grad_scaler", _grad_scaler),
+    Scenario("state.prune.l1_unstructured", _prune),
+    Scenario("state.swa.averaged_model", _swa),
     Scenario("state.numpy.write", _numpy_write),
 ]
 
