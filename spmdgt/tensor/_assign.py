@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from spmdgt._core import scope as _scope
 from spmdgt.tensor import _fallback
+from spmdgt.tensor._meshes import spans_world
 from spmdgt.tensor._moves import _cls, place, refresh
 
 __all__ = ["assign", "install_data_setter", "set_data"]
@@ -88,8 +89,6 @@ def _whole_local(value: DTensor) -> torch.Tensor | None:
     """The local tensor of a value replicated over a mesh of every rank (each rank holds the
     whole value: ``vector_to_parameters`` gives each plain parameter a slice of a flat vector
     that mixed plain and sharded parameters), else None. Decided from the spec alone."""
-    from spmdgt.tensor._meshes import spans_world
-
     spec = value._spec
     if not all(p.is_replicate() for p in spec.placements) or not spans_world(spec.mesh):
         return None

@@ -134,11 +134,14 @@ def _embedding_weight(func, args, kwargs) -> str | None:
     return None
 
 
-# (index of running_mean, of running_var, of training, its name, its default): the
-# functional forms take the statistics second, the torch ones after weight and bias
+# (functional form?, op) -> where running_mean, running_var and the training flag sit, the
+# flag's name and its default: the functional forms take the statistics second, the torch
+# ones after weight and bias (and take every argument)
 _NORM_ARGS = {
-    "functional": (1, 2, 5, ("training", "use_input_stats"), (False, True)),
-    "torch": (3, 4, 5, ("training", "use_input_stats"), (None, None)),
+    (True, "batch_norm"): (1, 2, 5, "training", False),
+    (False, "batch_norm"): (3, 4, 5, "training", None),
+    (True, "instance_norm"): (1, 2, 5, "use_input_stats", True),
+    (False, "instance_norm"): (3, 4, 5, "use_input_stats", None),
 }
 
 
@@ -149,16 +152,15 @@ def _running_stats(func, args, kwargs) -> str | None:
     feature-sharded input redistributes the plain statistics to shards and the update lands
     in those copies: the statistics never move (raw DTensor too). On global values the
     kernel writes them (sharded ones are written back: ``_fallback``)."""
-    idx_mean, idx_var, idx_train, names, defaults = _NORM_ARGS[
-        "functional" if func.__module__ == "torch.nn.functional" else "torch"
+    name = op_name(func)
+    at_mean, at_var, at_flag, flag, default = _NORM_ARGS[
+        func.__module__ == "torch.nn.functional", name
     ]
-    which = 1 if op_name(func) == "instance_norm" else 0
-    name = names[which]
-    training = kwargs.get(name, args[idx_train] if len(args) > idx_train else defaults[which])
-    mean = kwargs.get("running_mean", args[idx_mean] if len(args) > idx_mean else None)
-    var = kwargs.get("running_var", args[idx_var] if len(args) > idx_var else None)
+    training = kwargs.get(flag, args[at_flag] if len(args) > at_flag else default)
+    mean = kwargs.get("running_mean", args[at_mean] if len(args) > at_mean else None)
+    var = kwargs.get("running_var", args[at_var] if len(args) > at_var else None)
     if training and (mean is not None or var is not None):
-        return f"{op_name(func)} updating running statistics in place"
+        return f"{name} updating running statistics in place"
     return None
 
 
